@@ -1,0 +1,149 @@
+"""The `Backend` protocol: what a port implements to be checked by the conformance suite.
+
+A backend adapter speaks NumPy at its boundary, so the suite never imports a framework:
+
+* it receives every floating input as a float64 NumPy array whose values are exactly
+  representable in the requested dtype (the suite rounds them first), builds native arrays of
+  `OpCall.dtype` (or the per-input override in `OpCall.input_dtypes`) on `OpCall.device`,
+  non-contiguous views when `OpCall.strided`, runs the op (and its VJP when cotangents are
+  given) and returns float32/float64 NumPy arrays;
+* it lets the framework's own `ValueError` / `TypeError` propagate for bad input;
+* it returns its native inputs read back after the call (`OpResult.inputs_after`) so the suite
+  can prove inputs are never modified.
+
+Adapters ship with each backend package (`attnres_torch.conformance:backend`, ...) and are
+selected by name (see `registry.py`) or as `module:object`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Union, runtime_checkable
+
+import numpy as np
+
+OPS = ("depth_attention", "depth_attention_multi", "merge_partial")
+
+#: Options of `depth_attention` a backend may declare (all are required for full conformance).
+OPTIONS = (
+    "per_token_query",  # query [..., D]
+    "num_heads",  # num_heads > 1
+    "sigmoid",  # activation="sigmoid"
+    "no_key_norm",  # key_norm=False
+    "lse",  # return_lse=True (and a d_lse cotangent)
+    "weights",  # return_weights=True
+    "stacked",  # sources as one [N, ..., D] array
+    "strided",  # non-contiguous inputs
+)
+
+SCHEDULES = ("direct", "two_phase")
+
+ArrayOrList = Union[np.ndarray, List[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares.  Calls outside these are skipped *and reported as skipped*;
+    calls inside them must pass.  `max_sources` / `max_dim` are hard limits the backend must
+    enforce with a ValueError (never truncate): the suite checks exactly those edges."""
+
+    dtypes: Sequence[str]
+    devices: Sequence[str] = ("cpu",)
+    ops: frozenset = frozenset(OPS)
+    options: frozenset = frozenset(OPTIONS)
+    variants: frozenset = frozenset()  # names of attnres_numpy.config.VARIANT_KINDS
+    schedules: frozenset = frozenset(SCHEDULES)
+    fused_kernel: bool = False
+    deterministic: bool = True
+    max_sources: Optional[int] = None
+    max_dim: Optional[int] = None
+
+
+@dataclass
+class OpCall:
+    """One call of a spec op.
+
+    op: one of OPS.
+    inputs: by spec argument name.  depth_attention: "sources" (a list of `[..., D]` arrays, or
+      one stacked `[N, ..., D]` array: the adapter must pass the same form to its op), "query",
+      "norm_weight" (or None).  depth_attention_multi: "sources", "queries", "norm_weights".
+      merge_partial: "out1", "lse1", "partial", "query", "norm_weight".
+    attrs: keyword arguments of the op (eps, scale, and for depth_attention num_heads,
+      activation, key_norm, return_lse, return_weights).
+    dtype: the floating dtype of every input ("float64", "float32", "float16", "bfloat16").
+    input_dtypes: per-input overrides (e.g. {"query": "int32"}); for "sources" either one dtype
+      or a list with one per source.  Used by the error tests.
+    cotangents: None for forward only; else {"out": ..., "lse": ... (optional)} and the adapter
+      also returns every input's gradient.
+    """
+
+    op: str
+    inputs: Dict[str, Any]
+    attrs: Dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    input_dtypes: Dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    strided: bool = False
+    cotangents: Optional[Dict[str, np.ndarray]] = None
+
+
+@dataclass
+class OpResult:
+    """outputs: "out" (and "lse", "weights" when asked; depth_attention_multi always has "lse").
+    grads: one entry per differentiable input of the call, keyed like `OpCall.inputs`
+      ("sources" in the form it was given: list or stacked); None for a None input.
+    inputs_after: every input read back from the backend's native arrays after the call."""
+
+    outputs: Dict[str, np.ndarray]
+    grads: Dict[str, Any] = field(default_factory=dict)
+    inputs_after: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ProbeCall:
+    """A model-level run of the spec's probe network (spec section 6).
+
+    config: `ResidualConfig.to_dict()`; params: the scheme's parameters by name
+      (`ResidualConfig.param_shapes`); embedding `[..., D]` (v_0); sublayer_weights `[L, D, D]`
+      (f_l(h) = tanh(rmsnorm(h) @ W_l), rmsnorm without gain, eps = config eps).
+    schedule: "direct", or "two_phase" (kind="block" only, forward only).
+    cotangent: None for forward only; else `[..., D]` and the adapter returns gradients for
+      "embedding", "sublayer_weights" and every parameter name.
+    """
+
+    config: Dict[str, Any]
+    params: Dict[str, np.ndarray]
+    embedding: np.ndarray
+    sublayer_weights: np.ndarray
+    dtype: str = "float32"
+    device: str = "cpu"
+    schedule: str = "direct"
+    cotangent: Optional[np.ndarray] = None
+
+
+@dataclass
+class ProbeResult:
+    out: np.ndarray
+    grads: Dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the conformance suite needs from a port."""
+
+    name: str
+
+    def is_available(self) -> bool:
+        """True when the framework imports and `capabilities()` can be honoured here."""
+
+    def capabilities(self) -> Capabilities:
+        ...
+
+    def versions(self) -> Dict[str, str]:
+        """Package versions for the report, e.g. {"torch": "2.13.0", "attnres_torch": "0.1.0"}."""
+
+    def call_op(self, call: OpCall) -> OpResult:
+        ...
+
+    def call_probe(self, call: ProbeCall) -> ProbeResult:
+        ...

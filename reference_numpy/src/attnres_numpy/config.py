@@ -1,0 +1,181 @@
+"""Residual-scheme configuration and parameter layout (spec section 5, constraints M1-M9).
+
+`ResidualConfig` is the small serializable description of every residual variant of the spec.
+It is shared by every backend (backends depend on `attnres-numpy` for it) so that a config written
+by one framework reads back in another: `ResidualConfig.from_dict(cfg.to_dict())`.
+
+Layers are 1-based sublayers l = 1..L (every attention and every MLP sublayer is one layer,
+M1).  Parameter arrays are indexed by row r = l - 1 for sublayer l, and row L for the final
+output aggregation (M6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+KINDS = ("standard", "scalar", "gated", "static", "full", "block", "window")
+ATTENTION_KINDS = ("full", "block", "window")
+QUERY_MODES = ("static", "input")
+
+#: The named variants of the spec's conformance matrix and the config each one means
+#: (block_size / window are filled in by the caller where needed).
+VARIANT_KINDS: Dict[str, dict] = {
+    "standard": dict(kind="standard"),
+    "scalar": dict(kind="scalar"),
+    "gated": dict(kind="gated"),
+    "static": dict(kind="static"),
+    "full": dict(kind="full"),
+    "block": dict(kind="block"),
+    "window": dict(kind="window"),
+    "input_query": dict(kind="full", query="input"),
+    "sigmoid": dict(kind="full", activation="sigmoid"),
+    "no_key_norm": dict(kind="full", key_norm=False),
+    "multihead": dict(kind="block", num_heads=2),
+}
+
+
+@dataclass(frozen=True)
+class ResidualConfig:
+    """How sublayer inputs are formed from earlier outputs.
+
+    kind: "standard" (PreNorm h + f(h)), "scalar" (h + a_l f(h)), "gated"
+      (h + sigmoid(rmsnorm(h) @ W_l + b_l) * f(h)), "static" (DenseFormer-style learned scalars
+      over all sources), "full", "block" or "window" (depth attention; spec section 4).
+    block_size: sublayers per block (kind="block"), S >= 1; the last block may be shorter.
+    window: the W most recent layer outputs attended besides the embedding (kind="window").
+    query: "static" (pseudo-query w_l) or "input" (q_l = rmsnorm(most recent source) @ W_l).
+    activation: "softmax" or "sigmoid" (unnormalized weights).
+    key_norm: RMS-normalize keys (False: keys are the raw sources, times the gain).
+    num_heads: H >= 1; D splits into H heads that attend independently.
+    eps: epsilon of every RMSNorm in the scheme (key norm, query input norm, gate input norm).
+    scale: logit scale (1.0 = the paper).
+    """
+
+    kind: str = "full"
+    block_size: Optional[int] = None
+    window: Optional[int] = None
+    query: str = "static"
+    activation: str = "softmax"
+    key_norm: bool = True
+    num_heads: int = 1
+    eps: float = 1e-6
+    scale: float = 1.0
+
+    def __post_init__(self):
+        self.validate()
+
+    # -- serialization -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ResidualConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"config: unknown keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def variant(cls, name: str, **overrides) -> "ResidualConfig":
+        """The config of a named conformance variant (see VARIANT_KINDS), with overrides."""
+        if name not in VARIANT_KINDS:
+            raise ValueError(f"variant: unknown name {name!r}; known: {sorted(VARIANT_KINDS)}")
+        fields = dict(VARIANT_KINDS[name])
+        fields.update(overrides)
+        if fields["kind"] == "block" and fields.get("block_size") is None:
+            fields["block_size"] = 2
+        if fields["kind"] == "window" and fields.get("window") is None:
+            fields["window"] = 2
+        return cls(**fields)
+
+    # -- checks ------------------------------------------------------------------------------
+    @property
+    def is_attention(self) -> bool:
+        return self.kind in ATTENTION_KINDS
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
+        for name in ("block_size", "window"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise TypeError(f"{name}: expected an int or None, got {type(value).__name__} {value!r}")
+        if self.kind == "block":
+            if self.block_size is None or self.block_size < 1:
+                raise ValueError(f"block_size: kind='block' needs block_size >= 1, got {self.block_size!r}")
+        elif self.block_size is not None:
+            raise ValueError(f"block_size: only meaningful for kind='block', got kind={self.kind!r}")
+        if self.kind == "window":
+            if self.window is None or self.window < 1:
+                raise ValueError(f"window: kind='window' needs window >= 1, got {self.window!r}")
+        elif self.window is not None:
+            raise ValueError(f"window: only meaningful for kind='window', got kind={self.kind!r}")
+        if self.query not in QUERY_MODES:
+            raise ValueError(f"query: expected one of {QUERY_MODES}, got {self.query!r}")
+        if self.activation not in ("softmax", "sigmoid"):
+            raise ValueError(f"activation: expected 'softmax' or 'sigmoid', got {self.activation!r}")
+        if not isinstance(self.key_norm, bool):
+            raise TypeError(f"key_norm: expected a bool, got {self.key_norm!r}")
+        if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, numbers.Integral) or self.num_heads < 1:
+            raise ValueError(f"num_heads: expected an int >= 1, got {self.num_heads!r}")
+        if not self.is_attention and (self.query != "static" or self.activation != "softmax"
+                                      or not self.key_norm or self.num_heads != 1):
+            raise ValueError(
+                f"kind={self.kind!r} has no depth attention: query, activation, key_norm and "
+                "num_heads must keep their defaults"
+            )
+        for name in ("eps", "scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name}: expected a finite real number, got {value!r}")
+        if self.eps <= 0:
+            raise ValueError(f"eps: expected eps > 0, got {self.eps!r}")
+
+    # -- parameters --------------------------------------------------------------------------
+    def param_shapes(self, num_layers: int, dim: int) -> Dict[str, Tuple[int, ...]]:
+        """Names and shapes of the scheme's parameters for L = num_layers sublayers of width D.
+
+        full/block/window: "queries" [L+1, D] (query="static") or "query_weights" [L+1, D, D]
+          (query="input"), and "norm_weights" [L+1, D]; row L is the output aggregation.
+        scalar: "alphas" [L].  gated: "gate_weights" [L, D, D], "gate_biases" [L, D].
+        static: "depth_weights" [L+1, L+1], row r uses columns 0..r (the rest is unused).
+        standard: none.
+        """
+        if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
+            raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
+            raise ValueError(f"dim: expected an int >= 1, got {dim!r}")
+        L, D = int(num_layers), int(dim)
+        if self.is_attention and D % self.num_heads:
+            raise ValueError(f"num_heads: D = {D} is not divisible by num_heads = {self.num_heads}")
+        if self.kind == "standard":
+            return {}
+        if self.kind == "scalar":
+            return {"alphas": (L,)}
+        if self.kind == "gated":
+            return {"gate_weights": (L, D, D), "gate_biases": (L, D)}
+        if self.kind == "static":
+            return {"depth_weights": (L + 1, L + 1)}
+        shapes = {"queries": (L + 1, D)} if self.query == "static" else {"query_weights": (L + 1, D, D)}
+        shapes["norm_weights"] = (L + 1, D)
+        return shapes
+
+    def init_params(self, num_layers: int, dim: int) -> Dict[str, np.ndarray]:
+        """The spec's initialization (M8): queries and projections zero, gains one, alphas one,
+        gate weights and biases zero, static depth weights one on and below the diagonal."""
+        params = {}
+        for name, shape in self.param_shapes(num_layers, dim).items():
+            if name in ("norm_weights", "alphas"):
+                params[name] = np.ones(shape)
+            elif name == "depth_weights":
+                params[name] = np.tril(np.ones(shape))
+            else:
+                params[name] = np.zeros(shape)
+        return params

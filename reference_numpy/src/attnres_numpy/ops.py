@@ -17,7 +17,7 @@ Notation (spec section 2.1), per token and head:
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 import numpy as np
 
@@ -66,6 +66,12 @@ def _stats(x, q, g, *, eps, scale, num_heads, key_norm):
     Returns r `[N, ..., H]`, qg `[..., H, Dh]`, s `[N, ..., H]`, z `[N, ..., H]`.
     """
     head_dim = x.shape[-1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _stats_unguarded(x, q, g, eps=eps, scale=scale, key_norm=key_norm, head_dim=head_dim)
+
+
+def _stats_unguarded(x, q, g, *, eps, scale, key_norm, head_dim):
+    # C12: Inf/NaN inputs propagate (inf * 0 -> NaN) without warnings or exceptions.
     if key_norm:
         r = 1.0 / np.sqrt(np.sum(x * x, axis=-1) / head_dim + eps)
     else:
@@ -174,6 +180,11 @@ def depth_attention_vjp(
     """
     geo, xh, qh, gh = _prepare(sources, query, norm_weight, eps, scale, num_heads, activation,
                                key_norm, d_lse is not None)
+    full_shape = geo.batch_shape + (geo.dim,)
+    validation.check_cotangent("d_out", np.shape(d_out), full_shape)
+    if d_lse is not None:
+        lse_shape = geo.batch_shape + ((geo.num_heads,) if geo.num_heads > 1 else ())
+        validation.check_cotangent("d_lse", np.shape(d_lse), lse_shape)
     r, qg, s, z = _stats(xh, qh, gh, eps=eps, scale=scale, num_heads=geo.num_heads, key_norm=key_norm)
     p = _weights(z, activation)
     g_out = _heads(np.asarray(d_out, dtype=np.float64), geo.num_heads)  # [..., H, Dh]
@@ -200,7 +211,6 @@ def depth_attention_vjp(
     tok_axes = tuple(range(len(geo.batch_shape)))
     dq = dq_full if geo.per_token_query else np.sum(dq_full, axis=tok_axes)
     dg = np.sum(dg_full, axis=tok_axes)
-    full_shape = geo.batch_shape + (geo.dim,)
     dx = dx.reshape((geo.num_sources,) + full_shape)
     d_sources = dx if isinstance(sources, np.ndarray) else [dx[i] for i in range(geo.num_sources)]
     return {
@@ -208,6 +218,17 @@ def depth_attention_vjp(
         "query": dq.reshape(np.shape(query)),
         "norm_weight": None if norm_weight is None else dg.reshape(geo.dim),
     }
+
+
+def _check_multi(sources, queries, norm_weights, eps, scale):
+    """Run `validation.check_multi`; returns (queries, norm_weights) as arrays (or None)."""
+    shapes, dtypes, stacked = _source_meta(sources)
+    queries = np.asarray(queries)
+    nw = None if norm_weights is None else np.asarray(norm_weights)
+    validation.check_multi(shapes, dtypes, queries.shape, _dtype_name(queries),
+                           None if nw is None else nw.shape, None if nw is None else _dtype_name(nw),
+                           stacked=stacked, eps=eps, scale=scale)
+    return queries, nw
 
 
 def depth_attention_multi(sources: Sources, queries, norm_weights=None, *, eps: float = 1e-6,
@@ -218,12 +239,7 @@ def depth_attention_multi(sources: Sources, queries, norm_weights=None, *, eps: 
     Returns: (out `[S, ..., D]`, lse `[S, ...]`), each row equal to
       `depth_attention(sources, queries[s], norm_weights[s], return_lse=True)`.
     """
-    shapes, dtypes, stacked = _source_meta(sources)
-    queries = np.asarray(queries)
-    nw = None if norm_weights is None else np.asarray(norm_weights)
-    validation.check_multi(shapes, dtypes, queries.shape, _dtype_name(queries),
-                           None if nw is None else nw.shape, None if nw is None else _dtype_name(nw),
-                           stacked=stacked, eps=eps, scale=scale)
+    queries, nw = _check_multi(sources, queries, norm_weights, eps, scale)
     outs, lses = [], []
     for s in range(queries.shape[0]):
         o, l = depth_attention(sources, queries[s], None if nw is None else nw[s], eps=eps,
@@ -239,7 +255,12 @@ def depth_attention_multi_vjp(sources: Sources, queries, norm_weights, d_out, d_
 
     Returns "sources" (list or stacked, as given), "queries" `[S, D]`, "norm_weights" `[S, D]`/None.
     """
-    queries = np.asarray(queries, dtype=np.float64)
+    queries, _ = _check_multi(sources, queries, norm_weights, eps, scale)
+    token_shape = _source_meta(sources)[0][0]  # [..., D]
+    validation.check_cotangent("d_out", np.shape(d_out), (queries.shape[0],) + tuple(token_shape))
+    if d_lse is not None:
+        validation.check_cotangent("d_lse", np.shape(d_lse), (queries.shape[0],) + tuple(token_shape[:-1]))
+    queries = queries.astype(np.float64)
     d_src = None
     dq, dg = [], []
     for s in range(queries.shape[0]):
@@ -302,6 +323,9 @@ def merge_partial_vjp(out1, lse1, partial, query, norm_weight, d_out, d_lse=None
     """VJP of `merge_partial`; returns "out1", "lse1", "partial", "query", "norm_weight"."""
     geo, o1, x, q, g, r, qg, s, z2, l1, w1 = _merge_prepare(out1, lse1, partial, query, norm_weight,
                                                             eps, scale)
+    validation.check_cotangent("d_out", np.shape(d_out), geo.batch_shape + (geo.dim,))
+    if d_lse is not None:
+        validation.check_cotangent("d_lse", np.shape(d_lse), geo.batch_shape)
     d_out = np.asarray(d_out, dtype=np.float64)
     xp = x[0, ..., 0, :]
     w2 = 1.0 - w1

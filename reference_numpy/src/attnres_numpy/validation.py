@@ -248,3 +248,9 @@ def check_merge(
         num_sources=2, batch_shape=partial_shape[:-1], dim=dim, num_heads=1, head_dim=dim,
         per_token_query=per_token, source_dtype=dtype, compute_dtype=compute_dtype_for(dtype),
     )
+
+
+def check_cotangent(name: str, shape: Shape, expected: Shape) -> None:
+    """A VJP's cotangent must have exactly its primal output's shape (no broadcasting)."""
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"{name}: expected the output's shape {tuple(expected)}, got shape {tuple(shape)}")

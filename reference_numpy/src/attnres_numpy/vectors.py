@@ -1,0 +1,440 @@
+"""Golden test vectors (spec/VECTORS.md): case definitions, generator and reader.
+
+A golden case is one call of a spec op (or one run of the probe network) with inputs exactly
+representable in a low-precision dtype, a random cotangent for every differentiable output, and
+the float64 reference's outputs and gradients.  `golden_cases()` is the committed definition;
+`python -m attnres_numpy.vectors OUTDIR` writes it as `OUTDIR/manifest.json` plus one
+`OUTDIR/<id>.npz` per case, byte-for-byte reproducibly (no timestamps anywhere).
+
+Array keys of `GoldenCase.arrays` (every array is stored as float64):
+    "input.<name>"      an op argument (sources always stacked `[N, ..., D]`, whatever the layout;
+                        a None argument is absent); for probe cases "input.embedding",
+                        "input.sublayer_weights" and "input.<param name>"
+    "cotangent.<name>"  the cotangent of output <name> ("out", "lse")
+    "output.<name>"     float64 reference output ("out", "lse", "weights")
+    "grad.<name>"       float64 reference gradient of input <name>
+Inputs and cotangents hold values exactly representable in `value_dtypes(case)[key]`: the case
+dtype, except lse-typed arrays ("input.lse1", "cotangent.lse"), which are in the compute dtype
+(C10: float32, or float64 for float64 cases).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from . import __version__, model, ops
+from .config import ResidualConfig
+from .validation import compute_dtype_for
+
+SCHEMA_VERSION = 1
+GENERATOR = "attnres_numpy.vectors"
+OPS = ("depth_attention", "depth_attention_multi", "merge_partial", "probe")
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+SHORT_DTYPE = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+MANIFEST = "manifest.json"
+ENV_VAR = "ATTNRES_VECTORS"
+
+#: IEEE-style binary formats: (significand bits incl. the implicit one, min normal exponent, max finite).
+_FORMATS = {
+    "float16": (11, -14, 65504.0),
+    "bfloat16": (8, -126, float.fromhex("0x1.fep127")),
+    "float32": (24, -126, float.fromhex("0x1.fffffep127")),
+}
+#: Keys whose values live in the compute dtype rather than the case dtype (C10).
+_COMPUTE_DTYPE_KEYS = ("input.lse1", "cotangent.lse")
+
+
+@dataclass
+class GoldenCase:
+    """One golden vector.
+
+    id: readable and unique, e.g. "depth_attention_N33_D7_T5_f32_list_lse".
+    op: one of OPS.  attrs: the op's keyword arguments; for "probe": {"config":
+      ResidualConfig.to_dict(), "schedule": "direct" | "two_phase", "variant": the
+      `config.VARIANT_KINDS` name the config was made from}.
+    dtype: the dtype every input is exactly representable in (see `value_dtypes`).
+    sources_layout: "list" or "stacked" (how a port passes the sources), None without sources.
+    seed: the seed the inputs were drawn from.  tolerance_class: the dtype whose tolerances apply.
+    arrays: float64 arrays keyed as in the module docstring.
+    """
+
+    id: str
+    op: str
+    attrs: dict
+    dtype: str
+    sources_layout: Optional[str]
+    seed: int
+    tolerance_class: str
+    arrays: Dict[str, np.ndarray]
+
+
+def round_to_dtype(x, dtype: str) -> np.ndarray:
+    """A float64 copy of `x` rounded to the nearest `dtype` value, ties to even.
+
+    dtype: "float64" (copy), "float32", "float16" or "bfloat16".  Rounds once, directly from
+    float64 (no double rounding), with subnormals; beyond the largest finite value -> +-inf;
+    NaN and +-inf pass through.  Ports and the conformance suite use this to build inputs.
+    """
+    x = np.array(x, dtype=np.float64)
+    if dtype == "float64":
+        return x
+    if dtype not in _FORMATS:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    bits, min_exp, max_finite = _FORMATS[dtype]
+    finite = np.isfinite(x)
+    safe = np.where(finite, x, 0.0)
+    _, e = np.frexp(safe)  # safe = m * 2**e with 0.5 <= |m| < 1: leading bit 2**(e-1)
+    ulp_exp = np.maximum(e - 1, min_exp) - (bits - 1)  # subnormals share the min exponent's ulp
+    y = np.ldexp(np.rint(np.ldexp(safe, -ulp_exp)), ulp_exp)  # both scalings are exact
+    y = np.where(np.abs(y) > max_finite, np.copysign(np.inf, safe), y)
+    return np.where(finite, y, x)
+
+
+def value_dtypes(case: GoldenCase) -> Dict[str, str]:
+    """The dtype each array's values are exactly representable in: inputs and cotangents in the
+    case dtype (lse-typed ones in the compute dtype), outputs and gradients "float64"."""
+    compute = compute_dtype_for(case.dtype)
+    result = {}
+    for key in case.arrays:
+        if key.startswith(("output.", "grad.")):
+            result[key] = "float64"
+        else:
+            result[key] = compute if key in _COMPUTE_DTYPE_KEYS else case.dtype
+    return result
+
+
+# -- case definitions ------------------------------------------------------------------------
+
+
+def _seed(case_id: str) -> int:
+    """A seed fixed by the id alone, so adding or reordering cases changes no other case."""
+    return zlib.crc32(case_id.encode()) & 0x7FFFFFFF
+
+
+def _tokens_tag(tokens: Sequence[int]) -> str:
+    return "x".join(str(t) for t in tokens) if tokens else "none"
+
+
+def _draw_sources(rng, n: int, shape: tuple, dtype: str) -> np.ndarray:
+    """`[n, *shape]` with one magnitude per source (spread e^N(0,1)), so the key norm matters."""
+    mag = np.exp(rng.standard_normal(n)).reshape((n,) + (1,) * len(shape))
+    return round_to_dtype(rng.standard_normal((n,) + shape) * mag, dtype)
+
+
+def _draw_query(rng, shape: tuple, dim: int, dtype: str, spread: float = 2.0) -> np.ndarray:
+    """Logits z ~ N(0, spread^2) against unit-RMS keys."""
+    return round_to_dtype(rng.standard_normal(shape) * spread / np.sqrt(dim), dtype)
+
+
+def _draw_gain(rng, shape: tuple, dtype: str) -> np.ndarray:
+    return round_to_dtype(1.0 + 0.25 * rng.standard_normal(shape), dtype)
+
+
+def _draw_cotangent(rng, shape: tuple, dtype: str) -> np.ndarray:
+    return round_to_dtype(rng.standard_normal(shape), dtype)
+
+
+def _stack(sources) -> np.ndarray:
+    return sources if isinstance(sources, np.ndarray) else np.stack(sources)
+
+
+def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *, num_heads=1,
+                         activation="softmax", key_norm=True, token_query=False, gain=True,
+                         lse=False, weights=False, eps=1e-6, scale=1.0, spread=2.0,
+                         tag="") -> GoldenCase:
+    """A `depth_attention` case: n sources `[*tokens, dim]`, id built from every option (plus
+    `tag` for the eps/scale/spread knobs).  spread: the std of the logits the query produces."""
+    tokens = tuple(tokens)
+    parts = [f"depth_attention_N{n}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}_{layout}"]
+    parts += [f"H{num_heads}"] * (num_heads > 1) + ["sigmoid"] * (activation == "sigmoid")
+    parts += ["nokeynorm"] * (not key_norm) + ["tokq"] * token_query + ["nogain"] * (not gain)
+    parts += ["lse"] * lse + ["weights"] * weights + [tag] * bool(tag)
+    case_id = "_".join(parts)
+    seed = _seed(case_id)
+    rng = np.random.default_rng(seed)
+    compute = compute_dtype_for(dtype)
+    x = _draw_sources(rng, n, tokens + (dim,), dtype)
+    q = _draw_query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype, spread)
+    g = _draw_gain(rng, (dim,), dtype) if gain else None
+    attrs = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation,
+                 key_norm=key_norm, return_lse=lse, return_weights=weights)
+    sources = list(x) if layout == "list" else x
+    result = ops.depth_attention(sources, q, g, **attrs)
+    out, *extra = result if isinstance(result, tuple) else (result,)
+    arrays = {"input.sources": x, "input.query": q, "output.out": out}
+    if g is not None:
+        arrays["input.norm_weight"] = g
+    if lse:
+        arrays["output.lse"] = extra.pop(0)
+        arrays["cotangent.lse"] = _draw_cotangent(rng, arrays["output.lse"].shape, compute)
+    if weights:
+        arrays["output.weights"] = extra.pop(0)
+    arrays["cotangent.out"] = _draw_cotangent(rng, out.shape, dtype)
+    grads = ops.depth_attention_vjp(
+        sources, q, g, arrays["cotangent.out"], arrays.get("cotangent.lse"), eps=eps, scale=scale,
+        num_heads=num_heads, activation=activation, key_norm=key_norm)
+    arrays["grad.sources"] = _stack(grads["sources"])
+    arrays["grad.query"] = grads["query"]
+    if g is not None:
+        arrays["grad.norm_weight"] = grads["norm_weight"]
+    return GoldenCase(case_id, "depth_attention", attrs, dtype, layout, seed, dtype, arrays)
+
+
+def multi_case(n, num_queries, dim, tokens=(4,), dtype="float32", layout="list", *, gain=True,
+               eps=1e-6, scale=1.0) -> GoldenCase:
+    """A `depth_attention_multi` case: S = num_queries pseudo-queries over n sources."""
+    tokens = tuple(tokens)
+    case_id = (f"depth_attention_multi_N{n}_S{num_queries}_D{dim}_T{_tokens_tag(tokens)}_"
+               f"{SHORT_DTYPE[dtype]}_{layout}" + "_nogain" * (not gain))
+    seed = _seed(case_id)
+    rng = np.random.default_rng(seed)
+    x = _draw_sources(rng, n, tokens + (dim,), dtype)
+    qs = _draw_query(rng, (num_queries, dim), dim, dtype)
+    gs = _draw_gain(rng, (num_queries, dim), dtype) if gain else None
+    sources = list(x) if layout == "list" else x
+    out, lse = ops.depth_attention_multi(sources, qs, gs, eps=eps, scale=scale)
+    d_out = _draw_cotangent(rng, out.shape, dtype)
+    d_lse = _draw_cotangent(rng, lse.shape, compute_dtype_for(dtype))
+    grads = ops.depth_attention_multi_vjp(sources, qs, gs, d_out, d_lse, eps=eps, scale=scale)
+    arrays = {"input.sources": x, "input.queries": qs, "output.out": out, "output.lse": lse,
+              "cotangent.out": d_out, "cotangent.lse": d_lse,
+              "grad.sources": _stack(grads["sources"]), "grad.queries": grads["queries"]}
+    if gs is not None:
+        arrays["input.norm_weights"] = gs
+        arrays["grad.norm_weights"] = grads["norm_weights"]
+    return GoldenCase(case_id, "depth_attention_multi", dict(eps=eps, scale=scale), dtype, layout,
+                      seed, dtype, arrays)
+
+
+def merge_case(dim, tokens=(5,), dtype="float32", *, token_query=False, gain=True, lse=True,
+               eps=1e-6, scale=1.0) -> GoldenCase:
+    """A `merge_partial` case: out1/lse1 are a real phase 1 over 3 sources (rounded), plus a partial."""
+    tokens = tuple(tokens)
+    case_id = (f"merge_partial_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
+               + "_tokq" * token_query + "_nogain" * (not gain) + "_lse" * lse)
+    seed = _seed(case_id)
+    rng = np.random.default_rng(seed)
+    compute = compute_dtype_for(dtype)
+    x = _draw_sources(rng, 4, tokens + (dim,), dtype)  # 3 phase-1 sources and the partial
+    q = _draw_query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype)
+    g = _draw_gain(rng, (dim,), dtype) if gain else None
+    o1, l1 = ops.depth_attention(list(x[:3]), q, g, eps=eps, scale=scale, return_lse=True)
+    o1, l1, partial = round_to_dtype(o1, dtype), round_to_dtype(l1, compute), x[3]
+    attrs = dict(eps=eps, scale=scale, return_lse=lse)
+    result = ops.merge_partial(o1, l1, partial, q, g, **attrs)
+    out = result[0] if lse else result
+    arrays = {"input.out1": o1, "input.lse1": l1, "input.partial": partial, "input.query": q,
+              "output.out": out, "cotangent.out": _draw_cotangent(rng, out.shape, dtype)}
+    if g is not None:
+        arrays["input.norm_weight"] = g
+    if lse:
+        arrays["output.lse"] = result[1]
+        arrays["cotangent.lse"] = _draw_cotangent(rng, result[1].shape, compute)
+    grads = ops.merge_partial_vjp(o1, l1, partial, q, g, arrays["cotangent.out"],
+                                  arrays.get("cotangent.lse"), eps=eps, scale=scale)
+    for name, value in grads.items():
+        if value is not None:
+            arrays[f"grad.{name}"] = value
+    return GoldenCase(case_id, "merge_partial", attrs, dtype, None, seed, dtype, arrays)
+
+
+def _draw_params(rng, config: ResidualConfig, num_layers: int, dim: int, dtype: str):
+    """Random (not init-valued) parameters, so every parameter's gradient is exercised."""
+    params = {}
+    for name, shape in config.param_shapes(num_layers, dim).items():
+        if name in ("norm_weights", "alphas"):
+            value = 1.0 + 0.25 * rng.standard_normal(shape)
+        elif name == "queries":
+            value = rng.standard_normal(shape) * 2.0 / np.sqrt(dim)
+        elif name in ("query_weights", "gate_weights"):
+            value = rng.standard_normal(shape) / np.sqrt(dim)
+        else:  # gate_biases, depth_weights (the unused upper triangle too: its gradient is 0)
+            value = 0.5 + 0.5 * rng.standard_normal(shape)
+        params[name] = round_to_dtype(value, dtype)
+    return params
+
+
+def probe_case(variant: str, num_layers=5, dim=8, tokens=(3,), dtype="float32", *,
+               schedule="direct", **overrides) -> GoldenCase:
+    """A probe-network case (spec section 6) of a named variant; two_phase is forward only."""
+    config = ResidualConfig.variant(variant, **overrides)
+    tokens = tuple(tokens)
+    knobs = f"_S{config.block_size}" * (config.kind == "block") + f"_W{config.window}" * (config.kind == "window")
+    case_id = (f"probe_{variant}{knobs}_L{num_layers}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
+               + "_two_phase" * (schedule == "two_phase"))
+    seed = _seed(case_id)
+    rng = np.random.default_rng(seed)
+    params = _draw_params(rng, config, num_layers, dim, dtype)
+    emb = round_to_dtype(rng.standard_normal(tokens + (dim,)), dtype)
+    weights = round_to_dtype(rng.standard_normal((num_layers, dim, dim)) * 1.5 / np.sqrt(dim), dtype)
+    arrays = {"input.embedding": emb, "input.sublayer_weights": weights}
+    arrays.update({f"input.{k}": v for k, v in params.items()})
+    arrays["output.out"] = model.probe_forward(config, params, emb, weights, schedule=schedule)
+    if schedule == "direct":
+        arrays["cotangent.out"] = _draw_cotangent(rng, arrays["output.out"].shape, dtype)
+        grads = model.probe_vjp(config, params, emb, weights, arrays["cotangent.out"])
+        arrays.update({f"grad.{k}": v for k, v in grads.items()})
+    attrs = {"config": config.to_dict(), "schedule": schedule, "variant": variant}
+    return GoldenCase(case_id, "probe", attrs, dtype, None, seed, dtype, arrays)
+
+
+def golden_cases() -> List[GoldenCase]:
+    """The committed golden set (spec/vectors): every op, option, layout and dtype, and every
+    probe variant, at tiny shapes.  Each line says what it stresses."""
+    da, f16, bf16, f64 = depth_attention_case, "float16", "bfloat16", "float64"
+    return [
+        da(1, 7, lse=True, weights=True),  # C6: N = 1 returns the source exactly
+        da(1, 123, (2, 3), bf16, "stacked"),  # C6 in low precision, stacked
+        da(2, 1, (3,), "float32", "stacked", lse=True),  # D = 1: every key is +-1 after the norm
+        da(2, 123, (2, 3), f16, "list"),  # odd D, fp16
+        da(33, 7, (5,), "float32", "list", lse=True),  # N just above a power of two
+        da(33, 123, (2,), bf16, "stacked", lse=True),
+        da(33, 7, (2, 3), f64, "list", lse=True, weights=True),  # fp64 computes in fp64 (C10)
+        da(130, 7, (3,), "float32", "stacked", lse=True),  # N above every peer's cap (no caps)
+        da(130, 1, (2,), bf16, "list"),
+        da(3, 7, (), "float32", "stacked"),  # no token axes: sources [D]
+        da(3, 7, (5,), "float32", "list", gain=False),  # norm_weight = None
+        da(5, 7, (4,), "float32", "list", eps=1e-5, scale=0.375, tag="epsscale"),  # non-default eps, scale
+        da(6, 7, (4,), "float32", "stacked", lse=True, spread=30.0, tag="peaked"),  # |z| ~ 30: stable softmax/lse
+        da(5, 8, (4,), "float32", "list", num_heads=2, lse=True, weights=True),  # heads: lse/weights [..., H]
+        da(4, 123, (2,), bf16, "stacked", num_heads=3, lse=True),  # odd head dim 41
+        da(6, 7, (4,), "float32", "list", activation="sigmoid", weights=True),
+        da(6, 8, (2, 3), f16, "stacked", activation="sigmoid", num_heads=2),
+        da(5, 7, (4,), "float32", "list", key_norm=False, lse=True),
+        da(5, 7, (4,), bf16, "stacked", key_norm=False, activation="sigmoid"),
+        da(4, 7, (2, 3), "float32", "list", token_query=True, lse=True),  # C4 per-token query
+        da(4, 8, (5,), f16, "stacked", token_query=True, num_heads=2, gain=False),
+        da(4, 7, (3,), f64, "stacked", token_query=True, key_norm=False, lse=True),
+        multi_case(1, 3, 7),  # phase 1 over the embedding only
+        multi_case(33, 4, 7, (3,), bf16, "stacked"),
+        multi_case(5, 2, 123, (2,), f64, gain=False),
+        multi_case(2, 1, 1, (3,), f16, "stacked"),
+        merge_case(7),
+        merge_case(123, (2, 3), bf16, token_query=True, lse=False),
+        merge_case(1, (3,), f16, gain=False),
+        merge_case(7, (4,), f64, token_query=True),
+        *[probe_case(v) for v in ("standard", "scalar", "gated", "static", "full", "block",
+                                  "window", "input_query", "sigmoid", "no_key_norm", "multihead")],
+        probe_case("block", block_size=1),  # S = 1 equals full
+        probe_case("block", block_size=4),  # blocks of 4 and 1
+        probe_case("block", num_layers=4, block_size=4),  # one block covering every sublayer
+        probe_case("window", window=1),
+        probe_case("full", dtype=f64),
+        probe_case("block", dtype=bf16),
+        probe_case("block", schedule="two_phase"),  # blocks 2, 2, 1
+        probe_case("block", block_size=4, schedule="two_phase"),
+        probe_case("block", block_size=1, schedule="two_phase"),
+    ]
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+def _write_npz(path: Path, arrays: Dict[str, np.ndarray]) -> None:
+    """An .npz np.load reads, with fixed zip dates so equal arrays give equal bytes."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for key in sorted(arrays):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.ascontiguousarray(arrays[key], dtype="<f8"),
+                                      allow_pickle=False)
+            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, buf.getvalue())
+
+
+def manifest_entry(case: GoldenCase) -> dict:
+    return {
+        "id": case.id, "op": case.op, "attrs": case.attrs, "dtype": case.dtype,
+        "sources_layout": case.sources_layout, "seed": case.seed,
+        "tolerance_class": case.tolerance_class,
+        "shapes": {k: list(v.shape) for k, v in sorted(case.arrays.items())},
+        "dtypes": dict(sorted(value_dtypes(case).items())),
+        "file": f"{case.id}.npz",
+    }
+
+
+def write_vectors(directory, cases: Sequence[GoldenCase]) -> Path:
+    """Write `manifest.json` and one `<id>.npz` per case; remove stale .npz files.  Returns the
+    manifest path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = [c.id for c in cases]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"cases: duplicate ids {sorted({i for i in ids if ids.count(i) > 1})}")
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "reference_version": __version__,
+        "generator": GENERATOR,
+        "cases": [manifest_entry(c) for c in cases],
+    }
+    for case in cases:
+        _write_npz(directory / f"{case.id}.npz", case.arrays)
+    for stale in sorted(set(p.name for p in directory.glob("*.npz")) - {f"{i}.npz" for i in ids}):
+        (directory / stale).unlink()
+    path = directory / MANIFEST
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def load_manifest(directory) -> dict:
+    manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{directory}/{MANIFEST}: schema_version {manifest.get('schema_version')!r} "
+                         f"is not the supported {SCHEMA_VERSION}")
+    return manifest
+
+
+def load_vectors(directory) -> List[GoldenCase]:
+    """Read a vector directory back into cases (checks every file against the manifest)."""
+    directory = Path(directory)
+    cases = []
+    for entry in load_manifest(directory)["cases"]:
+        with np.load(directory / entry["file"], allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+        shapes = {k: list(v.shape) for k, v in arrays.items()}
+        if shapes != entry["shapes"]:
+            raise ValueError(f"{entry['file']}: arrays {shapes} do not match the manifest {entry['shapes']}")
+        cases.append(GoldenCase(entry["id"], entry["op"], entry["attrs"], entry["dtype"],
+                                entry["sources_layout"], entry["seed"], entry["tolerance_class"], arrays))
+    return cases
+
+
+def default_vectors_dir() -> Optional[Path]:
+    """$ATTNRES_VECTORS if set, else the first `spec/vectors` holding a manifest found walking up
+    from the cwd, then from this file (an editable checkout); None if there is none."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env) if (Path(env) / MANIFEST).is_file() else None
+    for start in (Path.cwd(), Path(__file__).resolve().parent):
+        for folder in (start, *start.parents):
+            candidate = folder / "spec" / "vectors"
+            if (candidate / MANIFEST).is_file():
+                return candidate
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) != 1:
+        print("usage: python -m attnres_numpy.vectors OUTDIR", file=sys.stderr)
+        return 2
+    cases = golden_cases()
+    path = write_vectors(argv[0], cases)
+    size = sum(p.stat().st_size for p in path.parent.iterdir() if p.is_file())
+    print(f"wrote {len(cases)} cases to {path.parent} ({size / 1024:.0f} KiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

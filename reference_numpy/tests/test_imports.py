@@ -1,0 +1,33 @@
+"""The base packages import numpy only: no deep-learning framework is loaded by importing them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "mlx", "triton", "tensorflow")
+
+SCRIPT = """
+import importlib, json, pkgutil, sys
+import attnres_numpy, attnres_conformance
+loaded = []
+for pkg in (attnres_numpy, attnres_conformance):
+    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        importlib.import_module(info.name)
+        loaded.append(info.name)
+print(json.dumps({"modules": loaded, "frameworks": sorted(
+    m for m in sys.modules if m.split(".")[0] in %r)}))
+""" % (FRAMEWORKS,)
+
+
+def test_base_packages_load_no_framework():
+    """Imports attnres_numpy, attnres_conformance and every submodule of both in a fresh
+    interpreter, then checks sys.modules.  (A module that imported a framework fails here in
+    either case: with the framework installed it shows up in sys.modules, without it the import
+    raises.)"""
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "attnres_numpy.model" in report["modules"]
+    assert report["frameworks"] == [], f"frameworks loaded: {report['frameworks']}"

@@ -29,7 +29,7 @@ BASE = ("-e", "reference_numpy", "-e", "conformance")
 
 BACKEND_INSTALL = {
     "numpy": (),
-    "torch": (TORCH, TRITON, "-e", "backend_torch[triton]"),
+    "torch": (TORCH, TRITON, "-e", "backend_torch[triton,plots]"),
     "jax": (JAX, FLAX, "-e", "backend_jax[flax]"),
     "mlx": (MLX, "-e", "backend_mlx"),
 }
@@ -51,7 +51,8 @@ def _tests(session: nox.Session, backend: str) -> None:
     _install(session, backend)
     session.run("pytest", *BACKEND_TESTS[backend], *session.posargs)
     # The conformance suite against this backend (the same checks `nox -s conformance` reports).
-    session.run("attnres-conformance", "--backend", backend, "--quick")
+    dtypes = ("--dtype", "float64") if backend == "numpy" else ()  # the reference is float64-only
+    session.run("attnres-conformance", "--backend", backend, *dtypes)
 
 
 @nox.session(name="tests-numpy", tags=["tests"])

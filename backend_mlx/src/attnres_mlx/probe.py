@@ -1,0 +1,51 @@
+"""The spec's probe network in MLX (spec section 6): `f_l(h) = tanh(rmsnorm(h) @ W[l-1])`."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping
+
+import mlx.core as mx
+from attnres_numpy.config import ResidualConfig
+
+from .router import DepthRouter, Sublayer, rmsnorm
+
+
+def probe_sublayers(sublayer_weights: mx.array, eps: float) -> List[Sublayer]:
+    """L callables `h [..., D] -> tanh(rmsnorm(h) @ W[l-1]) [..., D]`; W `[L, D, D]`.  Computed
+    in the compute dtype with one cast back to h's dtype."""
+    def sublayer(h, w):
+        normed = rmsnorm(h, eps)
+        return mx.tanh(normed @ w.astype(normed.dtype)).astype(h.dtype)
+
+    return [lambda h, w=sublayer_weights[l]: sublayer(h, w)
+            for l in range(sublayer_weights.shape[0])]
+
+
+def probe_forward(config: ResidualConfig, params: Mapping[str, mx.array], embedding: mx.array,
+                  sublayer_weights: mx.array, *, schedule: str = "direct") -> mx.array:
+    """Probe output `[..., D]` (before any final norm) with the router loaded from `params`."""
+    L, D = sublayer_weights.shape[0], embedding.shape[-1]
+    router = DepthRouter(config, L, D)
+    expected = config.param_shapes(L, D)
+    if set(params) != set(expected):
+        raise ValueError(f"params: expected names {sorted(expected)}, got {sorted(params)}")
+    for name, shape in expected.items():
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"params[{name!r}]: expected shape {shape}, got {params[name].shape}")
+    router.update(dict(params))
+    return router(embedding, probe_sublayers(sublayer_weights, config.eps), schedule=schedule)
+
+
+def probe_vjp(config: ResidualConfig, params: Mapping[str, mx.array], embedding: mx.array,
+              sublayer_weights: mx.array, cotangent: mx.array, *,
+              schedule: str = "direct") -> Dict[str, mx.array]:
+    """Gradients of `<probe_forward(...), cotangent>`: "embedding", "sublayer_weights" and one
+    entry per parameter name."""
+    names = sorted(params)
+
+    def run(emb, w, *values):
+        return probe_forward(config, dict(zip(names, values)), emb, w, schedule=schedule)
+
+    _, grads = mx.vjp(run, [embedding, sublayer_weights, *(params[n] for n in names)],
+                      [cotangent])
+    return {"embedding": grads[0], "sublayer_weights": grads[1], **dict(zip(names, grads[2:]))}

@@ -1,0 +1,18 @@
+"""Test configuration: `metal`-marked tests are skipped where Metal is unavailable."""
+
+import os
+import sys
+
+import mlx.core as mx
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_collection_modifyitems(config, items):
+    if mx.metal.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs Apple-silicon Metal (mx.metal.is_available() is False)")
+    for item in items:
+        if "metal" in item.keywords:
+            item.add_marker(skip)

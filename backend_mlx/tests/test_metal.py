@@ -1,0 +1,60 @@
+"""The real Metal kernels (Apple silicon only; skipped elsewhere by conftest.py).
+
+NOT RUN where this was written (Linux, no Metal).  Same checks as `test_metal_emulated.py`,
+against the float64 reference, with NaN-poisoned outputs and a spy proving the kernels ran."""
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+import test_ops
+import test_router
+from attnres_mlx import metal, ops
+
+pytestmark = pytest.mark.metal
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    calls = Counter()
+    launch = metal._launch
+
+    def spy(kernel, *args, **kw):
+        calls[kernel] += 1
+        return launch(kernel, *args, **kw)
+
+    monkeypatch.setattr(metal, "_launch", spy)
+    monkeypatch.setattr(metal, "INIT_VALUE", float("nan"))
+    for fn in (ops._attend_fn, ops._merge_fn, metal._attend_kernel, metal._merge_kernel):
+        fn.cache_clear()
+    yield calls
+    for fn in (ops._attend_fn, ops._merge_fn, metal._attend_kernel, metal._merge_kernel):
+        fn.cache_clear()
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", sorted(test_ops.CASES))
+def test_attend_kernels(kernels, case, dtype, stacked):
+    test_ops.test_depth_attention_forward_and_vjp(case, dtype, stacked)
+    assert sum(kernels.values()) >= 2  # forward and backward launches
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_phase_kernels(kernels, dtype):
+    test_ops.test_depth_attention_multi(dtype, False, True)
+    test_ops.test_merge_partial(dtype, True, True)
+    assert sum(kernels.values()) >= 4
+
+
+@pytest.mark.parametrize("variant", ["multihead", "input_query", "sigmoid", "block"])
+def test_probe_through_kernels(kernels, variant):
+    test_router.test_probe_forward_and_vjp(variant, "float32")
+    assert sum(kernels.values()) >= 2
+
+
+def test_kernels_deterministic(kernels):
+    test_transforms = pytest.importorskip("test_transforms")
+    test_transforms.test_deterministic_and_inputs_unmodified("float32")
+    assert sum(kernels.values()) >= 2
+    assert mx.metal.is_available()

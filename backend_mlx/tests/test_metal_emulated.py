@@ -1,0 +1,103 @@
+"""The Metal kernels' logic, run through the real dispatch in `ops` with `mx.fast.metal_kernel`
+replaced by the C++ emulator (`metal_emulator.py`): float32 vs the float64 reference.
+
+This is what is verifiable on Linux; the same checks against real Metal are `test_metal.py`."""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import test_ops
+import test_router
+from attnres_mlx import metal, ops
+from metal_emulator import Emulator
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20)")
+
+
+def _clear_caches():
+    for fn in (ops._attend_fn, ops._merge_fn, metal._attend_kernel, metal._merge_kernel):
+        fn.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("metal-emu"))
+
+
+@pytest.fixture
+def emulated(monkeypatch, workdir):
+    emu = Emulator(workdir)
+    monkeypatch.setattr(metal, "usable", lambda dtype: dtype != mx.float64)
+    monkeypatch.setattr(mx.fast, "metal_kernel", emu.metal_kernel)
+    monkeypatch.setattr(metal, "INIT_VALUE", float("nan"))
+    _clear_caches()
+    yield emu
+    _clear_caches()
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("case", sorted(test_ops.CASES))
+def test_attend_kernels(emulated, case, stacked):
+    test_ops.test_depth_attention_forward_and_vjp(case, "float32", stacked)
+    assert emulated.calls["attnres_attend_fwd"] >= 1
+    assert emulated.calls["attnres_attend_bwd"] >= 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_attend_kernels_low_precision_storage(emulated, dtype):
+    test_ops.test_depth_attention_forward_and_vjp("heads", dtype, False)
+    assert emulated.calls["attnres_attend_bwd"] >= 1
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_multi_kernels(emulated, stacked):
+    test_ops.test_depth_attention_multi("float32", stacked, True)
+    assert emulated.calls["attnres_attend_fwd"] >= 1 and emulated.calls["attnres_attend_bwd"] >= 1
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["pseudo", "per_token"])
+def test_merge_kernels(emulated, per_token):
+    test_ops.test_merge_partial("float32", per_token, True)
+    assert emulated.calls["attnres_merge_fwd"] >= 1 and emulated.calls["attnres_merge_bwd"] >= 1
+
+
+def test_two_phase_probe_through_kernels(emulated):
+    """Phase 1 and merge kernels inside the two-phase schedule (float32 vs the reference)."""
+    cfg = test_router.ResidualConfig.variant("block", block_size=3)
+    rng, params, emb, w = test_router._probe_inputs(cfg, "float32", 1, 6)
+    mparams = {k: test_ops.to_mx(v, "float32") for k, v in params.items()}
+    out = test_router.probe.probe_forward(cfg, mparams, test_ops.to_mx(emb, "float32"),
+                                          test_ops.to_mx(w, "float32"), schedule="two_phase")
+    test_ops.assert_close("out", out, test_router.ref_model.probe_forward(cfg, params, emb, w),
+                          grad=False, override="probe")
+    assert emulated.calls["attnres_merge_fwd"] >= 1 and emulated.calls["attnres_attend_fwd"] >= 1
+
+
+def test_cached_inverse_rms_kernels(emulated):
+    """Cached r through the kernels (float32 here: the emulator has no float64)."""
+    rng = np.random.default_rng(7)
+    sources = [test_ops.rand(rng, (2, 3, 8), "float32") for _ in range(3)]
+    query, gain = test_ops.rand(rng, (8,), "float32"), test_ops.rand(rng, (8,), "float32")
+    cot = test_ops.rand(rng, (2, 3, 8), "float32")
+    xs = [test_ops.to_mx(s, "float32") for s in sources]
+
+    def f(*xs):
+        rms = [ops.inverse_rms(x, num_heads=2) for x in xs[:-1]] + [None]
+        return [ops.depth_attention(list(xs), test_ops.to_mx(query, "float32"),
+                                    test_ops.to_mx(gain, "float32"), num_heads=2, inv_rms=rms)]
+
+    outs, grads = mx.vjp(f, xs, [test_ops.to_mx(cot, "float32")])
+    test_ops.assert_close("out", outs[0], test_ops.ref.depth_attention(
+        sources, query, gain, num_heads=2), grad=False)
+    g = test_ops.ref.depth_attention_vjp(sources, query, gain, cot, num_heads=2)
+    for i in range(3):
+        test_ops.assert_close(f"d sources[{i}]", grads[i], g["sources"][i], grad=True)
+
+
+@pytest.mark.parametrize("variant", ["multihead", "input_query", "sigmoid"])
+def test_probe_through_kernels(emulated, variant):
+    """Cached block r, partial sums, per-token queries, sigmoid: every parameter gradient."""
+    test_router.test_probe_forward_and_vjp(variant, "float32")
+    assert emulated.calls["attnres_attend_bwd"] >= 1

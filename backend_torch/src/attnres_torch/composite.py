@@ -1,0 +1,54 @@
+"""The plain differentiable torch composition of the ops (spec section 2; the comparison baseline).
+
+Everything is computed in the compute dtype (C10: float32, float64 for float64 sources) with
+autograd doing the backward.  It stacks the sources into `[N, ..., D]`, which is exactly what the
+fast paths avoid; it covers every option (heads, sigmoid, no key norm, per-token query).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+
+def _heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """`[..., D]` -> `[..., H, Dh]`."""
+    return x.unflatten(-1, (num_heads, x.shape[-1] // num_heads))
+
+
+def logits(sources: List[torch.Tensor], query, norm_weight, *, eps, scale, num_heads, key_norm,
+           cdtype) -> torch.Tensor:
+    """z `[N, ..., H]` in `cdtype` (spec 2.1: z_i = scale * r_i * <q * g, x_i>)."""
+    x = _heads(torch.stack([s.to(cdtype) for s in sources]), num_heads)  # [N, ..., H, Dh]
+    qg = query.to(cdtype) if norm_weight is None else query.to(cdtype) * norm_weight.to(cdtype)
+    s = (x * _heads(qg, num_heads)).sum(-1)
+    if not key_norm:
+        return scale * s
+    return scale * torch.rsqrt(x.square().mean(-1) + eps) * s
+
+
+def depth_attention(sources: List[torch.Tensor], query, norm_weight: Optional[torch.Tensor], *,
+                    eps: float, scale: float, num_heads: int, activation: str, key_norm: bool):
+    """Returns out `[..., D]` (source dtype), lse `[..., H]` (compute dtype, None for sigmoid) and
+    weights `[N, ..., H]` (compute dtype)."""
+    cdtype = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
+    z = logits(sources, query, norm_weight, eps=eps, scale=scale, num_heads=num_heads,
+               key_norm=key_norm, cdtype=cdtype)
+    p = torch.softmax(z, 0) if activation == "softmax" else torch.sigmoid(z)
+    x = _heads(torch.stack([s.to(cdtype) for s in sources]), num_heads)
+    out = (p.unsqueeze(-1) * x).sum(0).flatten(-2).to(sources[0].dtype)
+    lse = torch.logsumexp(z, 0) if activation == "softmax" else None
+    return out, lse, p
+
+
+def merge_partial(out1, lse1, partial, query, norm_weight, *, eps: float, scale: float):
+    """Phase 2 (spec 3.2): out = w1 * out1 + (1 - w1) * partial, w1 = sigmoid(lse1 - z2),
+    lse = logaddexp(lse1, z2); out in partial's dtype, lse in the compute dtype."""
+    cdtype = torch.float64 if partial.dtype == torch.float64 else torch.float32
+    z2 = logits([partial], query, norm_weight, eps=eps, scale=scale, num_heads=1, key_norm=True,
+                cdtype=cdtype)[0, ..., 0]
+    l1 = lse1.to(cdtype)
+    w1 = torch.sigmoid(l1 - z2).unsqueeze(-1)
+    out = w1 * out1.to(cdtype) + (1 - w1) * partial.to(cdtype)
+    return out.to(partial.dtype), torch.logaddexp(l1, z2)

@@ -1,0 +1,102 @@
+"""Which implementation runs a call: "triton", "cpu" or "composite".
+
+* "triton": every tensor on CUDA, Triton importable and `kernels.triton_depth.supports(...)`.
+* "cpu": the chunked CPU kernel (`cpu_kernel.py`) for the default op: softmax, key norm, one head,
+  float16/bfloat16/float32 sources on the CPU.
+* "composite": the plain differentiable torch composition (`composite.py`): float64, heads,
+  sigmoid, no key norm; also the comparison baseline.
+
+`use_impl(name)` forces an implementation (tests; the Triton tests run it on CPU tensors under
+TRITON_INTERPRET=1).  `last_impl()` / `impl_counts()` let tests prove which one ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from collections import Counter
+from typing import Iterator, Optional
+
+import torch
+
+IMPLS = ("triton", "cpu", "composite")
+
+_forced: list = []
+_counts: Counter = Counter()
+_last: list = [None]
+_triton: list = []
+
+
+def triton_kernels():
+    """The Triton kernel module, or None when Triton (or the module) is unavailable."""
+    if not _triton:
+        module = None
+        if importlib.util.find_spec("triton") is not None:
+            try:
+                module = importlib.import_module("attnres_torch.kernels.triton_depth")
+            except ImportError:
+                module = None
+        _triton.append(module)
+    return _triton[0]
+
+
+@contextlib.contextmanager
+def use_impl(name: str) -> Iterator[None]:
+    """Force every op call inside the block to use implementation `name` (one of IMPLS)."""
+    if name not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {name!r}")
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def forced() -> Optional[str]:
+    return _forced[-1] if _forced else None
+
+
+def record(name: str) -> str:
+    """Note that `name` ran (skipped while torch.compile traces: it is a Python side effect)."""
+    if not torch.compiler.is_compiling():
+        _counts[name] += 1
+        _last[0] = name
+    return name
+
+
+def last_impl() -> Optional[str]:
+    return _last[0]
+
+
+def impl_counts() -> Counter:
+    """A copy of how many calls each implementation served."""
+    return Counter(_counts)
+
+
+def choose(tensors, *, default_op: bool, triton_supports) -> str:
+    """Pick the implementation for one call.
+
+    tensors: every tensor argument; default_op: the call is softmax, key-normed, single head with
+    float16/bfloat16/float32 sources; triton_supports: a no-argument callable asking the kernel
+    module whether it takes this call.
+    """
+    name = forced()
+    if name == "triton":
+        if triton_kernels() is None:
+            raise RuntimeError("impl: 'triton' was forced but attnres_torch.kernels.triton_depth "
+                               "cannot be imported")
+        if not triton_supports():
+            raise ValueError("impl: 'triton' was forced but the Triton kernels do not support "
+                             "this call (see kernels.triton_depth.supports)")
+        return name
+    if name == "cpu" and not default_op:
+        raise ValueError("impl: 'cpu' was forced but the CPU kernel covers only softmax, key_norm, "
+                         "num_heads=1 and float16/bfloat16/float32 sources")
+    if name is not None:
+        return name
+    if all(t.is_cuda for t in tensors) and triton_kernels() is not None and triton_supports():
+        return "triton"
+    if default_op and all(t.device.type == "cpu" for t in tensors):
+        return "cpu"
+    return "composite"

@@ -1,0 +1,178 @@
+"""Hidden-dimension (tensor-parallel) sharding of depth attention (spec section 2).
+
+Each rank of `group` holds a contiguous slice `[offset, offset + D_r)` of the hidden dimension
+of every source, of the query and of the key-norm gain.  Per token, head h and source i:
+
+    forward   all-reduce (SUM) of the partial  s_i = <q g, x_i>  and  ss_i = sum x_i^2
+              (2 N H scalars per token; N H without key norm), then z, p, lse are computed
+              identically on every rank and  out[local] = sum_i p_i x_i[local]  stays local.
+    backward  all-reduce (SUM) of the partial  dz_i = p_i (<g_out, x_i> - <g_out, out>)
+              (N H scalars per token; sigmoid: <g_out, x_i> p_i (1 - p_i)); every gradient
+              (local slices of sources, query and gain) is then local.
+
+Convention: `out` and every gradient of a sharded input are sharded like the inputs; `lse` is
+replicated (every rank holds the same value) and so is its cotangent: d_lse is added once,
+after the reduction.  Numerics follow C10 (compute in float32, float64 for float64 sources,
+one final cast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from attnres_numpy import validation
+
+from .._args import Sources, compute_dtype, dtype_name, optional_tensor, require_tensor, split_sources
+from .comm import CommCounter, all_reduce_sum
+
+
+@dataclass(frozen=True)
+class HiddenShard:
+    """Layout of a hidden dimension D split into contiguous per-rank slices.
+
+    sizes: D_r for every rank of `group` (sum = D); `group`: the process group (None = world).
+    """
+
+    sizes: tuple
+    group: object = None
+
+    @classmethod
+    def even(cls, dim: int, group=None) -> "HiddenShard":
+        """Split D as evenly as possible (the first D mod P ranks get one more channel)."""
+        world = dist.get_world_size(group)
+        if not isinstance(dim, int) or dim < world:
+            raise ValueError(f"dim: expected an int >= the group size {world}, got {dim!r}")
+        return cls(tuple(dim // world + (r < dim % world) for r in range(world)), group)
+
+    @property
+    def dim(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def offset(self) -> int:
+        return sum(self.sizes[: self.rank])
+
+    @property
+    def local_size(self) -> int:
+        return self.sizes[self.rank]
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice `[..., D_r]` of a full `[..., D]` tensor (a view)."""
+        return full[..., self.offset: self.offset + self.local_size]
+
+    def head_map(self, num_heads: int, dtype) -> torch.Tensor:
+        """`[D_r, H]` 0/1 matrix: local channel c belongs to head (offset + c) // (D / H)."""
+        heads = torch.arange(self.offset, self.offset + self.local_size) // (self.dim // num_heads)
+        return torch.nn.functional.one_hot(heads, num_heads).to(dtype)
+
+
+class _ShardedDepthAttention(torch.autograd.Function):
+    """Inputs: (opts, query, norm_weight, *sources); outputs (out `[..., D_r]`, lse `[..., H]`)."""
+
+    @staticmethod
+    def forward(ctx, opts, query, norm_weight, *xs):
+        shard, eps, scale, h, activation, key_norm, counter = opts
+        cd = compute_dtype(xs[0].dtype)
+        m = shard.head_map(h, cd)  # [D_r, H]
+        x = torch.stack([s.to(cd) for s in xs])  # [N, ..., D_r]
+        qg = query.to(cd) if norm_weight is None else query.to(cd) * norm_weight.to(cd)
+        partial = [(x * qg) @ m]  # s_i per head, [N, ..., H]
+        if key_norm:
+            partial.append(x.square() @ m)  # ss_i per head
+        stats = all_reduce_sum(torch.stack(partial).contiguous(), shard.group, counter, "tp.forward")
+        dh = shard.dim // h
+        s = stats[0]
+        r = torch.rsqrt(stats[1] / dh + eps) if key_norm else torch.ones_like(s)
+        z = scale * r * s
+        p = torch.softmax(z, 0) if activation == "softmax" else torch.sigmoid(z)
+        out = ((p @ m.T) * x).sum(0)  # [..., D_r]
+        lse = torch.logsumexp(z, 0) if activation == "softmax" else torch.zeros_like(z[0])
+        ctx.opts = opts
+        ctx.save_for_backward(query, norm_weight, x, qg, m, s, r, p, out)
+        ctx.dtypes = [t.dtype for t in xs]
+        return out.to(xs[0].dtype), lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        shard, eps, scale, h, activation, key_norm, counter = ctx.opts
+        query, norm_weight, x, qg, m, s, r, p, out = ctx.saved_tensors
+        cd = x.dtype
+        g = d_out.to(cd)
+        dp = (g * x) @ m  # [N, ..., H], partial <g_out, x_i>
+        if activation == "softmax":
+            dz = p * (dp - ((g * out) @ m).unsqueeze(0))
+        else:
+            dz = dp * p * (1 - p)
+        dz = all_reduce_sum(dz.contiguous(), shard.group, counter, "tp.backward")
+        if activation == "softmax":
+            dz = dz + p * d_lse.to(cd).unsqueeze(0)  # replicated cotangent: added once
+        dh = shard.dim // h
+        dzc, pc, rc = dz @ m.T, p @ m.T, r @ m.T  # per channel [N, ..., D_r]
+        if key_norm:
+            dkey = scale * (rc * qg - ((s * r ** 3) @ m.T) * x / dh)
+        else:
+            dkey = scale * qg.expand_as(x)
+        dx = pc * g + dzc * dkey
+        dqg = (dzc * scale * rc * x).sum(0)  # [..., D_r]
+        tok = tuple(range(dqg.dim() - 1))
+        dq = dqg if norm_weight is None else dqg * norm_weight.to(cd)
+        dq = dq if query.dim() > 1 else dq.sum(tok)
+        dg = None if norm_weight is None else (dqg * query.to(cd)).sum(tok).to(norm_weight.dtype)
+        d_sources = [dx[i].to(dt) for i, dt in enumerate(ctx.dtypes)]
+        return (None, dq.to(query.dtype), dg, *d_sources)
+
+
+def depth_attention_tp(sources: Sources, query: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
+                       *, shard: HiddenShard, eps: float = 1e-6, scale: float = 1.0,
+                       num_heads: int = 1, activation: str = "softmax", key_norm: bool = True,
+                       return_lse: bool = False, counter: Optional[CommCounter] = None):
+    """Depth attention with the hidden dimension sharded over `shard.group`.
+
+    Args:
+      sources: N local slices `[..., D_r]` (list) or one stacked `[N, ..., D_r]` tensor.
+      query: local slice `[D_r]` (pseudo-query) or `[..., D_r]` (per-token query).
+      norm_weight: local slice `[D_r]` of the key-norm gain, or None.
+      shard: the layout (`HiddenShard.even(D, group)`); D = shard.dim must divide by num_heads.
+      eps, scale, num_heads, activation, key_norm: spec options (same meaning as
+        `attnres_torch.depth_attention` on the full tensors).
+      counter: optional `CommCounter` (categories "tp.forward", "tp.backward").
+
+    Returns out `[..., D_r]` (this rank's slice of the full op's output, sources' dtype), and
+    with return_lse the replicated lse `[...]` (`[..., H]` if H > 1; compute dtype).
+    """
+    xs, stacked, shapes, dtypes = split_sources(sources)
+    query = require_tensor("query", query)
+    norm_weight = optional_tensor("norm_weight", norm_weight)
+    if not isinstance(shard, HiddenShard):
+        raise TypeError(f"shard: expected a HiddenShard, got {type(shard).__name__}")
+    d_r, dim = shard.local_size, shard.dim
+    local = [("sources[%d]" % i, s) for i, s in enumerate(shapes)] + [("query", tuple(query.shape))]
+    if norm_weight is not None:
+        local.append(("norm_weight", tuple(norm_weight.shape)))
+    for name, shape in local:
+        if len(shape) == 0 or shape[-1] != d_r:
+            raise ValueError(f"{name}: expected a last dimension equal to this rank's hidden slice "
+                             f"D_r = {d_r} (of D = {dim}), got shape {shape}")
+
+    def full(shape):
+        return tuple(shape[:-1]) + (dim,)
+
+    geo = validation.check_depth_attention(
+        [full(s) for s in shapes], dtypes, full(query.shape), dtype_name(query),
+        None if norm_weight is None else full(norm_weight.shape),
+        None if norm_weight is None else dtype_name(norm_weight), stacked=stacked, eps=eps,
+        scale=scale, num_heads=num_heads, activation=activation, key_norm=key_norm,
+        return_lse=return_lse)
+    opts = (shard, float(eps), float(scale), geo.num_heads, activation, key_norm, counter)
+    out, lse = _ShardedDepthAttention.apply(opts, query, norm_weight, *xs)
+    if not return_lse:
+        return out
+    return out, (lse[..., 0] if geo.num_heads == 1 else lse)
+

@@ -1,0 +1,66 @@
+"""The example language model: `AttnResTransformer` plus learned position embeddings.
+
+tokens `[B, T]` (int64 bytes) -> logits `[B, T, vocab_size]`.  L = 2 * num_blocks PreNorm
+sublayers (causal self-attention, MLP), the `DepthRouter` of the chosen residual variant in place of
+the residual additions, then the final RMSNorm and the LM head.  The residual scheme is the only
+thing that differs between variants: the parameters outside the router consume the random
+generator identically for every variant, so one seed gives every variant the same initial
+sublayer, embedding and head weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
+from torch import nn
+
+from ..modules import AttnResTransformer
+
+#: Every named residual variant of the spec (`ResidualConfig.variant`).
+VARIANTS = tuple(VARIANT_KINDS)
+
+
+def variant_config(name: str, num_layers: int, *, block_size: int = 4, window: int = 4) -> ResidualConfig:
+    """The `ResidualConfig` of a named variant (see `VARIANTS`) for L = num_layers sublayers;
+    block_size and window apply to "block"/"multihead" and "window" only (clamped to L)."""
+    if name not in VARIANT_KINDS:
+        raise ValueError(f"variant: unknown name {name!r}; known: {', '.join(VARIANTS)}")
+    kind = VARIANT_KINDS[name]["kind"]
+    overrides = {}
+    if kind == "block":
+        overrides["block_size"] = min(block_size, num_layers)
+    if kind == "window":
+        overrides["window"] = min(window, num_layers)
+    return ResidualConfig.variant(name, **overrides)
+
+
+class ExampleLM(AttnResTransformer):
+    """GPT-style byte-level LM over any residual variant.
+
+    Args:
+      config: the residual scheme.
+      vocab_size, dim, num_blocks, num_heads, mlp_ratio, eps: as `AttnResTransformer`
+        (L = 2 * num_blocks sublayers).
+      context: the longest sequence T (learned position embeddings `[context, dim]`).
+      schedule: the router's schedule (None: two-phase Block inference in eval mode).
+    """
+
+    def __init__(self, config: ResidualConfig, *, vocab_size: int = 256, dim: int = 256,
+                 num_blocks: int = 8, num_heads: int = 4, context: int = 128, mlp_ratio: int = 4,
+                 eps: float = 1e-6, schedule=None):
+        super().__init__(vocab_size, dim, num_blocks, num_heads, config, mlp_ratio=mlp_ratio,
+                         eps=eps, schedule=schedule)
+        self.context = context
+        self.pos = nn.Embedding(context, dim)
+        nn.init.normal_(self.pos.weight, std=1.0 / math.sqrt(dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens `[B, T]`, T <= context -> logits `[B, T, vocab_size]`."""
+        if tokens.dim() != 2 or tokens.shape[1] > self.context:
+            raise ValueError(f"tokens: expected [B, T] with T <= context = {self.context}, "
+                             f"got shape {tuple(tokens.shape)}")
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.router(self.embed(tokens) + self.pos(positions), list(self.sublayers))
+        return self.head(self.norm(h))

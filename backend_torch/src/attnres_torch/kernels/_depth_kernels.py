@@ -1,0 +1,435 @@
+"""Triton kernels of depth attention (spec sections 2-3): forward / phase 1, backward, phase-2
+merge, and a fixed-order row reduction.  Host side: `triton_depth.py`.
+
+Math (spec 2.1, per token; single head, softmax, key_norm):
+    r_i = 1 / sqrt(mean(x_i^2) + eps)      qg = q * g      s_i = <qg, x_i>      z_i = scale r_i s_i
+    p = softmax(z)    out = sum_i p_i x_i    lse = logsumexp(z)
+VJP (spec 2.3), with go = d_out and delta = <go, out>:
+    dz_i = p_i (<go, x_i> - delta + d_lse)
+    dx_i = p_i go + dz_i scale (r_i qg - s_i r_i^3 x_i / D)      dqg = sum_i dz_i scale r_i x_i
+
+Conventions shared by every kernel:
+* Sources are N separate tensors, never stacked: `src_ptrs` / `src_strides` are int64 tables of
+  the data pointers and row strides (in elements) of the N `[T, D]` row views (unit column
+  stride); source i is loaded through `tl.load(src_ptrs + i).to(pointer_type(ELT))`, so N is a
+  runtime loop bound with no cap (C16).
+* D is tiled in BLOCK_D chunks with masks.  ONE_TILE (BLOCK_D >= D) keeps a row in registers, so
+  every source row is read exactly once.  Otherwise every source row is walked twice over its D
+  tiles (sums first, then the update; the second walk hits cache) and the cross-source
+  accumulators live in fp32 workspaces private to the program.  No cap on D either (C16).
+* Every intermediate is fp32; the only casts to the source dtype are the final stores (C10,
+  spec 2.4).  The online softmax starts from m = -inf, so N = 1 returns x_0 exactly (C6).
+* No atomics: every reduction has a fixed order (C15).
+* ALIGNED (host-checked): every table pointer is 16-byte aligned and every row stride a multiple
+  of VEC = 16 / itemsize elements; the hints let the compiler vectorise loads from table pointers.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _source(src_ptrs, src_strides, i, ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer and row stride (elements) of source i, read from the tables."""
+    base = tl.load(src_ptrs + i).to(tl.pointer_type(ELT))
+    stride = tl.load(src_strides + i)
+    if ALIGNED:  # hints on the cast pointer (a hint on the int64 does not survive the cast)
+        base = tl.multiple_of(base, 16)
+        stride = tl.multiple_of(stride, VEC)
+    return base, stride
+
+
+@triton.jit
+def _to_elt(x, ELT: tl.constexpr):
+    """The one final cast of an fp32 value to the sources' dtype (C10), round to nearest even.
+    fp32 -> bf16 goes through the bits (as PyTorch does) because the Triton interpreter's own
+    conversion truncates; on GPUs this equals cvt.rn.bf16.f32."""
+    if ELT == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(x != x, 0x7FC0, r).to(tl.uint16)              # NaN stays a quiet NaN
+        return r.to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(ELT)
+
+
+@triton.jit
+def _rsqrt_mean(ss, D, eps):
+    """r = 1 / sqrt(sum(x^2) / D + eps) (spec 2.1), in fp32."""
+    return 1.0 / tl.sqrt_rn(ss / D + eps)
+
+
+@triton.jit
+def _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3, rmask3, q3, smask3, col3, cmask3,
+             PER_TOKEN: tl.constexpr, HAS_GAIN: tl.constexpr):
+    """qg = q * g in fp32: `[BLOCK_T, 1, BLOCK_D]` per token or `[1, BLOCK_S, BLOCK_D]` shared."""
+    if PER_TOKEN:
+        qg = tl.load(q_ptr + row3 * q_stride + col3, mask=rmask3 & cmask3, other=0.0).to(tl.float32)
+    else:
+        qg = tl.load(q_ptr + q3 * q_stride + col3, mask=smask3 & cmask3, other=0.0).to(tl.float32)
+    if HAS_GAIN:
+        qg = qg * tl.load(g_ptr + q3 * g_stride + col3, mask=smask3 & cmask3, other=0.0).to(tl.float32)
+    return qg
+
+
+@triton.jit
+def _depth_fwd_kernel(
+    src_ptrs, src_strides,          # int64 [N] tables of the `[T, D]` source views
+    q_ptr, q_stride,                # queries [S, D] (shared) or one per-token query [T, D] (S = 1)
+    g_ptr, g_stride,                # gains [S, D] (HAS_GAIN)
+    out_ptr, lse_ptr, acc_ptr,      # out [S, T, D] source dtype; lse [S, T] fp32; acc [S, T, D] fp32
+    N, T, S, D, eps, scale,
+    ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, PER_TOKEN: tl.constexpr,
+    HAS_GAIN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+):
+    """Forward and phase 1 (spec 2.1 and 3.1): one online-softmax pass over the N sources for
+    BLOCK_S queries at once; each source row is loaded once and used by all of them.
+
+    Grid (cdiv(S, BLOCK_S) * cdiv(T, BLOCK_T),), one axis (no 65535 limit on T); the query
+    group varies fastest so the groups that share rows run together.  acc_ptr is touched only
+    when not ONE_TILE.
+    """
+    num_groups = tl.cdiv(S, BLOCK_S)
+    rows = (tl.program_id(0) // num_groups) * BLOCK_T + tl.arange(0, BLOCK_T)   # [BLOCK_T]
+    qidx = (tl.program_id(0) % num_groups) * BLOCK_S + tl.arange(0, BLOCK_S)    # [BLOCK_S]
+    row3 = rows.to(tl.int64)[:, None, None]                        # [BLOCK_T, 1, 1]
+    q3 = qidx[None, :, None]                                       # [1, BLOCK_S, 1]
+    rmask3 = row3 < T
+    smask3 = q3 < S
+    row2 = rows.to(tl.int64)[:, None]                              # [BLOCK_T, 1]
+    q2 = qidx.to(tl.int64)[None, :]                                # [1, BLOCK_S]
+    mask2 = (row2 < T) & (q2 < S)                                  # [BLOCK_T, BLOCK_S]
+    out_row3 = q3.to(tl.int64) * T * D + row3 * D                  # [BLOCK_T, BLOCK_S, 1]
+    m = tl.full([BLOCK_T, BLOCK_S], float("-inf"), tl.float32)     # running max of z
+    l = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)                   # running sum of exp(z - m)
+    if ONE_TILE:
+        col3 = tl.arange(0, BLOCK_D)[None, None, :]                # [1, 1, BLOCK_D]
+        cmask3 = col3 < D
+        qg = _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3, rmask3, q3, smask3, col3, cmask3,
+                      PER_TOKEN, HAS_GAIN)
+        acc = tl.zeros([BLOCK_T, BLOCK_S, BLOCK_D], tl.float32)    # sum_i exp(z_i - m) x_i
+        for i in range(N):
+            base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+            x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
+                        other=0.0).to(tl.float32)                  # [BLOCK_T, 1, BLOCK_D]
+            r = _rsqrt_mean(tl.sum(x * x, axis=2), D, eps)         # [BLOCK_T, 1]
+            z = scale * r * tl.sum(x * qg, axis=2)                 # [BLOCK_T, BLOCK_S]
+            m_new = tl.maximum(m, z)
+            alpha = tl.exp(m - m_new)
+            beta = tl.exp(z - m_new)
+            l = l * alpha + beta
+            acc = acc * alpha[:, :, None] + beta[:, :, None] * x
+            m = m_new
+        out = acc / l[:, :, None]
+        tl.store(out_ptr + out_row3 + col3, _to_elt(out, ELT), mask=rmask3 & smask3 & cmask3)
+    else:
+        for i in range(N):
+            base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+            ss = tl.zeros([BLOCK_T, 1], tl.float32)
+            s = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+            for d0 in range(0, D, BLOCK_D):                        # walk 1: sum(x^2), <qg, x>
+                col3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
+                cmask3 = col3 < D
+                qg = _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3, rmask3, q3, smask3, col3,
+                              cmask3, PER_TOKEN, HAS_GAIN)
+                x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
+                            other=0.0).to(tl.float32)              # [BLOCK_T, 1, BLOCK_D]
+                ss += tl.sum(x * x, axis=2)
+                s += tl.sum(x * qg, axis=2)
+            z = scale * _rsqrt_mean(ss, D, eps) * s                # [BLOCK_T, BLOCK_S]
+            m_new = tl.maximum(m, z)
+            alpha = tl.exp(m - m_new)                              # [BLOCK_T, BLOCK_S]
+            beta = tl.exp(z - m_new)
+            l = l * alpha + beta
+            for d0 in range(0, D, BLOCK_D):                        # walk 2: acc = acc alpha + beta x
+                col3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
+                cmask3 = col3 < D
+                x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
+                            other=0.0).to(tl.float32)
+                wmask = rmask3 & smask3 & cmask3                   # [BLOCK_T, BLOCK_S, BLOCK_D]
+                acc = tl.load(acc_ptr + out_row3 + col3, mask=wmask & (i > 0), other=0.0)
+                tl.store(acc_ptr + out_row3 + col3, acc * alpha[:, :, None] + beta[:, :, None] * x,
+                         mask=wmask)
+            tl.debug_barrier()
+            m = m_new
+        for d0 in range(0, D, BLOCK_D):
+            col3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
+            wmask = rmask3 & smask3 & (col3 < D)
+            acc = tl.load(acc_ptr + out_row3 + col3, mask=wmask, other=0.0)
+            tl.store(out_ptr + out_row3 + col3, _to_elt(acc / l[:, :, None], ELT), mask=wmask)
+    tl.store(lse_ptr + q2 * T + row2, m + tl.log(l), mask=mask2)
+
+
+@triton.jit
+def _qg_rows(q_ptr, q_stride, g_ptr, row2, col2, mask2, cmask2, PER_TOKEN: tl.constexpr,
+             HAS_GAIN: tl.constexpr):
+    """(q, qg = q * g) in fp32: `[BLOCK_T, BLOCK_D]` per token or `[1, BLOCK_D]` shared."""
+    if PER_TOKEN:
+        q = tl.load(q_ptr + row2 * q_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+    else:
+        q = tl.load(q_ptr + col2, mask=cmask2, other=0.0).to(tl.float32)
+    qg = q
+    if HAS_GAIN:
+        qg = q * tl.load(g_ptr + col2, mask=cmask2, other=0.0).to(tl.float32)
+    return q, qg
+
+
+@triton.jit
+def _bwd_row_sums(base, stride, q_ptr, q_stride, g_ptr, dout_ptr, dout_stride, row2, rmask2, D,
+                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PER_TOKEN: tl.constexpr,
+                  HAS_GAIN: tl.constexpr):
+    """Walk D in `[BLOCK_T, BLOCK_D]` tiles: sum(x^2), <qg, x>, <go, x>, each `[BLOCK_T]`."""
+    ss = tl.zeros([BLOCK_T], tl.float32)
+    s = tl.zeros([BLOCK_T], tl.float32)
+    dp = tl.zeros([BLOCK_T], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
+        cmask2 = col2 < D
+        mask2 = rmask2 & cmask2
+        _, qg = _qg_rows(q_ptr, q_stride, g_ptr, row2, col2, mask2, cmask2, PER_TOKEN, HAS_GAIN)
+        x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
+        go = tl.load(dout_ptr + row2 * dout_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+        s += tl.sum(x * qg, axis=1)
+        dp += tl.sum(x * go, axis=1)
+    return ss, s, dp
+
+
+@triton.jit
+def _depth_bwd_kernel(
+    src_ptrs, src_strides, dsrc_ptrs,   # int64 [N] tables; d_sources are contiguous [T, D]
+    q_ptr, q_stride, g_ptr,             # query [D] (q_stride 0) or [T, D]; gain [D] (HAS_GAIN)
+    out_ptr, out_stride, dout_ptr, dout_stride, lse_ptr, dlse_ptr,
+    dq_ptr,                             # PER_TOKEN: d_query [T, D] fp32
+    ws_ptr,                             # [num_programs, D] fp32 partial sums (see below)
+    N, T, D, eps, scale, num_row_blocks,
+    ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, PER_TOKEN: tl.constexpr,
+    HAS_GAIN: tl.constexpr, HAS_DLSE: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
+):
+    """Backward (spec 2.3), one query.  Grid (num_programs,); program p handles the row blocks
+    p, p + num_programs, ... and writes one row of partial sums to ws_ptr[p] (no atomics; the host
+    reduces ws in a fixed order): sum_t dqg_t for a shared query, sum_t dqg_t * q_t for a
+    per-token query with a gain (d_gain); zeros otherwise.
+
+    delta = <go, out> is computed in fp32 (C10): from `out` when it is fp32 (DELTA_FROM_OUT),
+    else as sum_i p_i <go, x_i> in an extra walk over the sources (the rows of one row block are
+    re-read right after, mostly from cache), never from the rounded low-precision `out`.
+    """
+    pid = tl.program_id(0)
+    npid = tl.num_programs(0)
+    ws_row = ws_ptr + pid.to(tl.int64) * D                        # this program's ws row
+    if ONE_TILE:
+        cols = tl.arange(0, BLOCK_D)                               # [BLOCK_D]
+        col2 = cols[None, :]                                       # [1, BLOCK_D]
+        cmask2 = col2 < D
+        part = tl.zeros([BLOCK_D], tl.float32)                     # this program's ws row
+        for rb in range(pid, num_row_blocks, npid):
+            rows = rb * BLOCK_T + tl.arange(0, BLOCK_T)            # [BLOCK_T]
+            rmask = rows < T
+            row2 = rows.to(tl.int64)[:, None]                      # [BLOCK_T, 1]
+            mask2 = (row2 < T) & cmask2                            # [BLOCK_T, BLOCK_D]
+            q, qg = _qg_rows(q_ptr, q_stride, g_ptr, row2, col2, mask2, cmask2, PER_TOKEN, HAS_GAIN)
+            go = tl.load(dout_ptr + row2 * dout_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+            shift = tl.load(lse_ptr + rows, mask=rmask, other=0.0)          # lse [BLOCK_T]
+            if DELTA_FROM_OUT:
+                o = tl.load(out_ptr + row2 * out_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                delta = tl.sum(go * o, axis=1)                              # [BLOCK_T]
+            else:
+                delta = tl.zeros([BLOCK_T], tl.float32)
+                for i in range(N):
+                    base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+                    x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                    r = _rsqrt_mean(tl.sum(x * x, axis=1), D, eps)
+                    delta += tl.exp(scale * r * tl.sum(x * qg, axis=1) - shift) * tl.sum(x * go, axis=1)
+            if HAS_DLSE:
+                delta -= tl.load(dlse_ptr + rows, mask=rmask, other=0.0)
+            dqg = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+            for i in range(N):
+                base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+                x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                r = _rsqrt_mean(tl.sum(x * x, axis=1), D, eps)             # [BLOCK_T]
+                s = tl.sum(x * qg, axis=1)
+                p = tl.exp(scale * r * s - shift)
+                c = p * (tl.sum(x * go, axis=1) - delta) * scale * r       # dz_i scale r_i
+                dx = p[:, None] * go + c[:, None] * qg - (c * s * r * r / D)[:, None] * x
+                dbase = tl.load(dsrc_ptrs + i).to(tl.pointer_type(ELT))
+                tl.store(dbase + row2 * D + col2, _to_elt(dx, ELT), mask=mask2)
+                dqg += c[:, None] * x
+            if PER_TOKEN:
+                dq = dqg
+                if HAS_GAIN:
+                    dq = dqg * tl.load(g_ptr + col2, mask=cmask2, other=0.0).to(tl.float32)
+                    part += tl.sum(dqg * q, axis=0)
+                tl.store(dq_ptr + row2 * D + col2, dq, mask=mask2)
+            else:
+                part += tl.sum(dqg, axis=0)
+        tl.store(ws_row + cols, part, mask=cols < D)
+    else:
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            tl.store(ws_row + cols, tl.zeros([BLOCK_D], tl.float32), mask=cols < D)
+        for rb in range(pid, num_row_blocks, npid):
+            rows = rb * BLOCK_T + tl.arange(0, BLOCK_T)            # [BLOCK_T]
+            rmask = rows < T
+            row2 = rows.to(tl.int64)[:, None]                      # [BLOCK_T, 1]
+            rmask2 = row2 < T
+            shift = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+            delta = tl.zeros([BLOCK_T], tl.float32)
+            if DELTA_FROM_OUT:
+                for d0 in range(0, D, BLOCK_D):
+                    col2 = d0 + tl.arange(0, BLOCK_D)[None, :]     # [1, BLOCK_D]
+                    mask2 = rmask2 & (col2 < D)                    # [BLOCK_T, BLOCK_D]
+                    go = tl.load(dout_ptr + row2 * dout_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                    o = tl.load(out_ptr + row2 * out_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                    delta += tl.sum(go * o, axis=1)
+            else:
+                for i in range(N):
+                    base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+                    ss, s, dp = _bwd_row_sums(base, stride, q_ptr, q_stride, g_ptr, dout_ptr,
+                                              dout_stride, row2, rmask2, D, BLOCK_T, BLOCK_D,
+                                              PER_TOKEN, HAS_GAIN)
+                    delta += tl.exp(scale * _rsqrt_mean(ss, D, eps) * s - shift) * dp
+            if HAS_DLSE:
+                delta -= tl.load(dlse_ptr + rows, mask=rmask, other=0.0)
+            if PER_TOKEN:                                          # dq rows accumulate dqg
+                for d0 in range(0, D, BLOCK_D):
+                    col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
+                    tl.store(dq_ptr + row2 * D + col2, tl.zeros([BLOCK_T, BLOCK_D], tl.float32),
+                             mask=rmask2 & (col2 < D))
+            for i in range(N):
+                base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+                ss, s, dp = _bwd_row_sums(base, stride, q_ptr, q_stride, g_ptr, dout_ptr,
+                                          dout_stride, row2, rmask2, D, BLOCK_T, BLOCK_D,
+                                          PER_TOKEN, HAS_GAIN)     # walk 1
+                r = _rsqrt_mean(ss, D, eps)
+                p = tl.exp(scale * r * s - shift)
+                c = p * (dp - delta) * scale * r
+                dbase = tl.load(dsrc_ptrs + i).to(tl.pointer_type(ELT))
+                for d0 in range(0, D, BLOCK_D):                    # walk 2: dx_i, dqg += c x_i
+                    col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
+                    cmask2 = col2 < D
+                    mask2 = rmask2 & cmask2
+                    _, qg = _qg_rows(q_ptr, q_stride, g_ptr, row2, col2, mask2, cmask2, PER_TOKEN,
+                                     HAS_GAIN)
+                    x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                    go = tl.load(dout_ptr + row2 * dout_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                    dx = p[:, None] * go + c[:, None] * qg - (c * s * r * r / D)[:, None] * x
+                    tl.store(dbase + row2 * D + col2, _to_elt(dx, ELT), mask=mask2)
+                    if PER_TOKEN:
+                        acc = tl.load(dq_ptr + row2 * D + col2, mask=mask2, other=0.0)
+                        tl.store(dq_ptr + row2 * D + col2, acc + c[:, None] * x, mask=mask2)
+                    else:
+                        acc = tl.load(ws_row + col2, mask=cmask2, other=0.0)
+                        tl.store(ws_row + col2, acc + tl.sum(c[:, None] * x, axis=0)[None, :],
+                                 mask=cmask2)
+                tl.debug_barrier()
+            if PER_TOKEN:
+                if HAS_GAIN:                                       # dq = dqg g; ws += sum_t dqg q
+                    for d0 in range(0, D, BLOCK_D):
+                        col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
+                        cmask2 = col2 < D
+                        mask2 = rmask2 & cmask2
+                        dqg = tl.load(dq_ptr + row2 * D + col2, mask=mask2, other=0.0)
+                        q, _ = _qg_rows(q_ptr, q_stride, g_ptr, row2, col2, mask2, cmask2,
+                                        PER_TOKEN, False)
+                        g = tl.load(g_ptr + col2, mask=cmask2, other=0.0).to(tl.float32)
+                        tl.store(dq_ptr + row2 * D + col2, dqg * g, mask=mask2)
+                        acc = tl.load(ws_row + col2, mask=cmask2, other=0.0)
+                        tl.store(ws_row + col2, acc + tl.sum(dqg * q, axis=0)[None, :],
+                                 mask=cmask2)
+                    tl.debug_barrier()
+
+
+@triton.jit
+def _merge_source(part_ptr, part_stride, upd_ptr, upd_stride, newp_ptr, row2, col2, mask2, D,
+                  ELT: tl.constexpr, HAS_UPDATE: tl.constexpr, STORE: tl.constexpr):
+    """The merged source tile b `[BLOCK_T, BLOCK_D]` in fp32: partial, or with HAS_UPDATE the
+    new partial cast(partial + update) (stored to newp_ptr when STORE)."""
+    b = tl.load(part_ptr + row2 * part_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+    if HAS_UPDATE:
+        u = tl.load(upd_ptr + row2 * upd_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+        b = _to_elt(b + u, ELT)
+        if STORE:
+            tl.store(newp_ptr + row2 * D + col2, b, mask=mask2)
+        b = b.to(tl.float32)
+    return b
+
+
+@triton.jit
+def _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, row2, col2, mask2, D, ELT: tl.constexpr):
+    """out = w1 out1 + (1 - w1) b on one `[BLOCK_T, BLOCK_D]` tile (the final cast)."""
+    o1 = tl.load(o1_ptr + row2 * o1_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row2 * D + col2, _to_elt(w1[:, None] * o1 + (1.0 - w1)[:, None] * b, ELT),
+             mask=mask2)
+
+
+@triton.jit
+def _merge_kernel(
+    o1_ptr, o1_stride, lse1_ptr,        # phase-1 out [T, D] (rows strided) and lse [T] fp32
+    part_ptr, part_stride,              # partial [T, D]
+    upd_ptr, upd_stride, newp_ptr,      # HAS_UPDATE: new sublayer output [T, D] -> new partial [T, D]
+    q_ptr, q_stride, g_ptr,             # query [D] (q_stride 0) or [T, D]; gain [D] (HAS_GAIN)
+    out_ptr, lse_ptr,                   # out [T, D] source dtype (contiguous), lse [T] fp32
+    T, D, eps, scale,
+    ELT: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_UPDATE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
+):
+    """Phase-2 merge (spec 3.2, Algorithm 1), tiles [BLOCK_T, BLOCK_D]:
+        z2 = scale r(b) <qg, b>,  w1 = sigmoid(lse1 - z2),  out = w1 out1 + (1 - w1) b,
+        lse = logaddexp(lse1, z2)
+    where b = partial, or with HAS_UPDATE b = cast(partial + update) (Algorithm 1's
+    b_n^i = b_n^{i-1} + f_l(h_l), stored to newp_ptr, rounded exactly as an unfused add would).
+    """
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)     # [BLOCK_T]
+    rmask = rows < T
+    row2 = rows.to(tl.int64)[:, None]                              # [BLOCK_T, 1]
+    lse1 = tl.load(lse1_ptr + rows, mask=rmask, other=0.0)         # [BLOCK_T]
+    if ONE_TILE:
+        col2 = tl.arange(0, BLOCK_D)[None, :]                      # [1, BLOCK_D]
+        mask2 = (row2 < T) & (col2 < D)                            # [BLOCK_T, BLOCK_D]
+        b = _merge_source(part_ptr, part_stride, upd_ptr, upd_stride, newp_ptr, row2, col2, mask2,
+                          D, ELT, HAS_UPDATE, True)
+        qg = tl.load(q_ptr + row2 * q_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+        if HAS_GAIN:
+            qg = qg * tl.load(g_ptr + col2, mask=col2 < D, other=0.0).to(tl.float32)
+        z2 = scale * _rsqrt_mean(tl.sum(b * b, axis=1), D, eps) * tl.sum(b * qg, axis=1)
+        w1 = 1.0 / (1.0 + tl.exp(z2 - lse1))
+        _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, row2, col2, mask2, D, ELT)
+    else:
+        ss = tl.zeros([BLOCK_T], tl.float32)
+        s = tl.zeros([BLOCK_T], tl.float32)
+        for d0 in range(0, D, BLOCK_D):                            # walk 1: sum(b^2), <qg, b>
+            col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
+            mask2 = (row2 < T) & (col2 < D)
+            b = _merge_source(part_ptr, part_stride, upd_ptr, upd_stride, newp_ptr, row2, col2,
+                              mask2, D, ELT, HAS_UPDATE, True)
+            qg = tl.load(q_ptr + row2 * q_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+            if HAS_GAIN:
+                qg = qg * tl.load(g_ptr + col2, mask=col2 < D, other=0.0).to(tl.float32)
+            ss += tl.sum(b * b, axis=1)
+            s += tl.sum(b * qg, axis=1)
+        z2 = scale * _rsqrt_mean(ss, D, eps) * s
+        w1 = 1.0 / (1.0 + tl.exp(z2 - lse1))
+        for d0 in range(0, D, BLOCK_D):                            # walk 2: the merged output
+            col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
+            mask2 = (row2 < T) & (col2 < D)
+            b = _merge_source(part_ptr, part_stride, upd_ptr, upd_stride, newp_ptr, row2, col2,
+                              mask2, D, ELT, HAS_UPDATE, False)
+            _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, row2, col2, mask2, D, ELT)
+    mx = tl.maximum(lse1, z2)
+    tl.store(lse_ptr + rows, mx + tl.log(tl.exp(lse1 - mx) + tl.exp(z2 - mx)), mask=rmask)
+
+
+@triton.jit
+def _reduce_rows_kernel(ws_ptr, out_ptr, P, D, BLOCK_D: tl.constexpr):
+    """out[d] = sum_p ws[p, d], p ascending (a fixed order: deterministic).  Tile [BLOCK_D]."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    row = ws_ptr                                                   # ws[p], p = 0, 1, ... (64-bit)
+    for _ in range(P):
+        acc += tl.load(row + cols, mask=cmask, other=0.0)
+        row += D
+    tl.store(out_ptr + cols, acc, mask=cmask)

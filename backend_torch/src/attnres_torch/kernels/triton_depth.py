@@ -1,0 +1,277 @@
+"""Host side of the Triton depth-attention kernels (`_depth_kernels.py`): argument layout, tile
+choice, launches.  Imports without Triton; `supports(...)` is then False.
+
+Callers (`attnres_torch.library`) validate arguments with `attnres_numpy.validation` first and ask
+`supports(...)` before calling.  Shapes: N sources `[..., D]` of one shape and dtype (any strides;
+a source is passed as a `[T, D]` row view with unit column stride, copied only when no such view
+exists), query `[D]` or `[..., D]`, norm_weight `[D]` or None.  The token axes flatten to T rows.
+
+Test hooks: every output and workspace buffer comes from `_alloc` and every launch goes through
+`_launch`; `_MAX_BLOCK_D`, `_TILE_ELEMS` and `_BWD_PROGRAMS` set the tiling.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    from . import _depth_kernels as _k
+except ImportError:  # Triton is optional: supports() is False without it.
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_BLOCK_D = 16384     # widest D tile held in registers; wider rows walk D in tiles
+_TILE_ELEMS = 8192       # elements of one [BLOCK_T, BLOCK_S, BLOCK_D] tile (sets BLOCK_T, BLOCK_S)
+_BWD_PROGRAMS = 1024     # most backward programs, i.e. rows of the partial-sum workspace
+
+
+def _alloc(shape, dtype, device) -> Tensor:
+    """Every output and workspace buffer (tests poison it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _launch(kernel, grid, *args, **meta) -> None:
+    """Every kernel launch (tests count them)."""
+    kernel[grid](*args, **meta)
+
+
+def supports(sources, query, norm_weight, *, num_heads, activation, key_norm) -> bool:
+    """True when these kernels compute this call: Triton importable; every tensor on CUDA (or on
+    CPU under TRITON_INTERPRET=1); softmax, key_norm, one head; fp16/bf16/fp32 sources of one
+    shape and dtype with D >= 1; query `[D]` or shaped like a source; norm_weight `[D]` or None."""
+    if triton is None or activation != "softmax" or not key_norm or num_heads != 1:
+        return False
+    sources = list(sources)
+    if not sources or not all(isinstance(s, Tensor) for s in sources):
+        return False
+    x0 = sources[0]
+    tensors = sources + [query] + ([] if norm_weight is None else [norm_weight])
+    if not all(t.is_cuda for t in tensors) and not (_INTERPRET and all(t.device.type == "cpu"
+                                                                       for t in tensors)):
+        return False
+    if x0.dtype not in _DTYPES or x0.ndim < 1 or x0.shape[-1] < 1:
+        return False
+    if any(s.dtype != x0.dtype or s.shape != x0.shape for s in sources):
+        return False
+    dim = x0.shape[-1]
+    if not query.is_floating_point() or tuple(query.shape) not in ((dim,), tuple(x0.shape)):
+        return False
+    return norm_weight is None or (norm_weight.is_floating_point()
+                                   and tuple(norm_weight.shape) == (dim,))
+
+
+def _elt(dtype: torch.dtype):
+    """The Triton element type of a source dtype."""
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _rows(t: Tensor, dim: int) -> Tensor:
+    """`[..., D]` -> `[T, D]` with unit column stride: a view when one exists, else a copy."""
+    v = t.reshape(-1, dim)
+    return v if v.stride(1) == 1 or dim == 1 else v.contiguous()
+
+
+def _tiles(num_rows: int, dim: int, num_queries: int = 1, share: int = 1):
+    """(BLOCK_T, BLOCK_S, BLOCK_D, ONE_TILE, num_warps) for `[BLOCK_T, BLOCK_S, BLOCK_D]` tiles of
+    at most `_TILE_ELEMS // share` elements (the backward keeps about twice as many tiles live)."""
+    elems = max(1, _TILE_ELEMS // share)
+    block_d = min(_pow2(dim), _MAX_BLOCK_D)
+    block_s = min(_pow2(num_queries), max(1, elems // block_d))
+    block_t = min(_pow2(num_rows), max(1, elems // (block_d * block_s)))
+    num_warps = min(16, max(1, block_t * block_s * block_d // 512))
+    return block_t, block_s, block_d, block_d >= dim, num_warps
+
+
+_TABLES: dict = {}       # (device, int64 values) -> device tensor; the host-to-device copy once
+_MAX_TABLES = 256
+
+
+def _device_table(values: Sequence[int], device) -> Tensor:
+    """An int64 device tensor holding `values` (pointers or strides), cached by value (safe:
+    a table holds plain numbers, valid for whatever tensor sits at those addresses at launch)."""
+    key = (str(device), tuple(values))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))
+        table = _TABLES[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    return table
+
+
+class _SourceTable:
+    """Pointer / row-stride tables of N `[T, D]` source views (kept alive with the views)."""
+
+    def __init__(self, sources: Sequence[Tensor], dim: int):
+        self.views = [_rows(s, dim) for s in sources]
+        dev = self.views[0].device
+        self.ptrs = _device_table([v.data_ptr() for v in self.views], dev)
+        self.strides = _device_table([v.stride(0) for v in self.views], dev)
+        self.dtype = self.views[0].dtype
+        self.vec = 16 // self.views[0].element_size()
+        self.aligned = all(v.data_ptr() % 16 == 0 and v.stride(0) % self.vec == 0 for v in self.views)
+        self.elt = _elt(self.dtype)
+
+
+def _as_list(sources) -> List[Tensor]:
+    return list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
+
+
+def _run_forward(table: _SourceTable, q: Tensor, q_stride: int, g: Optional[Tensor], g_stride: int,
+                 num_queries: int, per_token: bool, eps: float, scale: float):
+    """out `[S, T, D]` (source dtype), lse `[S, T]` fp32."""
+    x0 = table.views[0]
+    num_rows, dim = x0.shape
+    dev = x0.device
+    out = _alloc((num_queries, num_rows, dim), table.dtype, dev)
+    lse = _alloc((num_queries, num_rows), torch.float32, dev)
+    if num_rows == 0:
+        return out, lse
+    bt, bs, bd, one_tile, warps = _tiles(num_rows, dim, num_queries)
+    acc = out if one_tile else _alloc((num_queries, num_rows, dim), torch.float32, dev)
+    grid = (triton.cdiv(num_queries, bs) * triton.cdiv(num_rows, bt),)
+    _launch(_k._depth_fwd_kernel, grid, table.ptrs, table.strides, q, q_stride,
+            q if g is None else g, g_stride, out, lse, acc, len(table.views), num_rows, num_queries,
+            dim, float(eps), float(scale), ELT=table.elt, VEC=table.vec, ALIGNED=table.aligned,
+            PER_TOKEN=per_token, HAS_GAIN=g is not None, BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd,
+            ONE_TILE=one_tile, num_warps=warps)
+    return out, lse
+
+
+def _vec(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def forward(sources, query: Tensor, norm_weight: Optional[Tensor], eps: float,
+            scale: float) -> Tuple[Tensor, Tensor]:
+    """Depth attention (spec 2.1): out `[..., D]` in the sources' dtype, lse `[...]` fp32."""
+    sources = _as_list(sources)
+    shape, dim = sources[0].shape, sources[0].shape[-1]
+    table = _SourceTable(sources, dim)
+    per_token = query.ndim > 1
+    q = _rows(query, dim) if per_token else query.contiguous()
+    out, lse = _run_forward(table, q, q.stride(0) if per_token else 0, _vec(norm_weight), 0, 1,
+                            per_token, eps, scale)
+    return out.view(shape), lse.view(shape[:-1])
+
+
+def multi_forward(sources, queries: Tensor, norm_weights: Optional[Tensor], eps: float,
+                  scale: float) -> Tuple[Tensor, Tensor]:
+    """Phase 1 (spec 3.1): queries `[S, D]`, norm_weights `[S, D]` or None ->
+    out `[S, ..., D]` (sources' dtype), lse `[S, ...]` fp32; each source is read once."""
+    sources = _as_list(sources)
+    shape, dim = sources[0].shape, sources[0].shape[-1]
+    num_q = queries.shape[0]
+    table = _SourceTable(sources, dim)
+    q = queries.contiguous()
+    g = _vec(norm_weights)
+    out, lse = _run_forward(table, q, dim, g, dim, num_q, False, eps, scale)
+    return out.view((num_q,) + tuple(shape)), lse.view((num_q,) + tuple(shape[:-1]))
+
+
+def _reduce(ws: Tensor) -> Tensor:
+    """`[P, D]` fp32 -> `[D]`: sums in ascending p (deterministic, no atomics)."""
+    num_p, dim = ws.shape
+    out = _alloc((dim,), torch.float32, ws.device)
+    block = min(_pow2(dim), 1024)
+    _launch(_k._reduce_rows_kernel, (triton.cdiv(dim, block),), ws, out, num_p, dim, BLOCK_D=block)
+    return out
+
+
+def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor, lse: Tensor,
+             d_out: Tensor, d_lse: Optional[Tensor], eps: float, scale: float):
+    """VJP (spec 2.3) -> (d_sources: list `[..., D]` in the sources' dtype, d_query fp32 shaped
+    like query, d_norm_weight fp32 `[D]` or None).  `out`/`lse` are the forward's results; `out`
+    is read only for fp32 sources (a low-precision `out` is rounded, so delta is recomputed)."""
+    sources = _as_list(sources)
+    shape, dim = sources[0].shape, sources[0].shape[-1]
+    table = _SourceTable(sources, dim)
+    num_rows = table.views[0].shape[0]
+    dev = table.views[0].device
+    per_token = query.ndim > 1
+    has_gain = norm_weight is not None
+    q = _rows(query, dim) if per_token else query.contiguous()
+    g = _vec(norm_weight)
+    d_src = [_alloc(tuple(shape), table.dtype, dev) for _ in sources]
+    d_ptrs = _device_table([d.data_ptr() for d in d_src], dev)
+    dq = _alloc((num_rows, dim), torch.float32, dev) if per_token else None
+    bt, _, bd, one_tile, warps = _tiles(num_rows, dim, share=2)
+    num_blocks = triton.cdiv(num_rows, bt)
+    num_programs = max(1, min(num_blocks, _BWD_PROGRAMS))
+    ws = _alloc((num_programs, dim), torch.float32, dev)
+    o2, go2 = _rows(out, dim), _rows(d_out, dim)
+    lse1 = lse.reshape(-1).float().contiguous()
+    dl = None if d_lse is None else d_lse.reshape(-1).float().contiguous()
+    if num_rows:
+        _launch(_k._depth_bwd_kernel, (num_programs,), table.ptrs, table.strides, d_ptrs, q,
+                q.stride(0) if per_token else 0, q if g is None else g, o2, o2.stride(0), go2,
+                go2.stride(0), lse1, lse1 if dl is None else dl, q if dq is None else dq, ws,
+                len(sources), num_rows, dim, float(eps), float(scale), num_blocks, ELT=table.elt,
+                VEC=table.vec, ALIGNED=table.aligned, PER_TOKEN=per_token, HAS_GAIN=has_gain,
+                HAS_DLSE=dl is not None,
+                DELTA_FROM_OUT=table.dtype == torch.float32, BLOCK_T=bt, BLOCK_D=bd, ONE_TILE=one_tile, num_warps=warps)
+    else:
+        ws.zero_()
+        if dq is not None:
+            dq.zero_()
+    if per_token:
+        d_query = dq.view(query.shape)
+        d_gain = _reduce(ws) if has_gain else None
+    else:
+        dqg = _reduce(ws)                                    # sum_t dqg_t
+        d_query = dqg * g.float() if has_gain else dqg
+        d_gain = dqg * q.float() if has_gain else None
+    return d_src, d_query, d_gain
+
+
+def _merge(out1, lse1, partial, update, query, norm_weight, eps, scale):
+    dim = partial.shape[-1]
+    shape = partial.shape
+    dev = partial.device
+    per_token = query.ndim > 1
+    q = _rows(query, dim) if per_token else query.contiguous()
+    g = _vec(norm_weight)
+    o1, b = _rows(out1, dim), _rows(partial, dim)
+    u = None if update is None else _rows(update, dim)
+    l1 = lse1.reshape(-1).float().contiguous()
+    num_rows = b.shape[0]
+    out = _alloc(tuple(shape), partial.dtype, dev)
+    lse = _alloc(tuple(shape[:-1]), torch.float32, dev)
+    newp = None if u is None else _alloc(tuple(shape), partial.dtype, dev)
+    if num_rows:
+        bt, _, bd, one_tile, warps = _tiles(num_rows, dim)
+        _launch(_k._merge_kernel, (triton.cdiv(num_rows, bt),), o1, o1.stride(0), l1, b,
+                b.stride(0), b if u is None else u, 0 if u is None else u.stride(0),
+                out if newp is None else newp, q, q.stride(0) if per_token else 0,
+                q if g is None else g, out, lse, num_rows, dim, float(eps), float(scale), ELT=_elt(partial.dtype),
+                HAS_GAIN=g is not None, HAS_UPDATE=u is not None, BLOCK_T=bt, BLOCK_D=bd,
+                ONE_TILE=one_tile, num_warps=warps)
+    return out, lse, newp
+
+
+def merge_forward(out1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
+                  norm_weight: Optional[Tensor], eps: float, scale: float) -> Tuple[Tensor, Tensor]:
+    """Phase 2 (spec 3.2): merge phase-1 out1 `[..., D]` / lse1 `[...]` with partial `[..., D]`
+    -> out `[..., D]` (partial's dtype), lse `[...]` fp32."""
+    out, lse, _ = _merge(out1, lse1, partial, None, query, norm_weight, eps, scale)
+    return out, lse
+
+
+def merge_update_forward(out1: Tensor, lse1: Tensor, partial: Tensor, update: Tensor, query: Tensor,
+                         norm_weight: Optional[Tensor], eps: float,
+                         scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """Phase 2 fused with the partial-sum update (Algorithm 1): new_partial = partial + update
+    (rounded to partial's dtype once), then `merge_forward(out1, lse1, new_partial, ...)`.
+    Returns (out, lse, new_partial)."""
+    return _merge(out1, lse1, partial, update, query, norm_weight, eps, scale)

@@ -1,0 +1,166 @@
+"""The spec's ops for torch tensors (spec sections 2-3): `depth_attention`,
+`depth_attention_multi`, `merge_partial`.
+
+Each call is validated with `attnres_numpy.validation` (same messages as every backend), then
+dispatched (`dispatch.py`) to the Triton kernels, the chunked CPU kernel (both as `torch.library`
+custom ops with explicit backward, `library.py`) or the differentiable composition
+(`composite.py`).  Inputs are never modified; nothing is capped.
+"""
+
+from __future__ import annotations
+
+import torch
+from attnres_numpy import validation
+
+from . import composite, dispatch, library
+from ._args import Sources, check_same_device, dtype_name, optional_tensor, require_tensor, split_sources
+
+_FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _name(t):
+    return None if t is None else dtype_name(t)
+
+
+def _shape(t):
+    return None if t is None else tuple(t.shape)
+
+
+def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, eps: float = 1e-6,
+                    scale: float = 1.0, num_heads: int = 1, activation: str = "softmax",
+                    key_norm: bool = True, return_lse: bool = False, return_weights: bool = False):
+    """Depth attention over N sources (spec section 2, C1-C12).
+
+    Args:
+      sources: a list/tuple of N tensors `[..., D]` (never stacked on a fast path) or one stacked
+        tensor `[N, ..., D]`.
+      query: pseudo-query `[D]` or per-token query `[..., D]`, any floating dtype.
+      norm_weight: key RMSNorm gain `[D]` or None.
+      eps, scale, num_heads, activation, key_norm: spec options.
+      return_lse / return_weights: also return lse `[...]` (`[..., H]` if H > 1; compute dtype,
+        differentiable) and the depth weights `[N, ...]` (`[N, ..., H]`; not differentiable).
+
+    Returns out `[..., D]` in the sources' dtype, or `(out, lse?, weights?)`.
+    """
+    xs, stacked, shapes, dtypes = split_sources(sources)
+    query = require_tensor("query", query)
+    norm_weight = optional_tensor("norm_weight", norm_weight)
+    geo = validation.check_depth_attention(
+        shapes, dtypes, tuple(query.shape), dtype_name(query), _shape(norm_weight), _name(norm_weight),
+        stacked=stacked, eps=eps, scale=scale, num_heads=num_heads, activation=activation,
+        key_norm=key_norm, return_lse=return_lse)
+    tensors = xs + [query] + ([] if norm_weight is None else [norm_weight])
+    check_same_device([(f"sources[{i}]", s) for i, s in enumerate(xs)]
+                      + [("query", query), ("norm_weight", norm_weight)])
+    default_op = (activation == "softmax" and key_norm and geo.num_heads == 1
+                  and xs[0].dtype in _FAST_DTYPES)
+    eps, scale = float(eps), float(scale)
+
+    def triton_supports():
+        return dispatch.triton_kernels().supports(xs, query, norm_weight, num_heads=geo.num_heads,
+                                                  activation=activation, key_norm=key_norm)
+
+    impl = dispatch.record(dispatch.choose(tensors, default_op=default_op,
+                                           triton_supports=triton_supports))
+    if impl == "composite":
+        out, lse, weights = composite.depth_attention(
+            xs, query, norm_weight, eps=eps, scale=scale, num_heads=geo.num_heads,
+            activation=activation, key_norm=key_norm)
+        if lse is not None and geo.num_heads == 1:
+            lse = lse[..., 0]
+    else:
+        out, lse = library.depth_attention_op(xs, query, norm_weight, eps, scale, impl)
+        weights = None
+    extra = []
+    if return_lse:
+        extra.append(lse)
+    if return_weights:
+        if weights is None:
+            weights = _weights(xs, query, norm_weight, lse, eps=eps, scale=scale)
+        weights = weights.detach()
+        extra.append(weights[..., 0] if geo.num_heads == 1 else weights)
+    return (out, *extra) if extra else out
+
+
+@torch.no_grad()
+def _weights(xs, query, norm_weight, lse, *, eps, scale):
+    """Softmax depth weights `[N, ..., 1]` of a fast-path call: p_i = exp(z_i - lse), one source
+    at a time (no stack of the sources)."""
+    z = torch.cat([composite.logits([x], query, norm_weight, eps=eps, scale=scale, num_heads=1,
+                                    key_norm=True, cdtype=torch.float32) for x in xs])
+    return torch.exp(z - lse.unsqueeze(0).unsqueeze(-1))
+
+
+def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=None, *,
+                          eps: float = 1e-6, scale: float = 1.0):
+    """Phase 1 of the two-phase schedule (spec 3.1): S pseudo-queries over N sources, every
+    source read once for all S (softmax, key norm, one head).
+
+    Args: sources N x `[..., D]` or `[N, ..., D]`; queries `[S, D]`; norm_weights `[S, D]` or None.
+    Returns (out `[S, ..., D]` in the sources' dtype, lse `[S, ...]` in the compute dtype).
+    """
+    xs, stacked, shapes, dtypes = split_sources(sources)
+    queries = require_tensor("queries", queries)
+    norm_weights = optional_tensor("norm_weights", norm_weights)
+    validation.check_multi(shapes, dtypes, tuple(queries.shape), dtype_name(queries),
+                           _shape(norm_weights), _name(norm_weights), stacked=stacked, eps=eps,
+                           scale=scale)
+    check_same_device([(f"sources[{i}]", s) for i, s in enumerate(xs)]
+                      + [("queries", queries), ("norm_weights", norm_weights)])
+    tensors = xs + [queries] + ([] if norm_weights is None else [norm_weights])
+    eps, scale = float(eps), float(scale)
+
+    def triton_supports():
+        return dispatch.triton_kernels().supports(xs, queries[0], None if norm_weights is None
+                                                  else norm_weights[0], num_heads=1,
+                                                  activation="softmax", key_norm=True)
+
+    impl = dispatch.record(dispatch.choose(tensors, default_op=xs[0].dtype in _FAST_DTYPES,
+                                           triton_supports=triton_supports))
+    if impl != "composite":
+        return library.depth_attention_multi_op(xs, queries, norm_weights, eps, scale, impl)
+    outs, lses = [], []
+    for s in range(queries.shape[0]):
+        out, lse, _ = composite.depth_attention(
+            xs, queries[s], None if norm_weights is None else norm_weights[s], eps=eps, scale=scale,
+            num_heads=1, activation="softmax", key_norm=True)
+        outs.append(out)
+        lses.append(lse[..., 0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
+                  norm_weight=None, *, eps: float = 1e-6, scale: float = 1.0,
+                  return_lse: bool = False):
+    """Phase 2 (spec 3.2): merge phase 1's (out1 `[..., D]`, lse1 `[...]`) with the intra-block
+    partial sum `[..., D]` for query `[D]` | `[..., D]` and gain `[D]` | None.
+
+    Returns out `[..., D]` in partial's dtype (and lse `[...]` in the compute dtype), equal to
+    `depth_attention(phase1_sources + [partial], query, norm_weight)`.  Elementwise work: the
+    Triton kernel serves it on CUDA when no gradient is needed, the composition otherwise.
+    """
+    names = ("out1", "lse1", "partial", "query")
+    out1, lse1, partial, query = (require_tensor(n, t) for n, t in zip(names, (out1, lse1, partial, query)))
+    norm_weight = optional_tensor("norm_weight", norm_weight)
+    validation.check_merge(tuple(out1.shape), dtype_name(out1), tuple(lse1.shape), dtype_name(lse1),
+                           tuple(partial.shape), dtype_name(partial), tuple(query.shape),
+                           dtype_name(query), _shape(norm_weight), _name(norm_weight), eps=eps,
+                           scale=scale)
+    check_same_device(list(zip(names, (out1, lse1, partial, query))) + [("norm_weight", norm_weight)])
+    eps, scale = float(eps), float(scale)
+    tensors = [out1, lse1, partial, query] + ([] if norm_weight is None else [norm_weight])
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    use_triton = (not needs_grad and dispatch.forced() in (None, "triton")
+                  and partial.dtype in _FAST_DTYPES and dispatch.choose(
+                      tensors, default_op=False, triton_supports=lambda: dispatch.triton_kernels()
+                      .supports([partial], query, norm_weight, num_heads=1, activation="softmax",
+                                key_norm=True)) == "triton")
+    if use_triton:
+        dispatch.record("triton")
+        out, lse = dispatch.triton_kernels().merge_forward(out1, lse1, partial, query, norm_weight,
+                                                           eps, scale)
+    else:
+        dispatch.record("composite")
+        out, lse = composite.merge_partial(out1, lse1, partial, query, norm_weight, eps=eps,
+                                           scale=scale)
+    return (out, lse) if return_lse else out

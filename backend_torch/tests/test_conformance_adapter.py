@@ -1,0 +1,45 @@
+"""The conformance adapter: capabilities, strided views, inputs read back, gradients by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from attnres_conformance.backend import Backend, OpCall
+from attnres_numpy import ops as ref
+from attnres_torch.conformance import backend
+
+
+def test_protocol_and_capabilities():
+    assert isinstance(backend, Backend) and backend.name == "torch"
+    caps = backend.capabilities()
+    assert set(caps.dtypes) == {"float64", "float32", "float16", "bfloat16"}
+    assert len(caps.variants) == 11 and "cpu" in caps.devices
+    assert "torch" in backend.versions()
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_strided_call_with_gradients(stacked):
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((3, 4, 6)).astype(np.float32).astype(np.float64)
+    q, g = rng.standard_normal(6) * 0.5, rng.random(6) + 0.5
+    d_out, d_lse = rng.standard_normal((4, 6)), rng.standard_normal(4)
+    sources = xs if stacked else list(xs)
+    call = OpCall("depth_attention", {"sources": sources, "query": q, "norm_weight": g},
+                  attrs={"return_lse": True}, dtype="float32", strided=True,
+                  cotangents={"out": d_out, "lse": d_lse})
+    res = backend.call_op(call)
+    r_out, r_lse = ref.depth_attention(sources, q, g, return_lse=True)
+    np.testing.assert_allclose(res.outputs["out"], r_out, atol=1e-5)
+    np.testing.assert_allclose(res.outputs["lse"], r_lse, atol=1e-5)
+    v = ref.depth_attention_vjp(sources, q, g, d_out.astype(np.float32), d_lse.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(res.grads["sources"]), np.asarray(v["sources"]), atol=1e-4)
+    np.testing.assert_allclose(res.grads["query"], v["query"], atol=1e-4)
+    assert isinstance(res.grads["sources"], list) != stacked
+    np.testing.assert_array_equal(np.asarray(res.inputs_after["sources"]), xs)
+
+
+def test_bad_input_raises_framework_error():
+    call = OpCall("depth_attention", {"sources": [np.ones((2, 4))], "query": np.ones(4),
+                                      "norm_weight": None}, input_dtypes={"query": "int32"})
+    with pytest.raises(TypeError, match="query: expected a floating"):
+        backend.call_op(call)

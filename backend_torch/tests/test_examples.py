@@ -1,0 +1,162 @@
+"""The example LM and the training command: zero-query AttnRes == PreNorm at the logits (the paper's
+initialization argument), a tiny end-to-end `train` run writing the whole report folder, the CLI,
+the deterministic corpus and the plain progress fallback."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from attnres_torch.examples import data, report, train
+from attnres_torch.examples.model import VARIANTS, ExampleLM, variant_config
+
+TINY = dict(dim=16, num_blocks=3, num_heads=2, context=8)
+
+# Zero pseudo-queries give uniform depth weights, so h_l = (sum of the sources) / N_l is the PreNorm
+# stream divided by a positive number; each sublayer's own RMSNorm and the final RMSNorm undo the
+# factor up to their eps: relative logit error ~ eps / (2 * mean(h^2)) ~ 2e-10 at eps = 1e-12 in
+# float64 for this model.  Tolerance: max |diff| <= 1e-8 * (1 + max |logits|).
+ZERO_QUERY_TOL = 1e-8
+
+
+def _paired(name: str, block_size: int = 2):
+    """(standard model, `name` model) with the same non-router weights, float64, eps = 1e-12."""
+    models = []
+    for variant in ("standard", name):
+        torch.manual_seed(0)
+        cfg = variant_config(variant, 2 * TINY["num_blocks"], block_size=block_size)
+        models.append(ExampleLM(cfg, eps=1e-12, **TINY).double())
+    base, model = models
+    shared = {k: v for k, v in base.state_dict().items() if not k.startswith("router.")}
+    missing = model.load_state_dict(shared, strict=False).missing_keys
+    assert missing and all(k.startswith("router.") for k in missing)
+    return base, model
+
+
+@pytest.mark.parametrize("name,block_size", [("full", 2), ("block", 2), ("block", 4), ("input_query", 2),
+                                             ("multihead", 2), ("sigmoid", 2), ("no_key_norm", 2)])
+def test_zero_query_model_equals_prenorm_logits(name, block_size):
+    base, model = _paired(name, block_size)
+    tokens = torch.randint(0, 256, (2, TINY["context"]), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = base(tokens)
+        got = model(tokens)
+        err = float((got - ref).abs().max())
+        assert err <= ZERO_QUERY_TOL * (1 + float(ref.abs().max())), f"{name}: max |diff| {err:.3g}"
+        # negative control: nonzero queries make the models differ, so the check above can fail
+        for p in model.router.parameters():
+            p.add_(0.5)
+        assert float((model(tokens) - ref).abs().max()) > 1e-3
+
+
+def test_window_is_not_prenorm_at_init():
+    """Window keeps only recent sources, so zero queries do not reproduce PreNorm (L = 6, W = 4)."""
+    base, model = _paired("window")
+    assert model.router.config.window == 4
+    tokens = torch.randint(0, 256, (1, TINY["context"]), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert float((model(tokens) - base(tokens)).abs().max()) > 1e-3
+
+
+def test_every_variant_builds_and_runs():
+    tokens = torch.randint(0, 256, (1, 4))
+    for name in VARIANTS:
+        model = ExampleLM(variant_config(name, 6, block_size=4, window=2), **TINY)
+        assert model(tokens).shape == (1, 4, 256), name
+    with pytest.raises(ValueError, match="context = 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def _tiny_args(out, *extra):
+    return ["--residual", "standard,block", "--seeds", "1", "--steps", "3", "--blocks", "2",
+            "--dim", "16", "--heads", "2", "--context", "8", "--batch", "2", "--eval-every", "2",
+            "--eval-batches", "2", "--corpus-bytes", "300000", "--out", str(out), *extra]
+
+
+def _check_metrics(out):
+    meta = json.loads((out / "metrics.json").read_text())
+    runs = {r["variant"]: r for r in meta["runs"]}
+    assert set(runs) == {"standard", "block"}
+    for r in runs.values():
+        assert len(r["train_loss"]) == 3 and all(0 < x < 10 for x in r["train_loss"])
+        assert [v["step"] for v in r["val"]] == [0, 2, 3]
+        assert [d["step"] for d in r["diagnostics"]] == [0, 2]
+        assert len(r["diagnostics"][-1]["grad_norm"]) == 4
+    # paired runs: zero-query Block equals PreNorm at step 0 (float32, eps 1e-6)
+    assert runs["block"]["val"][0]["loss"] == pytest.approx(runs["standard"]["val"][0]["loss"], abs=1e-4)
+    assert runs["standard"]["diagnostics"][0]["rows"] == []
+    assert len(runs["block"]["diagnostics"][0]["rows"]) == 5
+    summary = (out / "summary.md").read_text()
+    assert "| block |" in summary and "| standard |" in summary
+
+
+def test_train_writes_report_with_plots(tmp_path):
+    pytest.importorskip("matplotlib", reason="plot files need matplotlib (the 'plots' extra)")
+    assert train.main(_tiny_args(tmp_path)) == 0
+    _check_metrics(tmp_path)
+    expected = {"metrics.json", "summary.md", *report.PLOT_FILES, "depth_weights_block.png"}
+    assert {p.name for p in tmp_path.iterdir()} == expected
+    assert all((tmp_path / name).stat().st_size > 1000 for name in report.PLOT_FILES)
+
+
+def test_train_without_plots(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"attnres-torch\[plots\]"):
+        train.main(_tiny_args(tmp_path))
+    assert train.main(_tiny_args(tmp_path, "--no-plots")) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"metrics.json", "summary.md"}
+    _check_metrics(tmp_path)
+
+
+def test_cli_help_and_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert all(opt in text for opt in ("--residual", "--seeds", "--steps", "--out"))
+    assert all(name in text for name in VARIANTS)
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--residual", "standard,nope"])
+    assert exc.value.code == 2 and "nope" in capsys.readouterr().err
+    assert train._seeds("3") == [0, 1, 2] and train._seeds("4,7") == [4, 7]
+
+
+def test_corpus_selection_and_split_are_deterministic(tmp_path):
+    for i in range(12):
+        (tmp_path / f"m{i:02d}.py").write_bytes(bytes([65 + i]) * (i + 1))
+    (tmp_path / "notes.txt").write_bytes(b"not python")
+    corpus = data.load_stdlib_corpus(root=str(tmp_path), val_every=5)
+    assert corpus.files == [f"m{i:02d}.py" for i in range(12)]
+    assert bytes(corpus.val.tolist()) == bytes([65 + 4]) * 5 + bytes([65 + 9]) * 10
+    assert corpus.train.numel() + corpus.val.numel() == sum(range(1, 13))
+    again = data.load_stdlib_corpus(root=str(tmp_path), val_every=5)
+    assert torch.equal(corpus.train, again.train) and corpus.describe() == again.describe()
+    capped = data.load_stdlib_corpus(max_bytes=20, root=str(tmp_path), val_every=5)
+    assert capped.train.numel() + capped.val.numel() == 20
+    stdlib = data.load_stdlib_corpus(100_000)
+    assert stdlib.train.numel() > 0 and stdlib.val.numel() > 0
+
+
+def test_batches():
+    seq = torch.arange(100, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    b = data.random_batch(seq, 3, 8, gen)
+    assert b.shape == (3, 9) and b.dtype == torch.int64 and torch.all(b[:, 1:] - b[:, :-1] == 1)
+    fixed = data.fixed_batches(seq, 2, 3, 8)
+    assert len(fixed) == 2 and fixed[0].shape == (3, 9)
+    assert torch.equal(torch.cat(fixed), torch.cat(data.fixed_batches(seq, 2, 3, 8)))
+
+
+def test_plain_progress_fallback(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    bar = train._progress(40)
+    assert isinstance(bar, train._PlainProgress)
+    bar.set_description("block seed 0")
+    bar.set_postfix_str("loss 1.0")
+    for _ in range(40):
+        bar.update()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 20 and lines[-1].startswith("[40/40 100%") and "block seed 0 loss 1.0" in lines[-1]

@@ -1,0 +1,115 @@
+"""Modules: the router against the reference probe network for every variant (value and every
+gradient), two-phase == direct, zero-init Block/Full == PreNorm after the final norm."""
+
+from __future__ import annotations
+
+import attnres_torch as at
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import assert_close
+from attnres_numpy import model
+from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
+
+L, D = 5, 8
+
+
+def _probe(router, emb, w, eps):
+    subs = [lambda h, l=l: torch.tanh(F.rms_norm(h, (D,), eps=eps) @ w[l]) for l in range(L)]
+    return router(emb, subs)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANT_KINDS))
+@pytest.mark.parametrize("dname", ["float64", "float32"])
+def test_router_matches_reference_probe(name, dname):
+    dtype = torch.float64 if dname == "float64" else torch.float32
+    cfg = ResidualConfig.variant(name)
+    rng = np.random.default_rng(sorted(VARIANT_KINDS).index(name))
+    params = {k: rng.standard_normal(s) * 0.5 for k, s in cfg.param_shapes(L, D).items()}
+    emb_np = rng.standard_normal((2, 3, D))
+    w_np = rng.standard_normal((L, D, D)) / 3
+    ct = rng.standard_normal((2, 3, D))
+    router = at.DepthRouter(cfg, L, D).to(dtype)
+    assert {k: tuple(v.shape) for k, v in router.state_dict().items()} == cfg.param_shapes(L, D)
+    router.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+    emb = torch.tensor(emb_np, dtype=dtype, requires_grad=True)
+    w = torch.tensor(w_np, dtype=dtype, requires_grad=True)
+    out = _probe(router, emb, w, cfg.eps)
+    out.backward(torch.tensor(ct, dtype=dtype))
+    assert_close(out, model.probe_forward(cfg, params, emb_np, w_np), dname, "out")
+    grads = model.probe_vjp(cfg, params, emb_np, w_np, ct)
+    assert_close(emb.grad, grads["embedding"], dname, "d_embedding")
+    assert_close(w.grad, grads["sublayer_weights"], dname, "d_sublayer_weights")
+    for k in params:
+        assert_close(getattr(router, k).grad, grads[k], dname, f"d_{k}")
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+def test_two_phase_equals_direct_and_reference(block_size):
+    cfg = ResidualConfig.variant("block", block_size=block_size)
+    rng = np.random.default_rng(block_size)
+    params = {k: rng.standard_normal(s) * 0.5 for k, s in cfg.param_shapes(L, D).items()}
+    emb_np, w_np = rng.standard_normal((4, D)), rng.standard_normal((L, D, D)) / 3
+    outs = {}
+    for schedule in ("direct", "two_phase"):
+        router = at.DepthRouter(cfg, L, D, schedule=schedule)
+        router.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+        with torch.no_grad():
+            outs[schedule] = _probe(router, torch.tensor(emb_np, dtype=torch.float32),
+                                    torch.tensor(w_np, dtype=torch.float32), cfg.eps)
+    ref = model.probe_forward(cfg, params, emb_np, w_np, schedule="two_phase")
+    assert_close(outs["two_phase"], ref, "float32", "two_phase")
+    torch.testing.assert_close(outs["two_phase"], outs["direct"], atol=2e-6, rtol=2e-6)
+
+
+def test_eval_mode_uses_two_phase():
+    router = at.DepthRouter(ResidualConfig.variant("block"), L, D)
+    assert router.active_schedule() == "direct"
+    router.eval()
+    assert router.active_schedule() == "two_phase"
+    with pytest.raises(ValueError, match="two_phase"):
+        at.DepthRouter(ResidualConfig.variant("full"), L, D, schedule="two_phase")
+
+
+@pytest.mark.parametrize("variant", ["full", "block"])
+def test_zero_init_equals_prenorm_after_final_norm(variant):
+    torch.manual_seed(0)
+    base = at.AttnResTransformer(50, 16, 3, 2, ResidualConfig(kind="standard"), eps=1e-12)
+    model_ = at.AttnResTransformer(50, 16, 3, 2, ResidualConfig.variant(variant), eps=1e-12)
+    state = {k: v for k, v in base.state_dict().items() if not k.startswith("router.")}
+    model_.load_state_dict(state, strict=False)
+    tokens = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model_(tokens), base(tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_transformer_trains_and_two_phase_eval_matches():
+    torch.manual_seed(1)
+    net = at.AttnResTransformer(30, 16, 2, 2, ResidualConfig.variant("block", block_size=2))
+    tokens = torch.randint(0, 30, (2, 6))
+    loss = F.cross_entropy(net(tokens).flatten(0, 1), tokens.flatten())
+    loss.backward()
+    assert all(p.grad is not None for p in net.parameters())
+    with torch.no_grad():
+        net.router.queries.normal_()
+        direct = net(tokens)
+        net.eval()
+        two_phase = net(tokens)
+    torch.testing.assert_close(two_phase, direct, atol=1e-5, rtol=1e-5)
+
+
+def test_depth_attention_module_init_and_call():
+    layer = at.DepthAttention(8)
+    assert torch.equal(layer.query, torch.zeros(8)) and torch.equal(layer.norm_weight, torch.ones(8))
+    xs = [torch.randn(3, 8) for _ in range(4)]
+    torch.testing.assert_close(layer(xs), sum(xs) / 4)  # zero query: uniform weights
+
+
+def test_router_errors():
+    router = at.DepthRouter(ResidualConfig.variant("full"), 2, 4)
+    with pytest.raises(ValueError, match="expected 2 sublayers"):
+        router(torch.randn(4), [torch.tanh])
+    stream = router.stream(torch.randn(4))
+    with pytest.raises(ValueError, match="0 of 2 sublayers"):
+        stream.output()

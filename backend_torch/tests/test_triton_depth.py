@@ -1,0 +1,235 @@
+"""Triton depth-attention kernels against the float64 reference, on CPU under TRITON_INTERPRET=1
+(set before Triton is imported: `test_triton_subprocess.py` runs this module in a subprocess, so
+the interpreter never leaks into other test modules; `TRITON_INTERPRET=1 pytest` on this file
+runs it directly).
+
+Every call runs with NaN-poisoned output/workspace buffers (`_alloc` patched), counts its kernel
+launches (`_launch` patched), and compares every output and every gradient (random cotangents,
+d_lse included) with `attnres_numpy.ops` on the float64 upcast of the same inputs.  Tilings are
+forced small so that tiny shapes still cover several D tiles, several query groups, several row
+blocks per backward program and several backward programs.
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported: test_triton_subprocess.py "
+                "runs this module in such a subprocess", allow_module_level=True)
+pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+
+from _helpers import assert_close, f64, rand  # noqa: E402
+from attnres_numpy import ops  # noqa: E402
+from attnres_torch.kernels import triton_depth as td  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+EPS, SCALE = 1e-6, 0.7
+
+# (max D tile, tile elements, backward programs): one tile in registers; D walked in 16-wide
+# tiles with 1-row blocks shared by 2 backward programs; 2-row blocks, one backward program.
+TILINGS = {"one_tile": (16384, 8192, 1024), "d_tiles": (16, 16, 2), "row_blocks": (16384, 16, 1)}
+VARIANTS = [(False, True), (True, True), (False, False)]  # (per-token query, gain)
+DEPTH_CASES = ([("one_tile", n, d, pt, g) for n, d in [(1, 7), (2, 1), (3, 33), (9, 7)]
+                for pt, g in VARIANTS]
+               + [("d_tiles", 2, 33, pt, g) for pt, g in VARIANTS] + [("d_tiles", 9, 33, True, True)]
+               + [("row_blocks", n, d, pt, g) for n, d in [(3, 7), (9, 1)] for pt, g in VARIANTS])
+
+
+@pytest.fixture
+def kernels(monkeypatch, request):
+    """Poisoned buffers + launch counter; `request.param` (optional) names a tiling."""
+    name = getattr(request, "param", "one_tile")
+    max_d, elems, progs = TILINGS[name]
+    monkeypatch.setattr(td, "_MAX_BLOCK_D", max_d)
+    monkeypatch.setattr(td, "_TILE_ELEMS", elems)
+    monkeypatch.setattr(td, "_BWD_PROGRAMS", progs)
+    monkeypatch.setattr(td, "_alloc", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
+    launches = []
+    real = td._launch
+
+    def spy(kernel, grid, *args, **meta):
+        launches.append(kernel.fn.__name__)
+        real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(td, "_launch", spy)
+    return launches
+
+
+def _no_nan(*ts):
+    for t in ts:
+        if t is not None:
+            assert not torch.isnan(t).any(), "a poisoned element was never written"
+
+
+def _sources(gen, n, shape, dtype, layout):
+    """N sources `shape`: contiguous, row-strided slices of a wider tensor, or transposed."""
+    if layout == "contiguous":
+        return [rand(gen, shape, dtype) for _ in range(n)]
+    if layout == "sliced":  # row stride D + 3, unit column stride: passed without a copy
+        return [rand(gen, shape[:-1] + (shape[-1] + 3,), dtype)[..., 1:shape[-1] + 1]
+                for _ in range(n)]
+    return [rand(gen, shape[::-1], dtype).permute(*range(len(shape) - 1, -1, -1))
+            for _ in range(n)]  # no unit column stride: the kernel module copies the row view
+
+
+def _check_depth(gen, n, shape, dtype, *, per_token, gain, layout, launches):
+    dim = shape[-1]
+    name = str(dtype).replace("torch.", "")
+    xs = _sources(gen, n, shape, dtype, layout)
+    q = rand(gen, shape if per_token else (dim,), torch.float32)
+    g = rand(gen, (dim,), torch.float32) + 1.0 if gain else None
+    before = [x.clone() for x in xs] + [q.clone()]
+    out, lse = td.forward(xs, q, g, EPS, SCALE)
+    d_out = rand(gen, shape, dtype)
+    d_lse = rand(gen, shape[:-1], torch.float32)
+    d_src, d_q, d_g = td.backward(xs, q, g, out, lse, d_out, d_lse, EPS, SCALE)
+    assert launches.count("_depth_fwd_kernel") == 1 and launches.count("_depth_bwd_kernel") == 1
+    _no_nan(out, lse, *d_src, d_q, d_g)
+    for a, b in zip(xs + [q], before):
+        assert torch.equal(a, b), "an input was modified"
+    ref_out, ref_lse = ops.depth_attention(f64(xs), f64(q), f64(g), eps=EPS, scale=SCALE,
+                                           return_lse=True)
+    ref = ops.depth_attention_vjp(f64(xs), f64(q), f64(g), f64(d_out), f64(d_lse), eps=EPS,
+                                  scale=SCALE)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and d_q.dtype == torch.float32
+    assert all(d.dtype == dtype and d.shape == shape for d in d_src)
+    assert_close(out, ref_out, name, "out")
+    assert_close(lse, ref_lse, name, "lse")
+    assert_close(d_src, ref["sources"], name, "d_sources")
+    assert_close(d_q, ref["query"], name, "d_query")
+    if gain:
+        assert_close(d_g, ref["norm_weight"], name, "d_norm_weight")
+    else:
+        assert d_g is None
+    return out, lse, d_src, d_q, d_g
+
+
+@pytest.mark.parametrize("kernels,n,dim,per_token,gain", DEPTH_CASES, indirect=["kernels"])
+def test_depth_attention_fp32_matches_reference(kernels, n, dim, per_token, gain):
+    gen = torch.Generator().manual_seed(100 * n + dim)
+    _check_depth(gen, n, (5, dim), torch.float32, per_token=per_token, gain=gain,
+                 layout="contiguous", launches=kernels)
+
+
+@pytest.mark.parametrize("kernels", ["one_tile", "d_tiles"], indirect=True)
+@pytest.mark.parametrize("layout", ["sliced", "transposed"])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_non_contiguous_sources_and_token_axes(kernels, layout, per_token):
+    gen = torch.Generator().manual_seed(7)
+    _check_depth(gen, 3, (2, 2, 33), torch.float32, per_token=per_token, gain=True, layout=layout,
+                 launches=kernels)
+
+
+@pytest.mark.parametrize("kernels", ["one_tile", "d_tiles"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_matches_reference_on_upcast_inputs(kernels, dtype):
+    gen = torch.Generator().manual_seed(11)
+    _check_depth(gen, 3, (4, 33), dtype, per_token=False, gain=True, layout="sliced",
+                 launches=kernels)
+
+
+def test_single_source_returns_it_exactly(kernels):
+    x = rand(torch.Generator().manual_seed(3), (4, 7), torch.bfloat16)
+    out, _ = td.forward([x], torch.ones(7), None, EPS, SCALE)
+    assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize("kernels", ["d_tiles", "row_blocks"], indirect=True)
+def test_forward_backward_bitwise_deterministic(kernels):
+    results = []
+    for _ in range(2):  # the same inputs twice
+        kernels.clear()
+        results.append(_check_depth(torch.Generator().manual_seed(5), 3, (5, 33), torch.float32,
+                                    per_token=False, gain=True, layout="contiguous",
+                                    launches=kernels))
+    (o1, l1, s1, q1, w1), (o2, l2, s2, q2, w2) = results
+    assert torch.equal(o1, o2) and torch.equal(l1, l2) and torch.equal(q1, q2)
+    assert torch.equal(w1, w2) and all(torch.equal(a, b) for a, b in zip(s1, s2))
+
+
+@pytest.mark.parametrize("kernels,gain", [(t, True) for t in TILINGS] + [("one_tile", False)],
+                         indirect=["kernels"])
+@pytest.mark.parametrize("n,num_q,dim", [(1, 1, 1), (3, 5, 33), (9, 3, 7)])
+def test_multi_matches_reference(kernels, n, num_q, dim, gain):
+    gen = torch.Generator().manual_seed(n * num_q + dim)
+    xs = _sources(gen, n, (5, dim), torch.float32, "sliced")
+    qs = rand(gen, (num_q, dim), torch.float32)
+    gs = rand(gen, (num_q, dim), torch.float32) + 1.0 if gain else None
+    out, lse = td.multi_forward(xs, qs, gs, EPS, SCALE)
+    assert kernels == ["_depth_fwd_kernel"]
+    _no_nan(out, lse)
+    ref_out, ref_lse = ops.depth_attention_multi(f64(xs), f64(qs), f64(gs), eps=EPS, scale=SCALE)
+    assert_close(out, ref_out, "float32", "out")
+    assert_close(lse, ref_lse, "float32", "lse")
+
+
+@pytest.mark.parametrize("kernels,per_token,dtype",
+                         [("one_tile", pt, dt) for pt in (False, True)
+                          for dt in (torch.float32, torch.bfloat16)]
+                         + [("d_tiles", False, torch.float32), ("d_tiles", True, torch.bfloat16)],
+                         indirect=["kernels"])
+def test_merge_matches_reference_and_direct(kernels, per_token, dtype):
+    gen = torch.Generator().manual_seed(13)
+    name = str(dtype).replace("torch.", "")
+    shape, num_q = (5, 33), 2
+    xs = _sources(gen, 3, shape, dtype, "sliced")
+    qs = rand(gen, (num_q, 33), torch.float32)
+    gs = rand(gen, (num_q, 33), torch.float32) + 1.0
+    partial = rand(gen, shape, dtype)
+    out1, lse1 = td.multi_forward(xs, qs, gs, EPS, SCALE)
+    for s in range(num_q):
+        q = rand(gen, shape, torch.float32) if per_token else qs[s]
+        if per_token:  # phase 1 of a per-token query: the single-query forward
+            o1, l1 = td.forward(xs, q, gs[s], EPS, SCALE)
+        else:
+            o1, l1 = out1[s], lse1[s]
+        kernels.clear()
+        out, lse = td.merge_forward(o1, l1, partial, q, gs[s], EPS, SCALE)
+        assert kernels == ["_merge_kernel"]
+        _no_nan(out, lse)
+        ref_out, ref_lse = ops.merge_partial(f64(o1), f64(l1), f64(partial), f64(q), f64(gs[s]),
+                                             eps=EPS, scale=SCALE, return_lse=True)
+        assert_close(out, ref_out, name, "merge out")
+        assert_close(lse, ref_lse, name, "merge lse")
+        direct_out, direct_lse = ops.depth_attention(f64(xs + [partial]), f64(q), f64(gs[s]),
+                                                     eps=EPS, scale=SCALE, return_lse=True)
+        assert_close(out, direct_out, name, "merge(multi) vs direct out")
+        assert_close(lse, direct_lse, name, "merge(multi) vs direct lse")
+
+
+@pytest.mark.parametrize("kernels", ["one_tile", "d_tiles"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_update_fuses_the_partial_sum(kernels, dtype):
+    gen = torch.Generator().manual_seed(17)
+    shape = (4, 33)
+    out1 = rand(gen, shape, dtype)
+    lse1 = rand(gen, shape[:-1], torch.float32)
+    partial, update = rand(gen, shape, dtype), rand(gen, shape, dtype)
+    q, g = rand(gen, (33,), torch.float32), rand(gen, (33,), torch.float32)
+    out, lse, new_partial = td.merge_update_forward(out1, lse1, partial, update, q, g, EPS, SCALE)
+    assert kernels == ["_merge_kernel"]
+    _no_nan(out, lse, new_partial)
+    assert torch.equal(new_partial, (partial.float() + update.float()).to(dtype))
+    ref_out, ref_lse = td.merge_forward(out1, lse1, new_partial, q, g, EPS, SCALE)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert_close(out, ops.merge_partial(f64(out1), f64(lse1), f64(new_partial), f64(q), f64(g),
+                                        eps=EPS, scale=SCALE), str(dtype).replace("torch.", ""))
+
+
+def test_supports():
+    xs = [torch.randn(3, 8), torch.randn(3, 8)]
+    q, g = torch.randn(8), torch.randn(8)
+    opts = dict(num_heads=1, activation="softmax", key_norm=True)
+    assert td.supports(xs, q, g, **opts)
+    assert td.supports(xs, torch.randn(3, 8), None, **opts)
+    assert not td.supports(xs, q, g, **dict(opts, num_heads=2))
+    assert not td.supports(xs, q, g, **dict(opts, activation="sigmoid"))
+    assert not td.supports(xs, q, g, **dict(opts, key_norm=False))
+    assert not td.supports([x.double() for x in xs], q, g, **opts)
+    assert not td.supports([xs[0], xs[1].half()], q, g, **opts)
+    assert not td.supports([xs[0], torch.randn(2, 8)], q, g, **opts)
+    assert not td.supports(xs, torch.randn(5), g, **opts)

@@ -1,0 +1,10 @@
+"""attnres-conformance: checks any port of Attention Residuals against the float64 reference.
+
+Modules: `backend` (the protocol a port implements), `registry` (selecting a backend),
+`cases` (the generated cases), `checks` (running one), `tolerances` and `naive` (how results
+are judged), `runner` (`run_conformance` and the report), `cli` (`attnres-conformance`),
+`pytest_plugin` (`pytest --attnres-backend`), `reference_backend` (the reference as a backend).
+Importing this package imports nothing (the pytest plugin loads it in every pytest run).
+"""
+
+__version__ = "0.1.0"

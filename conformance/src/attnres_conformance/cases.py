@@ -1,0 +1,653 @@
+"""The case generator: every check of the suite as a named, reproducible `Case`.
+
+A case id reads `<row>/<label>/<dtype>`, e.g. `depth_attention/shapes/N130-T1-D4096/bfloat16`;
+the row (everything before the label) is the report's matrix row.  Inputs are drawn in float64
+from a seed fixed by the id alone (`seed_of`), rounded to the case dtype, and the float64
+reference runs on exactly those values.  Op and probe cases are `GoldenCase`s of
+`attnres_numpy.vectors` (so `--export-vectors` writes them as golden vectors, and the committed
+`spec/vectors` run through the same checks).
+
+Kinds: "op" and "probe" (forward and gradient vs the reference), "error" (a spec error: type,
+argument name, inputs untouched), "determinism" (two runs bitwise equal), "invariant" (N = 1
+identity, two-phase equals direct, weights sum to 1, zero query is uniform) and "golden" (a
+committed vector).  `quick` marks the reduced grid of `--quick`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+from attnres_numpy import model, ops
+from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
+from attnres_numpy.validation import compute_dtype_for
+
+from .backend import Capabilities
+from .numerics import DTYPES, round_to
+
+#: Shape grid that breaks kernels (each value says what it stresses).
+GRID_N = (1, 2, 33, 130)  # identity; smallest softmax; just past 32 (Liger's cap); past 128
+GRID_D = (1, 7, 64, 123, 1000, 4096)  # scalar keys; odd; SIMD width; odd > 64; not a power of two; large
+QUICK_N = (1, 33)
+QUICK_D = (7, 123)
+#: Odd token shapes: none, a single token, odd counts, several token axes, Liger's weird row.
+TOKEN_SHAPES = ((), (1,), (7,), (3, 5), (2, 3, 5), (3, 5, 37))
+#: Large magnitudes: (dtype, |x|, check); fp16 stops at 1e3 because d_query ~ 7 |x| must fit.  "finite": fp32/bf16 intermediates may overflow
+#: mean(x^2) at 1e30, so only finiteness is required; elsewhere values must also match.
+MAGNITUDES = (("float64", 1e100, "tolerance"), ("float32", 1e30, "finite"),
+              ("float16", 1e3, "tolerance"), ("bfloat16", 1e4, "tolerance"),
+              ("bfloat16", 1e30, "finite"))
+SWEEP_EXAMPLES, QUICK_SWEEP_EXAMPLES = 24, 6
+
+
+def seed_of(case_id: str) -> int:
+    """The seed of a case: fixed by its id alone, so adding cases changes no other case."""
+    return zlib.crc32(case_id.encode()) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a backend must declare for a case to run (else it is skipped, with the reason)."""
+
+    ops: frozenset = frozenset()
+    options: frozenset = frozenset()
+    variant: Optional[str] = None
+    schedule: Optional[str] = None
+    num_sources: int = 0
+    dim: int = 0
+    deterministic: bool = False
+
+    def missing(self, caps: Capabilities, dtype: str, device: str) -> Optional[str]:
+        """The reason this cannot run on a backend declaring `caps`, or None."""
+        if dtype not in caps.dtypes:
+            return f"dtype {dtype} not declared (declared: {', '.join(caps.dtypes)})"
+        if device not in caps.devices:
+            return f"device {device} not declared"
+        ops_missing = sorted(self.ops - set(caps.ops))
+        if ops_missing:
+            return f"op {', '.join(ops_missing)} not declared"
+        extra = sorted(self.options - set(caps.options))
+        if extra:
+            return f"option {', '.join(extra)} not declared"
+        if self.variant and self.variant not in caps.variants:
+            return f"variant {self.variant} not declared"
+        if self.schedule and self.schedule not in caps.schedules:
+            return f"schedule {self.schedule} not declared"
+        if caps.max_sources is not None and self.num_sources > caps.max_sources:
+            return f"N = {self.num_sources} beyond declared max_sources = {caps.max_sources}"
+        if caps.max_dim is not None and self.dim > caps.max_dim:
+            return f"D = {self.dim} beyond declared max_dim = {caps.max_dim}"
+        if self.deterministic and not caps.deterministic:
+            return "backend declares deterministic=False"
+        return None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One check.  spec: what the check needs (see the builders below); `golden()` builds the
+    inputs, cotangents and float64 reference results (cached)."""
+
+    id: str
+    kind: str
+    dtype: str
+    spec: dict = field(compare=False, hash=False)
+    quick: bool = False
+
+    @property
+    def row(self) -> str:
+        return self.id.rsplit("/", 2)[0]
+
+    @property
+    def seed(self) -> int:
+        return seed_of(self.id)
+
+    @property
+    def has_gradient(self) -> bool:
+        """Whether the case fills the gradient column of the matrix."""
+        if self.kind in ("error", "invariant", "skip"):
+            return False
+        if self.kind == "golden":
+            return "cotangent.out" in self.spec["vector"].arrays
+        return self.spec["kwargs"].get("schedule", "direct") == "direct"
+
+    def golden(self):
+        """The case's `GoldenCase` (op, probe, determinism and golden kinds)."""
+        return _golden(self)  # cached: the checks and the report ask more than once
+
+    def requirements(self) -> Requirements:
+        return self.spec["requires"] if "requires" in self.spec else requirements_of(self.golden(),
+                                                                                     self.spec)
+
+
+# -- drawing -------------------------------------------------------------------------------------
+def _sources(rng, n, shape, dtype, magnitude=1.0, zero=False):
+    """`[n, *shape]`: one magnitude per source in [1/4, 4] (so the key norm matters); large
+    magnitudes use clipped normals so fp16 stays finite."""
+    if zero:
+        return np.zeros((n,) + shape)
+    if magnitude != 1.0:
+        return round_to(magnitude * np.clip(rng.standard_normal((n,) + shape), -3, 3), dtype)
+    mag = np.clip(np.exp(0.7 * rng.standard_normal(n)), 0.25, 4.0).reshape((n,) + (1,) * len(shape))
+    return round_to(rng.standard_normal((n,) + shape) * mag, dtype)
+
+
+def _query(rng, shape, head_dim, dtype, spread=2.0):
+    """Logits ~ N(0, spread^2) against unit-RMS keys (so the softmax is neither flat nor one-hot)."""
+    return round_to(rng.standard_normal(shape) * spread / np.sqrt(head_dim), dtype)
+
+
+def _gain(rng, shape, dtype):
+    return round_to(1.0 + 0.3 * rng.standard_normal(shape), dtype)
+
+
+def _stack(sources):
+    return sources if isinstance(sources, np.ndarray) else np.stack(sources)
+
+
+def _vectors():
+    try:
+        from attnres_numpy import vectors
+    except ImportError as exc:
+        raise ImportError("attnres_conformance needs attnres_numpy.vectors (golden-vector "
+                          "support in attnres-numpy)") from exc
+    return vectors
+
+
+# -- builders: spec -> GoldenCase -------------------------------------------------------------------
+def _da(case_id, dtype, *, n, tokens, dim, layout="list", num_heads=1, activation="softmax",
+        key_norm=True, token_query=False, gain=True, lse=False, weights=False, eps=1e-6,
+        scale=1.0, magnitude=1.0, zero=False, query="random"):
+    rng = np.random.default_rng(seed_of(case_id))
+    tokens, compute = tuple(tokens), compute_dtype_for(dtype)
+    x = _sources(rng, n, tokens + (dim,), dtype, magnitude, zero)
+    q = _query(rng, tokens + (dim,) if token_query else (dim,), dim // num_heads, dtype)
+    q = np.zeros_like(q) if query == "zero" else q
+    g = _gain(rng, (dim,), dtype) if gain else None
+    attrs = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation, key_norm=key_norm,
+                 return_lse=lse, return_weights=weights)
+    sources = list(x) if layout == "list" else x
+    result = ops.depth_attention(sources, q, g, **attrs)
+    out, *extra = result if isinstance(result, tuple) else (result,)
+    arrays = {"input.sources": x, "input.query": q, "output.out": out,
+              "cotangent.out": round_to(rng.standard_normal(out.shape), dtype)}
+    if g is not None:
+        arrays["input.norm_weight"] = g
+    if lse:
+        arrays["output.lse"] = extra.pop(0)
+        arrays["cotangent.lse"] = round_to(rng.standard_normal(arrays["output.lse"].shape), compute)
+    if weights:
+        arrays["output.weights"] = extra.pop(0)
+    kw = {k: attrs[k] for k in ("eps", "scale", "num_heads", "activation", "key_norm")}
+    grads = ops.depth_attention_vjp(sources, q, g, arrays["cotangent.out"], arrays.get("cotangent.lse"), **kw)
+    arrays["grad.sources"] = _stack(grads["sources"])
+    arrays["grad.query"] = grads["query"]
+    if g is not None:
+        arrays["grad.norm_weight"] = grads["norm_weight"]
+    return _vectors().GoldenCase(case_id, "depth_attention", attrs, dtype, layout, seed_of(case_id),
+                                 dtype, arrays)
+
+
+def _multi(case_id, dtype, *, n, s, tokens, dim, layout="list", gain=True, eps=1e-6, scale=1.0):
+    rng = np.random.default_rng(seed_of(case_id))
+    tokens, compute = tuple(tokens), compute_dtype_for(dtype)
+    x = _sources(rng, n, tokens + (dim,), dtype)
+    qs = _query(rng, (s, dim), dim, dtype)
+    gs = _gain(rng, (s, dim), dtype) if gain else None
+    sources = list(x) if layout == "list" else x
+    out, lse = ops.depth_attention_multi(sources, qs, gs, eps=eps, scale=scale)
+    d_out = round_to(rng.standard_normal(out.shape), dtype)
+    d_lse = round_to(rng.standard_normal(lse.shape), compute)
+    grads = ops.depth_attention_multi_vjp(sources, qs, gs, d_out, d_lse, eps=eps, scale=scale)
+    arrays = {"input.sources": x, "input.queries": qs, "output.out": out, "output.lse": lse,
+              "cotangent.out": d_out, "cotangent.lse": d_lse,
+              "grad.sources": _stack(grads["sources"]), "grad.queries": grads["queries"]}
+    if gs is not None:
+        arrays["input.norm_weights"] = gs
+        arrays["grad.norm_weights"] = grads["norm_weights"]
+    return _vectors().GoldenCase(case_id, "depth_attention_multi", dict(eps=eps, scale=scale), dtype,
+                                 layout, seed_of(case_id), dtype, arrays)
+
+
+def _merge(case_id, dtype, *, tokens, dim, token_query=False, gain=True, lse=True, eps=1e-6, scale=1.0):
+    """out1/lse1 come from a real phase 1 over 3 sources (rounded to their dtypes)."""
+    rng = np.random.default_rng(seed_of(case_id))
+    tokens, compute = tuple(tokens), compute_dtype_for(dtype)
+    x = _sources(rng, 4, tokens + (dim,), dtype)
+    q = _query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype)
+    g = _gain(rng, (dim,), dtype) if gain else None
+    o1, l1 = ops.depth_attention(list(x[:3]), q, g, eps=eps, scale=scale, return_lse=True)
+    o1, l1, partial = round_to(o1, dtype), round_to(l1, compute), x[3]
+    attrs = dict(eps=eps, scale=scale, return_lse=lse)
+    result = ops.merge_partial(o1, l1, partial, q, g, **attrs)
+    out = result[0] if lse else result
+    arrays = {"input.out1": o1, "input.lse1": l1, "input.partial": partial, "input.query": q,
+              "output.out": out, "cotangent.out": round_to(rng.standard_normal(out.shape), dtype)}
+    if g is not None:
+        arrays["input.norm_weight"] = g
+    if lse:
+        arrays["output.lse"] = result[1]
+        arrays["cotangent.lse"] = round_to(rng.standard_normal(result[1].shape), compute)
+    grads = ops.merge_partial_vjp(o1, l1, partial, q, g, arrays["cotangent.out"],
+                                  arrays.get("cotangent.lse"), eps=eps, scale=scale)
+    arrays.update({f"grad.{k}": v for k, v in grads.items() if v is not None})
+    return _vectors().GoldenCase(case_id, "merge_partial", attrs, dtype, None, seed_of(case_id), dtype,
+                                 arrays)
+
+
+def _params(rng, config, num_layers, dim, dtype):
+    """Random nonzero parameters (not the init values), so every gradient is exercised."""
+    params = {}
+    for name, shape in config.param_shapes(num_layers, dim).items():
+        if name in ("norm_weights", "alphas"):
+            value = 1.0 + 0.3 * rng.standard_normal(shape)
+        elif name == "queries":
+            value = rng.standard_normal(shape) * 2.0 / np.sqrt(dim // config.num_heads)
+        elif name in ("query_weights", "gate_weights"):
+            value = rng.standard_normal(shape) / np.sqrt(dim)
+        else:  # gate_biases; depth_weights (the unused upper triangle too: its gradient is 0)
+            value = 0.5 + 0.5 * rng.standard_normal(shape)
+        params[name] = round_to(value, dtype)
+    return params
+
+
+def _probe(case_id, dtype, *, variant, num_layers=5, dim=8, tokens=(2, 3), schedule="direct",
+           overrides=()):
+    config = ResidualConfig.variant(variant, **dict(overrides))
+    rng = np.random.default_rng(seed_of(case_id))
+    params = _params(rng, config, num_layers, dim, dtype)
+    emb = round_to(rng.standard_normal(tuple(tokens) + (dim,)), dtype)
+    w = round_to(rng.standard_normal((num_layers, dim, dim)) * 1.5 / np.sqrt(dim), dtype)
+    arrays = {"input.embedding": emb, "input.sublayer_weights": w}
+    arrays.update({f"input.{k}": v for k, v in params.items()})
+    arrays["output.out"] = model.probe_forward(config, params, emb, w, schedule=schedule)
+    if schedule == "direct":
+        arrays["cotangent.out"] = round_to(rng.standard_normal(emb.shape), dtype)
+        grads = model.probe_vjp(config, params, emb, w, arrays["cotangent.out"])
+        arrays.update({f"grad.{k}": v for k, v in grads.items()})
+    attrs = {"config": config.to_dict(), "schedule": schedule}
+    return _vectors().GoldenCase(case_id, "probe", attrs, dtype, None, seed_of(case_id), dtype, arrays)
+
+
+BUILDERS: Dict[str, Callable] = {"da": _da, "multi": _multi, "merge": _merge, "probe": _probe}
+
+
+@lru_cache(maxsize=64)
+def _golden(case: Case):
+    if case.kind == "golden":
+        return case.spec["vector"]
+    return BUILDERS[case.spec["builder"]](case.id, case.dtype, **case.spec["kwargs"])
+
+
+# -- requirements of a golden case --------------------------------------------------------------
+def variant_of(config: dict) -> str:
+    """The named variant (config.VARIANT_KINDS) a probe config exercises."""
+    for name in ("input_query", "sigmoid", "no_key_norm", "multihead"):
+        want = VARIANT_KINDS[name]
+        if all(config.get(k) == v for k, v in want.items()):
+            return name
+    return config["kind"]
+
+
+def requirements_of(golden, spec: Optional[dict] = None) -> Requirements:
+    """What a golden case needs declared: its op, options, variant and schedule, N and D."""
+    spec = spec or {}
+    a = golden.arrays
+    if golden.op == "probe":
+        dim = a["input.embedding"].shape[-1]
+        return Requirements(variant=variant_of(golden.attrs["config"]), schedule=golden.attrs["schedule"],
+                            dim=dim, deterministic=spec.get("deterministic", False))
+    x = a.get("input.sources", a.get("input.partial"))
+    opts = set()
+    q = a.get("input.query")
+    if q is not None and q.ndim > 1:
+        opts.add("per_token_query")
+    attrs = golden.attrs
+    if golden.op == "depth_attention":
+        opts |= {"num_heads"} if attrs.get("num_heads", 1) > 1 else set()
+        opts |= {"sigmoid"} if attrs.get("activation") == "sigmoid" else set()
+        opts |= {"no_key_norm"} if attrs.get("key_norm") is False else set()
+        opts |= {"lse"} if attrs.get("return_lse") else set()
+        opts |= {"weights"} if attrs.get("return_weights") else set()
+    if golden.sources_layout == "stacked":
+        opts.add("stacked")
+    if spec.get("strided"):
+        opts.add("strided")
+    n = x.shape[0] if "input.sources" in a else 2
+    ops_needed = {golden.op}
+    if spec.get("invariant") == "two_phase":
+        ops_needed |= {"merge_partial", "depth_attention"}
+        opts.add("lse")
+    return Requirements(ops=frozenset(ops_needed), options=frozenset(opts), num_sources=n, dim=x.shape[-1],
+                        deterministic=spec.get("deterministic", False))
+
+
+# -- the grid ------------------------------------------------------------------------------------
+def _tok(tokens) -> str:
+    return "x".join(map(str, tokens)) if tokens else "none"
+
+
+def _op_case(row, label, dtype, builder, quick=False, *, strided=False, check="tolerance",
+             override=None, **kwargs) -> Case:
+    spec = dict(builder=builder, kwargs=kwargs, strided=strided, check=check, override=override)
+    return Case(f"{row}/{label}/{dtype}", "probe" if builder == "probe" else "op", dtype, spec, quick)
+
+
+def _depth_attention_cases(dtypes) -> List[Case]:
+    base = dict(n=5, tokens=(3,), dim=16)
+    #: (row suffix, label, options, in quick grid): each row exercises one option of the op.
+    options = [
+        ("base", "N5-T3-D16", {}, True),
+        ("no_gain", "N5-T3-D16", dict(gain=False), True),
+        ("per_token_query", "N5-T2x3-D16", dict(tokens=(2, 3), token_query=True), True),
+        ("sigmoid", "N5-T3-D16", dict(activation="sigmoid", weights=True), True),
+        ("no_key_norm", "N5-T3-D16", dict(key_norm=False, lse=True), True),
+        ("heads", "N5-T3-D16-H2", dict(num_heads=2, lse=True, weights=True), True),
+        ("heads", "N6-T3-D15-H5", dict(n=6, dim=15, num_heads=5, lse=True), False),
+        ("lse", "N5-T3-D16", dict(lse=True), True),
+        ("weights", "N5-T3-D16", dict(weights=True), True),
+        ("stacked", "N5-T3-D16", dict(layout="stacked", lse=True), True),
+        ("strided", "N5-T3-D16", dict(strided=True, lse=True), True),
+        ("strided", "N5-T2x3-D16-stacked-tokq", dict(strided=True, layout="stacked", tokens=(2, 3),
+                                                     token_query=True), False),
+        ("eps_scale", "N5-T3-D16-eps1e-2-scale0.37", dict(eps=1e-2, scale=0.37, lse=True), True),
+        ("eps_scale", "N5-T3-D16-eps1e-6-scale-2.5", dict(scale=-2.5), False),
+        ("combo", "N7-T2x3-D12-H3-sigmoid-nokn-tokq-stacked",
+         dict(n=7, tokens=(2, 3), dim=12, num_heads=3, activation="sigmoid", key_norm=False,
+              token_query=True, layout="stacked", weights=True), True),
+        ("combo", "N9-T5-D12-H2-tokq-nogain-lse-weights-strided",
+         dict(n=9, tokens=(5,), dim=12, num_heads=2, token_query=True, gain=False, lse=True,
+              weights=True, strided=True), False),
+        ("zero_sources", "N4-T3-D16", dict(n=4, zero=True, lse=True), True),
+    ]
+    cases = []
+    for dtype in dtypes:
+        for row, label, opts, quick in options:
+            kw = dict(base, **opts)
+            cases.append(_op_case(f"depth_attention/{row}", label, dtype, "da", quick, **kw))
+        for n in GRID_N:
+            for d in GRID_D:
+                tokens = (1,) if d >= 1000 and n >= 130 else (3,)
+                cases.append(_op_case("depth_attention/shapes", f"N{n}-T{_tok(tokens)}-D{d}", dtype, "da",
+                                      n in QUICK_N and d in QUICK_D, n=n, tokens=tokens, dim=d, lse=True))
+        for tokens in TOKEN_SHAPES:
+            d = 123 if tokens == (3, 5, 37) else 7
+            cases.append(_op_case("depth_attention/odd_tokens", f"N5-T{_tok(tokens)}-D{d}", dtype, "da",
+                                  tokens == (3, 5), n=5, tokens=tokens, dim=d))
+        cases.append(_op_case("depth_attention/odd_tokens", "N5-T3x5-D7-tokq", dtype, "da", False, n=5,
+                              tokens=(3, 5), dim=7, token_query=True))
+    for dtype, magnitude, check in MAGNITUDES:
+        if dtype in dtypes:
+            cases.append(_op_case("depth_attention/large_magnitude", f"N5-T3-D64-x{magnitude:g}", dtype,
+                                  "da", True, check=check, n=5, tokens=(3,), dim=64, magnitude=magnitude,
+                                  lse=True))
+    return cases
+
+
+def _multi_merge_cases(dtypes) -> List[Case]:
+    cases = []
+    for dtype in dtypes:
+        m = "depth_attention_multi"
+        cases += [
+            _op_case(f"{m}/base", "N4-S3-T3-D16", dtype, "multi", True, n=4, s=3, tokens=(3,), dim=16),
+            _op_case(f"{m}/no_gain", "N4-S2-T3-D16", dtype, "multi", True, n=4, s=2, tokens=(3,), dim=16,
+                     gain=False),
+            _op_case(f"{m}/stacked", "N4-S3-T2x3-D16", dtype, "multi", True, n=4, s=3, tokens=(2, 3),
+                     dim=16, layout="stacked"),
+            _op_case(f"{m}/strided", "N4-S3-T3-D16", dtype, "multi", False, n=4, s=3, tokens=(3,), dim=16,
+                     strided=True),
+            _op_case(f"{m}/eps_scale", "N4-S2-T3-D16-eps1e-2-scale0.37", dtype, "multi", False, n=4, s=2,
+                     tokens=(3,), dim=16, eps=1e-2, scale=0.37),
+        ]
+        for n, d, quick in ((1, 7, True), (33, 123, True), (130, 7, False), (5, 1000, False)):
+            cases.append(_op_case(f"{m}/shapes", f"N{n}-S3-T3-D{d}", dtype, "multi", quick, n=n, s=3,
+                                  tokens=(3,), dim=d))
+        p = "merge_partial"
+        cases += [
+            _op_case(f"{p}/base", "T3-D16", dtype, "merge", True, tokens=(3,), dim=16, lse=False),
+            _op_case(f"{p}/lse", "T3-D16", dtype, "merge", True, tokens=(3,), dim=16),
+            _op_case(f"{p}/per_token_query", "T2x3-D16", dtype, "merge", True, tokens=(2, 3), dim=16,
+                     token_query=True),
+            _op_case(f"{p}/no_gain", "T3-D16", dtype, "merge", True, tokens=(3,), dim=16, gain=False),
+            _op_case(f"{p}/strided", "T3-D16", dtype, "merge", False, tokens=(3,), dim=16, strided=True),
+            _op_case(f"{p}/shapes", "T3x5-D123", dtype, "merge", False, tokens=(3, 5), dim=123),
+            _op_case(f"{p}/shapes", "T1-D4096", dtype, "merge", False, tokens=(1,), dim=4096),
+            _op_case(f"{p}/shapes", "T3-D1", dtype, "merge", False, tokens=(3,), dim=1),
+        ]
+    return cases
+
+
+#: Probe runs: (row, label, variant, overrides, schedule).  L = 5, D = 8, tokens 2x3.
+PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct") for v in VARIANT_KINDS] + [
+    ("probe/block", "S1-L5-D8-T2x3", "block", (("block_size", 1),), "direct"),  # S = 1 equals full
+    ("probe/block", "S4-L5-D8-T2x3", "block", (("block_size", 4),), "direct"),  # blocks 4 + 1
+    ("probe/block", "S2-L4-D8-T2x3", "block", (("block_size", 2),), "direct"),  # even blocks
+    ("probe/window", "W1-L5-D8-T2x3", "window", (("window", 1),), "direct"),
+    ("probe/full", "L5-D8-T2x3-eps1e-3-scale0.5", "full", (("eps", 1e-3), ("scale", 0.5)), "direct"),
+    ("probe/block_two_phase", "S1-L5-D8-T2x3", "block", (("block_size", 1),), "two_phase"),
+    ("probe/block_two_phase", "S2-L5-D8-T2x3", "block", (("block_size", 2),), "two_phase"),
+    ("probe/block_two_phase", "S4-L5-D8-T2x3", "block", (("block_size", 4),), "two_phase"),
+]
+
+
+def _probe_cases(dtypes) -> List[Case]:
+    cases = []
+    for dtype in dtypes:
+        for row, label, variant, overrides, schedule in PROBES:
+            num_layers = 4 if label.startswith("S2-L4") else 5
+            cases.append(_op_case(row, label, dtype, "probe", True, override="probe", variant=variant,
+                                  num_layers=num_layers, overrides=overrides, schedule=schedule))
+    return cases
+
+
+# -- spec errors -----------------------------------------------------------------------------------
+def _error_specs(dtype: str) -> List[Tuple[str, str, dict, dict, dict, str, str]]:
+    """(label, op, inputs, attrs, input_dtypes, exception, argument name in the message)."""
+    other = "float16" if dtype != "float16" else "float32"
+    x = [np.full((2, 4), 0.5 + i) for i in range(3)]
+    q, g = np.linspace(-1, 1, 4), np.ones(4)
+    da = lambda **kw: dict(dict(sources=x, query=q, norm_weight=g), **kw)
+    qs, gs = np.ones((2, 4)), np.ones((2, 4))
+    mu = lambda **kw: dict(dict(sources=x, queries=qs, norm_weights=gs), **kw)
+    me = lambda **kw: dict(dict(out1=x[0], lse1=np.zeros(2), partial=x[1], query=q, norm_weight=g), **kw)
+    D, M, P = "depth_attention", "depth_attention_multi", "merge_partial"
+    return [
+        ("empty_sources", D, da(sources=[]), {}, {}, "ValueError", "sources"),
+        ("stacked_empty", D, da(sources=np.zeros((0, 2, 4))), {}, {}, "ValueError", "sources"),
+        ("stacked_1d", D, da(sources=np.zeros(3)), {}, {}, "ValueError", "sources"),
+        ("shape_mismatch", D, da(sources=x[:2] + [np.ones((3, 4))]), {}, {}, "ValueError", "sources[2]"),
+        ("zero_dim", D, da(sources=[np.ones((2, 0))] * 2, query=np.ones(0), norm_weight=None), {}, {},
+         "ValueError", "sources"),
+        ("int_source", D, da(), {}, {"sources": ["int32", dtype, dtype]}, "TypeError", "sources[0]"),
+        ("mixed_dtypes", D, da(), {}, {"sources": [dtype, other, dtype]}, "TypeError", "sources"),
+        ("query_shape", D, da(query=np.ones(5)), {}, {}, "ValueError", "query"),
+        ("query_token_shape", D, da(query=np.ones((3, 4))), {}, {}, "ValueError", "query"),
+        ("query_int", D, da(), {}, {"query": "int32"}, "TypeError", "query"),
+        ("norm_weight_shape", D, da(norm_weight=np.ones(3)), {}, {}, "ValueError", "norm_weight"),
+        ("norm_weight_int", D, da(), {}, {"norm_weight": "int32"}, "TypeError", "norm_weight"),
+        ("eps_zero", D, da(), dict(eps=0.0), {}, "ValueError", "eps"),
+        ("eps_nan", D, da(), dict(eps=float("nan")), {}, "ValueError", "eps"),
+        ("eps_str", D, da(), dict(eps="1e-6"), {}, "TypeError", "eps"),
+        ("scale_inf", D, da(), dict(scale=float("inf")), {}, "ValueError", "scale"),
+        ("heads_zero", D, da(), dict(num_heads=0), {}, "ValueError", "num_heads"),
+        ("heads_float", D, da(), dict(num_heads=2.0), {}, "TypeError", "num_heads"),
+        ("heads_indivisible", D, da(), dict(num_heads=3), {}, "ValueError", "num_heads"),
+        ("activation", D, da(), dict(activation="relu"), {}, "ValueError", "activation"),
+        ("key_norm_int", D, da(), dict(key_norm=1), {}, "TypeError", "key_norm"),
+        ("lse_sigmoid", D, da(), dict(activation="sigmoid", return_lse=True), {}, "ValueError", "return_lse"),
+        ("empty_sources", M, mu(sources=[]), {}, {}, "ValueError", "sources"),
+        ("queries_1d", M, mu(queries=np.ones(4)), {}, {}, "ValueError", "queries"),
+        ("queries_int", M, mu(), {}, {"queries": "int32"}, "TypeError", "queries"),
+        ("norm_weights_shape", M, mu(norm_weights=np.ones((2, 3))), {}, {}, "ValueError", "norm_weights"),
+        ("eps_negative", M, mu(), dict(eps=-1.0), {}, "ValueError", "eps"),
+        ("out1_shape", P, me(out1=np.ones((3, 4))), {}, {}, "ValueError", "out1"),
+        ("lse1_shape", P, me(lse1=np.zeros(3)), {}, {}, "ValueError", "lse1"),
+        ("out1_dtype", P, me(), {}, {"out1": other}, "TypeError", "out1"),
+        ("partial_int", P, me(), {}, {"partial": "int32"}, "TypeError", "partial"),
+        ("query_shape", P, me(query=np.ones(5)), {}, {}, "ValueError", "query"),
+        ("scale_nan", P, me(), dict(scale=float("nan")), {}, "ValueError", "scale"),
+    ]
+
+
+def _error_cases(dtypes) -> List[Case]:
+    cases = []
+    for dtype in dtypes:
+        for label, op, inputs, attrs, input_dtypes, exc, arg in _error_specs(dtype):
+            spec = dict(op=op, inputs=inputs, attrs=attrs, input_dtypes=input_dtypes, exception=exc,
+                        argument=arg, requires=Requirements(ops=frozenset({op})))
+            cases.append(Case(f"errors/{op}/{label}/{dtype}", "error", dtype, spec, True))
+    return cases
+
+
+def _limit_cases(caps: Capabilities, dtypes) -> List[Case]:
+    """The declared hard limits: exactly at the limit runs, one past raises (never truncates)."""
+    cases = []
+    for dtype in dtypes:
+        if caps.max_sources is not None:
+            n = caps.max_sources
+            cases.append(_op_case("depth_attention/limits", f"N{n}-T1-D4", dtype, "da", True, n=n,
+                                  tokens=(1,), dim=4))
+            x = [np.ones((1, 4))] * (n + 1)
+            spec = dict(op="depth_attention", inputs=dict(sources=x, query=np.ones(4), norm_weight=None),
+                        attrs={}, input_dtypes={}, exception="ValueError", argument="sources",
+                        requires=Requirements(ops=frozenset({"depth_attention"})))
+            cases.append(Case(f"errors/depth_attention/max_sources_plus_1/{dtype}", "error", dtype, spec, True))
+        if caps.max_dim is not None:
+            d = caps.max_dim
+            cases.append(_op_case("depth_attention/limits", f"N2-T1-D{d}", dtype, "da", True, n=2,
+                                  tokens=(1,), dim=d))
+            spec = dict(op="depth_attention",
+                        inputs=dict(sources=[np.ones((1, d + 1))] * 2, query=np.ones(d + 1), norm_weight=None),
+                        attrs={}, input_dtypes={}, exception="ValueError", argument="sources",
+                        requires=Requirements(ops=frozenset({"depth_attention"})))
+            cases.append(Case(f"errors/depth_attention/max_dim_plus_1/{dtype}", "error", dtype, spec, True))
+    return cases
+
+
+# -- determinism and invariants ------------------------------------------------------------------
+def _determinism_cases(dtypes) -> List[Case]:
+    runs = [
+        ("depth_attention-N33-T3-D123-lse", "da", dict(n=33, tokens=(3,), dim=123, lse=True), True),
+        ("depth_attention-N6-T2x3-D8-H2-sigmoid-tokq-stacked", "da",
+         dict(n=6, tokens=(2, 3), dim=8, num_heads=2, activation="sigmoid", token_query=True,
+              layout="stacked", weights=True), False),
+        ("depth_attention_multi-N5-S3-T3-D16", "multi", dict(n=5, s=3, tokens=(3,), dim=16), False),
+        ("merge_partial-T3-D16", "merge", dict(tokens=(3,), dim=16), False),
+        ("probe-block-S2-L5-D8", "probe", dict(variant="block", overrides=(("block_size", 2),)), True),
+    ]
+    cases = []
+    for dtype in dtypes:
+        for label, builder, kwargs, quick in runs:
+            spec = dict(builder=builder, kwargs=kwargs, deterministic=True, strided=False)
+            cases.append(Case(f"determinism/{label}/{dtype}", "determinism", dtype, spec, quick))
+    return cases
+
+
+def _invariant_cases(dtypes) -> List[Case]:
+    runs = [
+        ("identity", "N1-T3-D16", "da", dict(n=1, tokens=(3,), dim=16), True),
+        ("identity", "N1-T2x3-D16-H2-tokq-stacked", "da",
+         dict(n=1, tokens=(2, 3), dim=16, num_heads=2, token_query=True, layout="stacked"), False),
+        ("two_phase", "N4-S3-T3-D16", "multi", dict(n=4, s=3, tokens=(3,), dim=16), True),
+        ("two_phase", "N33-S2-T2-D123-stacked", "multi", dict(n=33, s=2, tokens=(2,), dim=123,
+                                                              layout="stacked"), False),
+        ("weights_sum", "N33-T3-D16", "da", dict(n=33, tokens=(3,), dim=16, weights=True), True),
+        ("weights_sum", "N5-T3-D16-H4", "da", dict(n=5, tokens=(3,), dim=16, num_heads=4, weights=True), False),
+        ("zero_query_uniform", "N7-T3-D16", "da", dict(n=7, tokens=(3,), dim=16, weights=True,
+                                                       query="zero"), True),
+    ]
+    cases = []
+    for dtype in dtypes:
+        for invariant, label, builder, kwargs, quick in runs:
+            spec = dict(builder=builder, kwargs=kwargs, invariant=invariant, strided=False)
+            cases.append(Case(f"invariants/{invariant}/{label}/{dtype}", "invariant", dtype, spec, quick))
+    return cases
+
+
+# -- golden vectors and the hypothesis sweep -------------------------------------------------------
+def _golden_cases(vectors_dir, dtypes) -> List[Case]:
+    vectors = _vectors()
+    directory = vectors.default_vectors_dir() if vectors_dir is None else vectors_dir
+    if directory is None:
+        spec = dict(requires=Requirements(), skip="no golden vectors found (set $ATTNRES_VECTORS to a spec/vectors copy)")
+        return [Case(f"golden/vectors/missing/{d}", "skip", d, spec, True) for d in dtypes]
+    return [Case(f"golden/{v.op}/{v.id}/{v.dtype}", "golden", v.dtype, dict(vector=v), True)
+            for v in vectors.load_vectors(directory) if v.dtype in dtypes]
+
+
+def _sweep_draws(max_examples: int) -> List[dict]:
+    """Derandomized Hypothesis draws of depth_attention options (fixed for a Hypothesis version)."""
+    from hypothesis import HealthCheck, Phase, assume, given, settings
+    from hypothesis import strategies as st
+
+    @st.composite
+    def options(draw):
+        heads = draw(st.sampled_from([1, 2, 3]))
+        tokens = tuple(draw(st.lists(st.integers(1, 4), max_size=3)))
+        kw = dict(dtype=draw(st.sampled_from(DTYPES)), n=draw(st.integers(1, 40)), tokens=tokens,
+                  dim=heads * draw(st.integers(1, 12)), num_heads=heads,
+                  activation=draw(st.sampled_from(["softmax", "sigmoid"])), key_norm=draw(st.booleans()),
+                  token_query=draw(st.booleans()), gain=draw(st.booleans()), lse=draw(st.booleans()),
+                  weights=draw(st.booleans()), layout=draw(st.sampled_from(["list", "stacked"])),
+                  eps=draw(st.sampled_from([1e-6, 1e-3, 0.1])),
+                  scale=draw(st.sampled_from([1.0, 0.5, -1.5, 2.0])))
+        assume(not (kw["lse"] and kw["activation"] == "sigmoid"))  # C9: lse needs softmax
+        assume(tokens or not kw["token_query"])  # a per-token query needs token axes
+        return kw
+
+    draws = []
+
+    @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(options())
+    def collect(kw):
+        draws.append(kw)
+
+    collect()
+    return draws
+
+
+def _sweep_cases(dtypes, quick: bool) -> List[Case]:
+    try:
+        draws = _sweep_draws(QUICK_SWEEP_EXAMPLES if quick else SWEEP_EXAMPLES)
+    except ImportError:
+        spec = dict(requires=Requirements(), skip="hypothesis is not installed (pip install hypothesis)")
+        return [Case(f"sweep/depth_attention/hypothesis/{d}", "skip", d, spec, True) for d in dtypes]
+    cases, seen = [], set()
+    for kw in draws:
+        dtype = kw.pop("dtype")
+        flags = [f"H{kw['num_heads']}", kw["activation"]] + ["nokn"] * (not kw["key_norm"])
+        flags += ["tokq"] * kw["token_query"] + ["nogain"] * (not kw["gain"]) + ["lse"] * kw["lse"]
+        flags += ["weights"] * kw["weights"] + [kw["layout"], f"eps{kw['eps']:g}", f"scale{kw['scale']:g}"]
+        label = f"N{kw['n']}-T{_tok(kw['tokens'])}-D{kw['dim']}-" + "-".join(flags)
+        case = _op_case("sweep/depth_attention", label, dtype, "da", True, override="sweep", **kw)
+        if dtype in dtypes and case.id not in seen:
+            seen.add(case.id)
+            cases.append(case)
+    return cases
+
+
+def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities] = None,
+             vectors_dir=None, sweep: bool = True) -> List[Case]:
+    """Every case for `dtypes` (the `--quick` subset when quick); `caps` adds the declared-limit
+    edges; vectors_dir: golden vectors (default: `attnres_numpy.vectors.default_vectors_dir()`)."""
+    dtypes = tuple(dtypes)
+    cases = (_depth_attention_cases(dtypes) + _multi_merge_cases(dtypes) + _probe_cases(dtypes)
+             + _error_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
+             + (_limit_cases(caps, dtypes) if caps is not None else [])
+             + _golden_cases(vectors_dir, dtypes) + (_sweep_cases(dtypes, quick) if sweep else []))
+    return [c for c in cases if c.quick or not quick]
+
+
+def get_case(case_id: str, *, caps: Optional[Capabilities] = None, vectors_dir=None) -> Case:
+    """The case named `case_id` (from the full grid)."""
+    dtype = case_id.rsplit("/", 1)[-1]
+    if dtype not in DTYPES:
+        raise ValueError(f"case: {case_id!r} does not end in a dtype ({', '.join(DTYPES)})")
+    sweep = case_id.startswith("sweep/")
+    for case in generate(dtypes=(dtype,), caps=caps, vectors_dir=vectors_dir, sweep=sweep):
+        if case.id == case_id:
+            return case
+    raise ValueError(f"case: no case named {case_id!r}; list ids with `attnres-conformance --list`")

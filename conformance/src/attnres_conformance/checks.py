@@ -1,0 +1,341 @@
+"""Running one case against a backend: `check_case(backend, case, device) -> (forward, gradient)`.
+
+Each check returns two `Cell`s, the matrix cells of the case: forward (outputs) and gradient
+(every gradient, from a call with random cotangents), or None where the case has no gradient
+column.  A cell passes only when every comparison passes; its `err` is the largest
+`tolerances.rel_err` among them (None for checks that compare bitwise or by exception).
+"""
+
+from __future__ import annotations
+
+import builtins
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+from attnres_numpy import ops
+from attnres_numpy.validation import compute_dtype_for
+
+from . import naive
+from .backend import OpCall, ProbeCall
+from .cases import Case
+from .numerics import round_to
+from .tolerances import Comparison, attainable, compare, flash_rule
+
+#: Spec argument names of each op, in call order.
+INPUTS = {
+    "depth_attention": ("sources", "query", "norm_weight"),
+    "depth_attention_multi": ("sources", "queries", "norm_weights"),
+    "merge_partial": ("out1", "lse1", "partial", "query", "norm_weight"),
+}
+#: Outputs and gradients that live in the compute dtype rather than the case dtype (C10).
+COMPUTE_DTYPE = ("lse", "weights", "lse1")
+LOW_PRECISION = ("float16", "bfloat16")
+
+
+@dataclass
+class Cell:
+    """One matrix cell of one case.  status: pass | fail | skip | xfail | xpass."""
+
+    status: str
+    err: Optional[float] = None
+    message: str = ""
+
+
+def _cell(comparisons: List[Comparison], failures: List[str]) -> Cell:
+    failures = failures + [f"{c.name}: rel_err {c.err:.3g} > {c.rtol:.3g}" + (f" ({c.message})" if c.message else "")
+                           for c in comparisons if not c.ok]
+    err = max((c.err for c in comparisons), default=None)
+    return Cell("fail" if failures else "pass", err, "; ".join(failures))
+
+
+def _array_dtype(golden, name: str) -> str:
+    return compute_dtype_for(golden.tolerance_class) if name in COMPUTE_DTYPE else golden.tolerance_class
+
+
+# -- calls ---------------------------------------------------------------------------------------
+def op_call(golden, device: str = "cpu", *, backward: bool, strided: bool = False) -> OpCall:
+    """The backend call of an op golden case (fresh copies of its inputs)."""
+    a = golden.arrays
+    inputs = {}
+    for name in INPUTS[golden.op]:
+        value = a.get(f"input.{name}")
+        if value is not None and name == "sources" and golden.sources_layout == "list":
+            inputs[name] = [s.copy() for s in value]
+        else:
+            inputs[name] = None if value is None else value.copy()
+    compute = compute_dtype_for(golden.dtype)
+    input_dtypes = {"lse1": compute} if golden.op == "merge_partial" and compute != golden.dtype else {}
+    cot = ({k.split(".", 1)[1]: v.copy() for k, v in a.items() if k.startswith("cotangent.")}
+           if backward else None)
+    return OpCall(golden.op, inputs, dict(golden.attrs), golden.dtype, input_dtypes, device, strided, cot)
+
+
+def probe_call(golden, device: str = "cpu", *, backward: bool) -> ProbeCall:
+    """The backend call of a probe golden case."""
+    a = golden.arrays
+    params = {k.split(".", 1)[1]: v.copy() for k, v in a.items()
+              if k.startswith("input.") and k not in ("input.embedding", "input.sublayer_weights")}
+    return ProbeCall(dict(golden.attrs["config"]), params, a["input.embedding"].copy(),
+                     a["input.sublayer_weights"].copy(), golden.dtype, device, golden.attrs["schedule"],
+                     a["cotangent.out"].copy() if backward else None)
+
+
+def _call(backend, golden, device, *, backward, strided=False):
+    if golden.op == "probe":
+        call = probe_call(golden, device, backward=backward)
+        return call, backend.call_probe(call)
+    call = op_call(golden, device, backward=backward, strided=strided)
+    return call, backend.call_op(call)
+
+
+def _snapshot(value):
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_snapshot(v) for v in value]
+    return value.copy() if isinstance(value, np.ndarray) else value
+
+
+def _same(a, b) -> bool:
+    """Bitwise equality of arrays, lists of arrays and dicts of them (NaN equals NaN)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b)))
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and np.array_equal(a.astype(np.float64), b.astype(np.float64), equal_nan=True)
+
+
+def _untouched(call, before, result) -> List[str]:
+    """Inputs handed over unchanged, and the native inputs read back equal to them."""
+    failures = []
+    given = call.inputs if isinstance(call, OpCall) else dict(call.params, embedding=call.embedding,
+                                                               sublayer_weights=call.sublayer_weights)
+    before = before if isinstance(call, OpCall) else dict(before.params, embedding=before.embedding,
+                                                          sublayer_weights=before.sublayer_weights)
+    for name, value in given.items():
+        if not _same(value, before[name]):
+            failures.append(f"the adapter modified the NumPy input {name!r}")
+    if isinstance(call, OpCall):
+        after = getattr(result, "inputs_after", {}) or {}
+        for name, value in before.items():
+            if value is None:
+                continue
+            if name not in after:
+                failures.append(f"inputs_after[{name!r}] missing (the adapter must read inputs back)")
+            elif not _same(after[name], value):
+                failures.append(f"input {name!r} was modified by the op")
+    return failures
+
+
+def _stacked(value):
+    return np.stack([np.asarray(v) for v in value]) if isinstance(value, (list, tuple)) else value
+
+
+def _compare_outputs(golden, result, override) -> Tuple[List[Comparison], List[str]]:
+    outputs = result.outputs if hasattr(result, "outputs") else {"out": result.out}
+    comps, failures = [], []
+    for key, ref in golden.arrays.items():
+        if key.startswith("output."):
+            name = key.split(".", 1)[1]
+            if outputs.get(name) is None:
+                failures.append(f"output {name!r} missing")
+            else:
+                comps.append(compare(name, outputs[name], ref, _array_dtype(golden, name), grad=False,
+                                     override=override))
+    return comps, failures
+
+
+def _compare_grads(golden, result, override) -> Tuple[List[Comparison], List[str]]:
+    comps, failures = [], []
+    for key, ref in golden.arrays.items():
+        if key.startswith("grad."):
+            name = key.split(".", 1)[1]
+            got = result.grads.get(name)
+            if got is None:
+                failures.append(f"gradient {name!r} missing")
+                continue
+            if name == "sources" and golden.op != "probe" and golden.sources_layout == "list" \
+                    and not isinstance(got, (list, tuple)):
+                failures.append("gradient 'sources' must be a list when sources were given as a list")
+                continue
+            comps.append(compare(f"d_{name}", _stacked(got), ref, _array_dtype(golden, name), grad=True,
+                                 override=override))
+    return comps, failures
+
+
+def _naive(golden) -> dict:
+    """The naive low-precision composition of a depth_attention / multi golden case."""
+    a, attrs = golden.arrays, golden.attrs
+    if golden.op == "depth_attention":
+        kw = {k: attrs[k] for k in ("eps", "scale", "num_heads", "activation", "key_norm")}
+        return naive.depth_attention(a["input.sources"], a["input.query"], a.get("input.norm_weight"),
+                                     a["cotangent.out"], dtype=golden.dtype, d_lse=a.get("cotangent.lse"), **kw)
+    return naive.depth_attention_multi(a["input.sources"], a["input.queries"], a.get("input.norm_weights"),
+                                       a["cotangent.out"], a["cotangent.lse"], dtype=golden.dtype,
+                                       eps=attrs["eps"], scale=attrs["scale"])
+
+
+def _flash(golden, comps: List[Comparison], naive_result: Optional[dict]) -> List[Comparison]:
+    """FlashAttention's rule for every low-precision array among `comps`."""
+    if naive_result is None:
+        return []
+    rules = []
+    for c in comps:
+        name = c.name[2:] if c.name.startswith("d_") else c.name
+        ref = golden.arrays.get(f"{'grad' if c.name.startswith('d_') else 'output'}.{name}")
+        if naive_result.get(name) is not None and name not in COMPUTE_DTYPE:
+            rules.append(flash_rule(c.name, c.err, naive_result[name], ref, golden.dtype))
+    return rules
+
+
+def _attainable(golden, c: Comparison, naive_probe: dict) -> Comparison:
+    grad = c.name.startswith("d_")
+    name = c.name[2:] if grad else c.name
+    ref = golden.arrays[f"{'grad' if grad else 'output'}.{name}"]
+    return attainable(c, naive_probe[name], ref, golden.dtype)
+
+
+# -- checks by kind ------------------------------------------------------------------------------
+def _finite(name, value) -> List[str]:
+    v = _stacked(value)
+    return [] if v is None or np.all(np.isfinite(np.asarray(v, dtype=np.float64))) else \
+        [f"{name}: {int(np.sum(~np.isfinite(np.asarray(v, dtype=np.float64))))} non-finite values"]
+
+
+def check_reference(backend, golden, device, *, strided=False, check="tolerance", override=None,
+                    gradient=True) -> Tuple[Cell, Optional[Cell]]:
+    """Forward (a call without cotangents) and gradient (a call with them) vs the reference."""
+    if override is None and golden.op == "probe":
+        override = "probe"
+    flash = (check == "tolerance" and golden.dtype in LOW_PRECISION
+             and golden.op in ("depth_attention", "depth_attention_multi"))
+    naive_result = _naive(golden) if flash else None
+    naive_probe = (naive.probe(golden, backward=gradient) if golden.op == "probe" and golden.dtype in LOW_PRECISION
+                   and check == "tolerance" else None)
+    cells = []
+    for backward in (False, True) if gradient else (False,):
+        call = (op_call(golden, device, backward=backward, strided=strided) if golden.op != "probe"
+                else probe_call(golden, device, backward=backward))
+        before = _snapshot(call.inputs) if isinstance(call, OpCall) else _snapshot(call)
+        result = backend.call_op(call) if isinstance(call, OpCall) else backend.call_probe(call)
+        failures = _untouched(call, before, result)
+        comps, missing = _compare_outputs(golden, result, override)
+        if backward:
+            grad_comps, grad_missing = _compare_grads(golden, result, override)
+            comps, missing = comps + grad_comps, missing + grad_missing
+        if check == "finite":
+            outputs = result.outputs if hasattr(result, "outputs") else {"out": result.out}
+            arrays = dict(outputs, **{f"d_{k}": v for k, v in (result.grads.items() if backward else ())})
+            failures += missing + [f for k, v in arrays.items() for f in _finite(k, v)]
+            cells.append(Cell("fail" if failures else "pass", None, "; ".join(failures)))
+            continue
+        if naive_probe is not None:
+            comps = [_attainable(golden, c, naive_probe) for c in comps]
+        comps += _flash(golden, [c for c in comps if backward == c.name.startswith("d_")], naive_result)
+        cells.append(_cell(comps, failures + missing))
+    return cells[0], (cells[1] if gradient else None)
+
+
+def check_error(backend, case: Case, device) -> Cell:
+    """A spec error: the right exception type, the argument named in the message, inputs untouched."""
+    s = case.spec
+    call = OpCall(s["op"], _snapshot(s["inputs"]), dict(s["attrs"]), case.dtype, dict(s["input_dtypes"]), device)
+    before = _snapshot(call.inputs)
+    expected = getattr(builtins, s["exception"])
+    failures = []
+    try:
+        backend.call_op(call)
+        failures.append(f"no error raised; expected {s['exception']} naming {s['argument']!r}")
+    except expected as exc:
+        if s["argument"] not in str(exc):
+            failures.append(f"{s['exception']} message does not name {s['argument']!r}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the wrong type is the finding
+        failures.append(f"raised {type(exc).__name__} ({exc}); expected {s['exception']} naming {s['argument']!r}")
+    if not _same(call.inputs, before):
+        failures.append("the adapter modified its NumPy inputs")
+    return Cell("fail" if failures else "pass", None, "; ".join(failures))
+
+
+def check_determinism(backend, case: Case, device) -> Tuple[Cell, Cell]:
+    """Two identical runs give bitwise equal outputs (forward) and gradients (gradient)."""
+    golden = case.golden()
+    cells = []
+    for backward in (False, True):
+        runs = [_call(backend, golden, device, backward=backward)[1] for _ in range(2)]
+        what, first, second = (("gradient", runs[0].grads, runs[1].grads) if backward else
+                               ("output", *[r.outputs if hasattr(r, "outputs") else {"out": r.out} for r in runs]))
+        failures = [f"{what} {k!r} differs between two identical runs" for k in first
+                    if not _same(first[k], second.get(k))]
+        cells.append(Cell("fail" if failures else "pass", None, "; ".join(failures)))
+    return cells[0], cells[1]
+
+
+def _two_phase(backend, golden, device) -> Cell:
+    """Phase 1 + merge on the backend equals the backend's direct call, and the reference."""
+    a, dtype = golden.arrays, golden.dtype
+    compute = compute_dtype_for(dtype)
+    x, qs, gs = a["input.sources"], a["input.queries"], a.get("input.norm_weights")
+    rng = np.random.default_rng(golden.seed)
+    partial = round_to(rng.standard_normal(x.shape[1:]), dtype)
+    src = list(x) if golden.sources_layout == "list" else x
+    phase1 = backend.call_op(OpCall("depth_attention_multi", dict(sources=src, queries=qs, norm_weights=gs),
+                                    dict(golden.attrs), dtype, device=device)).outputs
+    comps = []
+    for s in range(qs.shape[0]):
+        g = None if gs is None else gs[s]
+        merged = backend.call_op(OpCall(
+            "merge_partial", dict(out1=np.asarray(phase1["out"][s], np.float64),
+                                  lse1=np.asarray(phase1["lse"][s], np.float64), partial=partial,
+                                  query=qs[s], norm_weight=g),
+            dict(golden.attrs, return_lse=True), dtype, {"lse1": compute} if compute != dtype else {},
+            device)).outputs
+        whole = [*x, partial] if golden.sources_layout == "list" else np.concatenate([x, partial[None]])
+        direct = backend.call_op(OpCall("depth_attention", dict(sources=whole, query=qs[s], norm_weight=g),
+                                        dict(golden.attrs, return_lse=True), dtype, device=device)).outputs
+        ref_out, ref_lse = ops.depth_attention([*x, partial], qs[s], g, return_lse=True, **golden.attrs)
+        for name, ref in (("out", ref_out), ("lse", ref_lse)):
+            dt = compute if name == "lse" else dtype
+            comps += [compare(f"two-phase {name}[{s}] vs direct", merged[name], direct[name], dt, grad=False,
+                              override="two_phase_vs_direct"),
+                      compare(f"two-phase {name}[{s}] vs reference", merged[name], ref, dt, grad=False,
+                              override="two_phase")]
+    return _cell(comps, [])
+
+
+def check_invariant(backend, case: Case, device) -> Cell:
+    golden, inv = case.golden(), case.spec["invariant"]
+    if inv == "two_phase":
+        return _two_phase(backend, golden, device)
+    result = backend.call_op(op_call(golden, device, backward=False))
+    if inv == "identity":
+        src = golden.arrays["input.sources"][0]
+        ok = _same(np.asarray(result.outputs["out"], np.float64), src)
+        return Cell("pass" if ok else "fail", 0.0 if ok else None,
+                    "" if ok else "N = 1 must return the source exactly (C6)")
+    w = np.asarray(result.outputs["weights"], dtype=np.float64)
+    compute = compute_dtype_for(golden.dtype)
+    if inv == "weights_sum":
+        c = compare("sum_i weights", np.sum(w, axis=0), np.ones(w.shape[1:]), compute, grad=False)
+    else:  # zero_query_uniform: zero logits give uniform weights (the spec's init, M8)
+        c = compare("weights (zero query)", w, np.full(w.shape, 1.0 / w.shape[0]), compute, grad=False)
+    return _cell([c], [])
+
+
+def check_case(backend, case: Case, device: str = "cpu") -> Tuple[Cell, Optional[Cell]]:
+    """Run one case; returns (forward cell, gradient cell or None)."""
+    if case.kind == "error":
+        return check_error(backend, case, device), None
+    if case.kind == "determinism":
+        return check_determinism(backend, case, device)
+    if case.kind == "invariant":
+        return check_invariant(backend, case, device), None
+    spec = case.spec
+    return check_reference(backend, case.golden(), device, strided=spec.get("strided", False),
+                           check=spec.get("check", "tolerance"), override=spec.get("override"),
+                           gradient=case.has_gradient)

@@ -1,0 +1,337 @@
+"""`run_conformance(backend) -> Report`: every case, skips, xfails, the matrix, the reproducers.
+
+Matrix: one row per case row (an op's option group, a probe variant, errors, determinism,
+invariants, golden, sweep), two columns per dtype (forward, gradient).  A cell aggregates its
+cases: FAIL if any failed, XPASS if an expected failure passed (an error), pass if the rest
+passed ("pass*" when some of them were skipped or xfailed), else xfail / skip; the number is
+the largest `tolerances.rel_err` among its cases (none for bitwise and exception checks).
+
+Skips file (a port keeps its own): one test-id prefix per line, `#` starts a comment (the
+rest of the line is the reason); a line `xfail PREFIX` expects those cases to fail (if one
+passes it is reported as XPASS, an error); `skip PREFIX` or a bare prefix skips them.  A
+prefix that matches no case gives a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Union
+
+from . import __version__
+from . import cases as cases_mod
+from .checks import Cell, check_case
+from .numerics import DTYPES
+from .registry import BACKENDS
+
+SCHEMA_VERSION = 1
+SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+FAILING = ("fail", "xpass")
+
+
+class BackendUnavailable(RuntimeError):
+    """`backend.is_available()` is False: nothing can be checked."""
+
+
+@dataclass(frozen=True)
+class SkipRule:
+    prefix: str
+    mode: str  # "skip" | "xfail"
+    reason: str
+    line: int
+
+
+def parse_skips(text: str, source: str = "skips") -> List[SkipRule]:
+    """Parse a skips file's text (see the module docstring)."""
+    rules = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        body, _, comment = raw.partition("#")
+        words = body.split()
+        if not words:
+            continue
+        mode = words[0] if words[0] in ("skip", "xfail") else "skip"
+        rest = words[1:] if words[0] in ("skip", "xfail") else words
+        if len(rest) != 1:
+            raise ValueError(f"{source}:{number}: expected '[skip|xfail] PREFIX  # reason', got {raw.strip()!r}")
+        rules.append(SkipRule(rest[0], mode, comment.strip() or f"{source}:{number}", number))
+    return rules
+
+
+def load_skips(path: Union[str, Path]) -> List[SkipRule]:
+    return parse_skips(Path(path).read_text(), str(path))
+
+
+@dataclass
+class CaseResult:
+    id: str
+    row: str
+    kind: str
+    dtype: str
+    device: str
+    forward: Cell
+    gradient: Optional[Cell]
+    reproducer: Optional[str] = None
+
+    @property
+    def cells(self) -> List[Cell]:
+        return [c for c in (self.forward, self.gradient) if c is not None]
+
+    @property
+    def failed(self) -> bool:
+        return any(c.status in FAILING for c in self.cells)
+
+    def describe(self) -> str:
+        lines = [f"{self.id} [{self.device}]"]
+        for name, c in (("forward", self.forward), ("gradient", self.gradient)):
+            if c is not None:
+                err = "" if c.err is None else f" rel_err={c.err:.3g}"
+                lines.append(f"  {name}: {c.status}{err}" + (f"  {c.message}" if c.message else ""))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        err = lambda e: e if e is None or math.isfinite(e) else "inf"  # strict JSON has no Infinity
+        cell = lambda c: None if c is None else {"status": c.status, "max_rel_err": err(c.err), "message": c.message}
+        return {"id": self.id, "row": self.row, "kind": self.kind, "dtype": self.dtype, "device": self.device,
+                "forward": cell(self.forward), "gradient": cell(self.gradient), "reproducer": self.reproducer}
+
+
+def reproducer(spec: str, case: cases_mod.Case, device: str) -> str:
+    """A copy-pasteable reproducer: the CLI line, and a Python snippet rebuilding the inputs."""
+    lines = [
+        f"attnres-conformance --backend {spec} --device {device} --case '{case.id}'",
+        f"# or, in Python (inputs rebuilt from seed {case.seed}):",
+        "from attnres_conformance.cases import get_case",
+        "from attnres_conformance.checks import check_case",
+        "from attnres_conformance.registry import load_backend",
+        f"backend = load_backend({spec!r})",
+        f"case = get_case({case.id!r}, caps=backend.capabilities())",
+        f"print(check_case(backend, case, {device!r}))",
+    ]
+    if case.kind in ("op", "probe", "golden"):
+        fn, method = ("probe_call", "call_probe") if case.golden().op == "probe" else ("op_call", "call_op")
+        lines += [
+            f"from attnres_conformance.checks import {fn}",
+            f"call = {fn}(case.golden(), {device!r}, backward=True)  # the exact inputs and cotangents",
+            f"result = backend.{method}(call)  # vs case.golden().arrays['output.out'], ['grad.<name>']",
+        ]
+    return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    """The results of one backend.  `to_text()` / `to_markdown()` render the matrix,
+    `to_dict()` the JSON report."""
+
+    backend: str
+    spec: str
+    versions: Dict[str, str]
+    capabilities: dict
+    devices: List[str]
+    dtypes: List[str]
+    quick: bool
+    results: List[CaseResult] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return any(r.failed for r in self.results)
+
+    def summary(self) -> Dict[str, int]:
+        counts = {s: 0 for s in ("pass", "fail", "skip", "xfail", "xpass")}
+        for r in self.results:
+            for c in r.cells:
+                counts[c.status] += 1
+        return counts
+
+    def cell(self, row: str, dtype: str, column: str, device: Optional[str] = None) -> Optional[Cell]:
+        """The aggregated matrix cell (column "forward" or "gradient"), None if no case fills it."""
+        cells = [getattr(r, column) for r in self.results
+                 if r.row == row and r.dtype == dtype and (device is None or r.device == device)]
+        cells = [c for c in cells if c is not None]
+        if not cells:
+            return None
+        statuses = {c.status for c in cells}
+        errs = [c.err for c in cells if c.err is not None and c.status in ("pass", "fail", "xpass")]
+        err = max(errs) if errs else None
+        for status in ("fail", "xpass"):
+            if status in statuses:
+                return Cell(status, err, "; ".join(c.message for c in cells if c.status == status))
+        if "pass" in statuses:
+            return Cell("pass*" if statuses - {"pass"} else "pass", err)
+        return Cell("xfail" if "xfail" in statuses else "skip", None)
+
+    def rows(self) -> List[str]:
+        return list(dict.fromkeys(r.row for r in self.results))
+
+    def _table(self, device: str) -> List[List[str]]:
+        dtypes = [d for d in DTYPES if d in self.dtypes]
+        header = ["row"] + [f"{SHORT[d]} {col}" for d in dtypes for col in ("fwd", "grad")]
+        table = [header]
+        for row in self.rows():
+            line = [row]
+            for d in dtypes:
+                for col in ("forward", "gradient"):
+                    c = self.cell(row, d, col, device)
+                    label = "" if c is None else c.status.upper() if c.status in FAILING else c.status
+                    line.append(label if c is None or c.err is None else f"{label} {c.err:.1e}")
+            table.append(line)
+        return table
+
+    def _title(self, device: str) -> str:
+        versions = ", ".join(f"{k} {v}" for k, v in sorted(self.versions.items()))
+        s = self.summary()
+        return (f"attnres conformance: backend {self.backend} ({self.spec}) on {device}"
+                f"{' [quick]' if self.quick else ''}; {versions}\n"
+                f"cells: {s['pass']} pass, {s['fail']} fail, {s['skip']} skip, {s['xfail']} xfail, "
+                f"{s['xpass']} xpass")
+
+    def _notes(self) -> List[str]:
+        lines = [f"warning: {w}" for w in self.warnings]
+        reasons: Dict[str, int] = {}
+        for r in self.results:
+            for c in r.cells:
+                if c.status == "skip":
+                    reasons[c.message] = reasons.get(c.message, 0) + 1
+        lines += [f"skipped {n} cells: {reason}" for reason, n in sorted(reasons.items())]
+        for r in self.results:
+            if r.failed:
+                lines += ["", f"FAILED {r.describe()}", "reproduce:", r.reproducer or ""]
+        return lines
+
+    def to_text(self) -> str:
+        out = []
+        for device in self.devices:
+            table = self._table(device)
+            widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+            out.append(self._title(device))
+            out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table]
+        return "\n".join(out + self._notes()) + "\n"
+
+    def to_markdown(self) -> str:
+        out = []
+        for device in self.devices:
+            table = self._table(device)
+            out += [f"### {self._title(device)}".replace("\n", "  \n"), ""]
+            out.append("| " + " | ".join(table[0]) + " |")
+            out.append("|" + "---|" * len(table[0]))
+            out += ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(line)) + " |"
+                    for line in table[1:]]
+            out.append("")
+        notes = self._notes()
+        if notes:
+            out += ["```", *notes, "```"]
+        return "\n".join(out) + "\n"
+
+    def to_dict(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, "suite_version": __version__, "backend": self.backend,
+                "spec": self.spec, "versions": self.versions, "capabilities": self.capabilities, "devices": self.devices,
+                "dtypes": self.dtypes, "quick": self.quick, "summary": self.summary(),
+                "warnings": self.warnings, "results": [r.to_dict() for r in self.results]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+
+def _caps_dict(caps) -> dict:
+    return {k: sorted(v) if isinstance(v, (frozenset, set)) else list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(caps).items()}
+
+
+def _error_cell(exc: BaseException) -> Cell:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    return Cell("fail", None, f"raised {type(exc).__name__}: {exc}{where}")
+
+
+def run_case(backend, case: cases_mod.Case, device: str = "cpu", *, spec: Optional[str] = None,
+             rule: Optional[SkipRule] = None, caps=None) -> CaseResult:
+    """Run one case (capabilities, skip/xfail rule applied) and wrap it as a CaseResult."""
+    caps = caps or backend.capabilities()
+    spec = spec or _spec_of(backend)
+    reason = case.spec.get("skip") if case.kind == "skip" else None
+    if reason is None and (case.dtype not in caps.dtypes or device not in caps.devices):
+        reason = cases_mod.Requirements().missing(caps, case.dtype, device)  # before building inputs
+    reason = reason or case.requirements().missing(caps, case.dtype, device)
+    if reason is None and rule is not None and rule.mode == "skip":
+        reason = f"skips file: {rule.reason}"
+    if reason is not None:
+        skip = Cell("skip", None, reason)
+        return CaseResult(case.id, case.row, case.kind, case.dtype, device, skip,
+                          skip if case.has_gradient else None)
+    try:
+        forward, gradient = check_case(backend, case, device)
+    except Exception as exc:  # noqa: BLE001 - a crashing backend is a failing cell, not a crash
+        forward = _error_cell(exc)
+        gradient = Cell("fail", None, "not run: the forward check raised") if case.has_gradient else None
+    if rule is not None and rule.mode == "xfail":
+        for c in (forward, gradient):
+            if c is not None:
+                if c.status == "fail":
+                    c.status, c.message = "xfail", f"expected failure ({rule.reason}): {c.message}"
+                else:
+                    c.status, c.message = "xpass", f"marked xfail ({rule.reason}) but passed: remove the xfail"
+    result = CaseResult(case.id, case.row, case.kind, case.dtype, device, forward, gradient)
+    if result.failed:
+        result.reproducer = reproducer(spec, case, device)
+    return result
+
+
+def _spec_of(backend) -> str:
+    """How a reproducer names the backend: its registry name, else the module global holding
+    it (pass `spec=` to run_conformance when neither finds it)."""
+    if backend.name in BACKENDS:
+        return backend.name
+    module = type(backend).__module__
+    names = [k for k, v in vars(sys.modules.get(module, object)).items() if v is backend]
+    return f"{module}:{names[0] if names else 'backend'}"
+
+
+def match_rule(rules: Sequence[SkipRule], case_id: str) -> Optional[SkipRule]:
+    """The longest matching prefix wins (a specific xfail inside a broad skip)."""
+    hits = [r for r in rules if case_id.startswith(r.prefix)]
+    return max(hits, key=lambda r: len(r.prefix)) if hits else None
+
+
+def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
+                    devices: Optional[Iterable[str]] = None, quick: bool = False,
+                    skips: Union[None, str, Path, Sequence[SkipRule]] = None,
+                    case_ids: Optional[Sequence[str]] = None, select: Optional[Sequence[str]] = None,
+                    spec: Optional[str] = None, vectors_dir=None) -> Report:
+    """Run the suite on `backend` (an object implementing `Backend`).
+
+    dtypes: default all four (those the backend does not declare are reported as skipped);
+    devices: default every declared device.  quick: the reduced grid.  skips: a skips file path or
+    parsed rules.  case_ids: run only these cases; select: only cases whose id starts with one
+    of these prefixes.  spec: how reproducers name the backend
+    (default: its registry name)."""
+    if not backend.is_available():
+        raise BackendUnavailable(f"backend {backend.name!r}: is_available() is False here")
+    caps = backend.capabilities()
+    dtypes = list(dtypes) if dtypes else list(DTYPES)
+    unknown = sorted(set(dtypes) - set(DTYPES))
+    if unknown:
+        raise ValueError(f"dtype: unknown {unknown}; expected some of {list(DTYPES)}")
+    devices = list(devices) if devices else list(caps.devices)
+    rules = load_skips(skips) if isinstance(skips, (str, Path)) else list(skips or [])
+    spec = spec or _spec_of(backend)
+    if case_ids:
+        selected = [cases_mod.get_case(i, caps=caps, vectors_dir=vectors_dir) for i in case_ids]
+    else:
+        selected = cases_mod.generate(dtypes=dtypes, quick=quick, caps=caps, vectors_dir=vectors_dir)
+    if select:
+        selected = [c for c in selected if c.id.startswith(tuple(select))]
+    report = Report(backend.name, spec, dict(backend.versions()), _caps_dict(caps), devices, dtypes, quick)
+    used = set()
+    for device in devices:
+        for case in selected:
+            rule = match_rule(rules, case.id)
+            if rule is not None:
+                used.add(rule)
+            report.results.append(run_case(backend, case, device, spec=spec, rule=rule, caps=caps))
+    report.warnings += [f"skips line {r.line}: {r.prefix!r} matches no case" for r in rules if r not in used]
+    return report

@@ -1,0 +1,78 @@
+"""The `attnres-conformance` command line, run in a subprocess on the NumPy backends."""
+
+import json
+import os
+import subprocess
+import sys
+
+from attnres_numpy.vectors import load_vectors
+from conftest import TESTS
+
+
+def cli(*args, timeout=180, backend_env=None):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env.pop("ATTNRES_BACKEND", None)
+    if backend_env:
+        env["ATTNRES_BACKEND"] = backend_env
+    return subprocess.run([sys.executable, "-m", "attnres_conformance.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def test_no_backend_is_an_error():
+    run = cli()
+    assert run.returncode == 2
+    assert "no backend selected" in run.stderr
+
+
+def test_backend_from_the_environment():
+    run = cli("--case", "invariants/identity/N1-T3-D16/float64", backend_env="numpy")
+    assert run.returncode == 0 and "backend numpy (numpy)" in run.stdout
+
+
+def test_unknown_backend_is_an_error():
+    run = cli("--backend", "nosuch")
+    assert run.returncode == 2 and "unknown name 'nosuch'" in run.stderr
+
+
+def test_numpy_quick_passes_and_writes_reports(tmp_path):
+    run = cli("--backend", "numpy", "--quick", "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md"))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr
+    assert "attnres conformance: backend numpy (numpy) on cpu [quick]" in run.stdout
+    assert "depth_attention/shapes" in run.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["schema_version"] == 1 and [r["backend"] for r in data["reports"]] == ["numpy"]
+    assert data["reports"][0]["summary"]["fail"] == 0
+    assert "| `probe/full` |" in (tmp_path / "r.md").read_text()
+
+
+def test_failures_exit_one_and_backends_combine(tmp_path):
+    run = cli("--backend", "numpy", "--backend", "adapters:broken_norm_weight_grad", "--dtype", "float64",
+              "--case", "depth_attention/base/N5-T3-D16/float64", "--json", str(tmp_path / "r.json"))
+    assert run.returncode == 1
+    assert "FAILED depth_attention/base/N5-T3-D16/float64" in run.stdout
+    assert "--backend adapters:broken_norm_weight_grad" in run.stdout
+    reports = json.loads((tmp_path / "r.json").read_text())["reports"]
+    assert [r["summary"]["fail"] for r in reports] == [0, 1]
+
+
+def test_skips_file_warns_on_unmatched(tmp_path):
+    skips = tmp_path / "skips.txt"
+    skips.write_text("nothing/matches/this\n")
+    run = cli("--backend", "numpy", "--case", "invariants/identity/N1-T3-D16/float64", "--skips", str(skips))
+    assert run.returncode == 0
+    assert "warning: skips line 1: 'nothing/matches/this' matches no case" in run.stderr
+
+
+def test_unknown_case_is_an_error():
+    run = cli("--backend", "numpy", "--case", "depth_attention/base/nope/float64")
+    assert run.returncode == 2 and "no case named" in run.stderr
+
+
+def test_export_vectors(tmp_path):
+    run = cli("--export-vectors", str(tmp_path), "--quick", "--dtype", "bfloat16")
+    assert run.returncode == 0, run.stderr
+    vectors = load_vectors(tmp_path)
+    ids = {v.id for v in vectors}
+    assert "depth_attention__shapes__N33-T3-D123__bfloat16" in ids
+    assert "probe__block_two_phase__S2-L5-D8-T2x3__bfloat16" in ids
+    assert all(v.dtype == "bfloat16" for v in vectors) and len(vectors) > 40

@@ -1,0 +1,24 @@
+"""The minimal adapter in docs/validating-a-port.md runs as is and passes the suite."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "validating-a-port.md"
+
+
+@pytest.mark.skipif(not DOC.is_file(), reason="docs/ is not part of this checkout")
+def test_documented_adapter_passes(tmp_path):
+    from attnres_conformance.runner import run_conformance
+
+    code = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)[0]
+    path = tmp_path / "my_port_adapter.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location("my_port_adapter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = run_conformance(module.backend, quick=True, dtypes=["float64"])
+    assert not report.failed
+    assert report.summary()["pass"] > 100 and report.summary()["skip"] == 0

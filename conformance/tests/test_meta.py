@@ -1,0 +1,134 @@
+"""The suite against the honest reference and deliberately broken adapters (`adapters.py`):
+each bug must be reported failing in the right matrix cell, and nowhere it cannot show."""
+
+import adapters
+import pytest
+from attnres_conformance.runner import run_conformance
+
+F64 = ("float64",)
+
+
+def status(report, row, dtype, column):
+    cell = report.cell(row, dtype, column)
+    assert cell is not None, f"no case fills {row} {dtype} {column}"
+    return cell.status
+
+
+def failing_rows(report):
+    return {(r.row, r.dtype, col) for r in report.results
+            for col, c in (("forward", r.forward), ("gradient", r.gradient)) if c is not None and c.status == "fail"}
+
+
+@pytest.fixture(scope="module")
+def reference_report():
+    return run_conformance(adapters.reference, dtypes=F64)
+
+
+def test_reference_passes_everything(reference_report):
+    summary = reference_report.summary()
+    assert summary["fail"] == 0 and summary["xpass"] == 0, failing_rows(reference_report)
+    assert summary["pass"] > 200
+    assert summary["skip"] == 0  # float64 only: the reference declares every op, option and variant
+    rows = set(reference_report.rows())
+    for row in ("depth_attention/shapes", "depth_attention/large_magnitude", "probe/block_two_phase",
+                "probe/multihead", "errors/merge_partial", "determinism", "invariants/two_phase",
+                "golden/probe", "sweep/depth_attention"):
+        assert row in rows
+
+
+def test_honest_low_precision_port_passes_every_dtype():
+    report = run_conformance(adapters.rounding)
+    assert not report.failed, failing_rows(report)
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert status(report, "depth_attention/shapes", dtype, "gradient") == "pass"
+        assert status(report, "probe/gated", dtype, "gradient") == "pass"
+
+
+def test_eps_in_the_wrong_place():
+    report = run_conformance(adapters.rounding_broken_eps, quick=True, dtypes=("float64", "float32"))
+    # eps = 1e-2: the bug is 0.7 % of the output; at eps = 1e-6 it hides under fp32's tolerance.
+    assert status(report, "depth_attention/eps_scale", "float32", "forward") == "fail"
+    assert status(report, "depth_attention/base", "float32", "forward") == "pass"
+    # All-zero sources: out = 0 either way, but r = 1/eps instead of 1/sqrt(eps) in the VJP.
+    assert status(report, "depth_attention/zero_sources", "float32", "forward") == "pass"
+    assert status(report, "depth_attention/zero_sources", "float32", "gradient") == "fail"
+    assert status(report, "depth_attention/base", "float64", "forward") == "fail"
+    assert status(report, "probe/standard", "float64", "forward") == "pass"  # no depth attention there
+
+
+def test_logit_scale():
+    report = run_conformance(adapters.broken_logit_scale, quick=True, dtypes=F64)
+    for row in ("depth_attention/base", "depth_attention_multi/base", "merge_partial/base",
+                "golden/depth_attention"):
+        assert status(report, row, "float64", "forward") == "fail", row
+    assert status(report, "invariants/identity", "float64", "forward") == "pass"  # N = 1: scale-free
+
+
+def test_source_dropped_past_index_32():
+    report = run_conformance(adapters.broken_drop_past_32, quick=True, dtypes=F64)
+    assert status(report, "depth_attention/shapes", "float64", "forward") == "fail"  # N = 33
+    assert status(report, "depth_attention_multi/shapes", "float64", "gradient") == "fail"
+    for row in ("depth_attention/base", "depth_attention/heads", "merge_partial/base"):
+        assert status(report, row, "float64", "forward") == "pass", row
+    failed = {r.id for r in report.results if r.failed}
+    assert failed and all("N33" in i or "N130" in i or "N40" in i for i in failed), failed
+
+
+def test_embedding_left_out_of_the_probe():
+    report = run_conformance(adapters.broken_embedding, quick=True, dtypes=F64)
+    for row in ("probe/full", "probe/block", "probe/window", "probe/block_two_phase", "golden/probe"):
+        assert status(report, row, "float64", "forward") == "fail", row
+    for row in ("probe/standard", "probe/scalar", "probe/gated", "probe/static", "depth_attention/base"):
+        assert status(report, row, "float64", "forward") == "pass", row
+    assert {row for row, _, _ in failing_rows(report)} == {
+        "probe/full", "probe/block", "probe/window", "probe/block_two_phase", "probe/input_query",
+        "probe/sigmoid", "probe/no_key_norm", "probe/multihead", "golden/probe"}
+
+
+def test_wrong_norm_weight_gradient():
+    report = run_conformance(adapters.broken_norm_weight_grad, quick=True, dtypes=F64)
+    assert status(report, "depth_attention/base", "float64", "gradient") == "fail"
+    assert status(report, "depth_attention/base", "float64", "forward") == "pass"
+    assert status(report, "depth_attention/no_gain", "float64", "gradient") == "pass"  # no norm weight
+    assert all(col == "gradient" for _, _, col in failing_rows(report))
+    bad = next(r for r in report.results if r.row == "depth_attention/base")
+    assert "d_norm_weight" in bad.gradient.message and "d_query" not in bad.gradient.message
+
+
+def test_nondeterministic_backward():
+    report = run_conformance(adapters.nondeterministic_backward, quick=True, dtypes=F64)
+    assert status(report, "determinism", "float64", "gradient") == "fail"
+    assert status(report, "determinism", "float64", "forward") == "pass"
+    assert failing_rows(report) == {("determinism", "float64", "gradient")}  # noise within tolerance
+
+
+def test_input_modified_in_place():
+    report = run_conformance(adapters.mutates_input, quick=True, dtypes=F64)
+    assert status(report, "depth_attention/base", "float64", "forward") == "fail"
+    assert "modified" in report.cell("depth_attention/base", "float64", "forward").message
+    assert status(report, "depth_attention_multi/base", "float64", "forward") == "pass"  # no 'query' there
+
+
+def test_capabilities_skip_and_limits():
+    report = run_conformance(adapters.fewer_options, quick=True, dtypes=F64)
+    assert status(report, "depth_attention/sigmoid", "float64", "forward") == "skip"
+    assert status(report, "probe/sigmoid", "float64", "gradient") == "skip"
+    skip = report.cell("depth_attention/sigmoid", "float64", "forward")
+    assert skip.err is None
+    assert any("sigmoid not declared" in r.forward.message for r in report.results if r.row == "depth_attention/sigmoid")
+    # The declared max_sources = 40: N = 40 runs, N = 41 must raise; this adapter never raises.
+    assert status(report, "depth_attention/limits", "float64", "forward") == "pass"
+    limit = next(r for r in report.results if r.id == "errors/depth_attention/max_sources_plus_1/float64")
+    assert limit.forward.status == "fail" and "no error raised" in limit.forward.message
+    assert failing_rows(report) == {("errors/depth_attention", "float64", "forward")}
+
+
+def test_large_magnitudes_must_stay_finite():
+    report = run_conformance(adapters.rounding_overflowing_backward, select=["depth_attention/large_magnitude/"])
+    failed = {(r.id, col) for r in report.results for col, c in (("fwd", r.forward), ("grad", r.gradient))
+              if c.status == "fail"}
+    assert failed == {("depth_attention/large_magnitude/N5-T3-D64-x1e+30/float32", "grad"),
+                      ("depth_attention/large_magnitude/N5-T3-D64-x1e+30/bfloat16", "grad"),
+                      ("depth_attention/large_magnitude/N5-T3-D64-x1e+100/float64", "grad")}
+    bad = next(r for r in report.results if r.id.endswith("x1e+30/float32"))
+    assert "non-finite" in bad.gradient.message

@@ -1,0 +1,138 @@
+"""AttnRes under `jax.shard_map` (docs/distributed.md): call these inside a shard_map body.
+
+Hidden-dimension sharding (`depth_attention_tp`): the last dimension of the sources, query and
+gain is split evenly over mesh axis `axis_name`.  Per token, head h and source i the local
+partial  s_i = <q g, x_i>  and  ss_i = sum x_i^2  are `psum`-ed (2 N H scalars; N H without key
+norm); z, p and lse are then identical on every device and  out[local] = sum_i p_i x_i[local]
+stays local.  JAX differentiates the psum: the backward reduces the cotangent of p, again N H
+scalars per token (the transpose of the implicit broadcast of p to the device-varying x).
+
+Sequence sharding (`sequence_sharded_prefill`): block representations sharded along the
+sequence over `axis_name`; phase 1 local, phase 2 merged locally between the reduce-scatter
+(`psum_scatter`) and the all-gather that replace a tensor-parallel sublayer's all-reduce
+(paper section 4.2).
+
+Numerics follow C10: compute in float32 (float64 for float64 sources), one final cast.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from attnres_numpy import validation
+
+from . import ops
+
+
+def _compute_dtype(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _head_map(axis_name: str, local_dim: int, dim: int, num_heads: int, dtype):
+    """`[D_r, H]` 0/1: local channel c belongs to head (offset + c) // (D / H)."""
+    offset = jax.lax.axis_index(axis_name) * local_dim
+    heads = (offset + jnp.arange(local_dim)) // (dim // num_heads)
+    return jax.nn.one_hot(heads, num_heads, dtype=dtype)
+
+
+def depth_attention_tp(sources, query, norm_weight=None, *, axis_name: str, eps: float = 1e-6,
+                       scale: float = 1.0, num_heads: int = 1, activation: str = "softmax",
+                       key_norm: bool = True, return_lse: bool = False):
+    """Depth attention on hidden-dimension shards (inside `shard_map` over `axis_name`).
+
+    Args:
+      sources: N local shards `[..., D/P]` (list) or one stacked `[N, ..., D/P]` array.
+      query: `[D/P]` or per-token `[..., D/P]`; norm_weight: `[D/P]` or None.
+      eps, scale, num_heads, activation, key_norm, return_lse: as `attnres_jax.depth_attention`
+        on the full arrays (D = P * D/P must divide by num_heads).
+    Returns out `[..., D/P]` (sources' dtype) and, with return_lse, the replicated lse `[...]`
+      (`[..., H]` if H > 1; compute dtype).
+    """
+    xs = list(sources) if isinstance(sources, (list, tuple)) else [sources[i] for i in range(sources.shape[0])]
+    world = jax.lax.axis_size(axis_name)
+    local_dim = xs[0].shape[-1]
+    dim = local_dim * world
+
+    def full(shape):
+        return tuple(shape[:-1]) + (dim,)
+
+    geo = validation.check_depth_attention(
+        [full(x.shape) for x in xs], [ops.dtype_name(x) for x in xs], full(query.shape),
+        ops.dtype_name(query), None if norm_weight is None else full(norm_weight.shape),
+        None if norm_weight is None else ops.dtype_name(norm_weight),
+        stacked=not isinstance(sources, (list, tuple)), eps=eps, scale=scale, num_heads=num_heads,
+        activation=activation, key_norm=key_norm, return_lse=return_lse)
+    h = geo.num_heads
+    cd = _compute_dtype(xs[0].dtype)
+    m = _head_map(axis_name, local_dim, dim, h, cd)  # [D_r, H]
+    x = jnp.stack([s.astype(cd) for s in xs])  # [N, ..., D_r]
+    qg = query.astype(cd) if norm_weight is None else query.astype(cd) * norm_weight.astype(cd)
+    hi = jax.lax.Precision.HIGHEST
+    partial = [jnp.matmul(x * qg, m, precision=hi)]  # s_i per head [N, ..., H]
+    if key_norm:
+        partial.append(jnp.matmul(x * x, m, precision=hi))  # ss_i per head
+    stats = jax.lax.psum(jnp.stack(partial), axis_name)
+    s = stats[0]
+    r = jax.lax.rsqrt(stats[1] / (dim // h) + eps) if key_norm else jnp.ones_like(s)
+    z = scale * r * s
+    p = jax.nn.softmax(z, axis=0) if activation == "softmax" else jax.nn.sigmoid(z)
+    out = jnp.sum(jnp.matmul(p, m.T, precision=hi) * x, axis=0).astype(xs[0].dtype)
+    if not return_lse:
+        return out
+    lse = jax.nn.logsumexp(z, axis=0)
+    return out, (lse[..., 0] if h == 1 else lse)
+
+
+def _varying(x, axis_name: str):
+    """Mark a replicated (device-invariant) array as device-varying over `axis_name`.
+
+    The ops' custom VJPs return device-varying gradients for every argument; JAX requires the
+    primal to have the same type, so replicated parameters enter as varying values.  The
+    transpose of this cast is the psum that sums their per-device gradients.
+    """
+    if x is None or axis_name in getattr(jax.typeof(x), "vma", frozenset()):
+        return x
+    return jax.lax.pcast(x, axis_name, to="varying")
+
+
+def sequence_sharded_prefill(embedding, sublayers: Sequence[Callable], queries, norm_weights, *,
+                             block_size: int, axis_name: str, seq_dim: int = 0, eps: float = 1e-6,
+                             scale: float = 1.0):
+    """Block AttnRes (two-phase) with sequence-sharded block representations (inside shard_map).
+
+    Args:
+      embedding: local tokens of b_0, `[.., T/P, .., D]` (sequence at `seq_dim`).
+      sublayers: L callables `h [.., T, .., D] -> y_r [.., T, .., D]`, this device's
+        tensor-parallel partial of f_l(h) (the sum over `axis_name` is f_l(h)).
+      queries, norm_weights: `[L + 1, D]` (norm_weights may be None); row L aggregates the output.
+    Returns (out `[.., T/P, .., D]`, the local shards of the blocks `[b_0..b_N]`).
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size: expected an int >= 1, got {block_size!r}")
+    num_layers = len(sublayers)
+    if queries.ndim != 2 or queries.shape[0] != num_layers + 1:
+        raise ValueError(f"queries: expected shape [L + 1, D] = [{num_layers + 1}, D] for "
+                         f"{num_layers} sublayers, got shape {tuple(queries.shape)}")
+
+    queries, norm_weights = _varying(queries, axis_name), _varying(norm_weights, axis_name)
+
+    def nw(rows):
+        return None if norm_weights is None else norm_weights[rows]
+
+    blocks = [embedding]
+    for first in range(0, num_layers, block_size):
+        rows = slice(first, min(first + block_size, num_layers))
+        out1, lse1 = ops.depth_attention_multi(blocks, queries[rows], nw(rows), eps=eps, scale=scale)
+        partial: Optional[jax.Array] = None
+        for i, layer in enumerate(range(rows.start, rows.stop)):
+            h = out1[0] if partial is None else ops.merge_partial(
+                out1[i], lse1[i], partial, queries[layer], nw(layer), eps=eps, scale=scale)
+            h_full = jax.lax.all_gather(h, axis_name, axis=seq_dim, tiled=True)
+            y = jax.lax.psum_scatter(sublayers[layer](h_full), axis_name,
+                                     scatter_dimension=seq_dim, tiled=True)
+            partial = y if partial is None else partial + y
+        blocks.append(partial)
+    out = ops.depth_attention(blocks, queries[num_layers], nw(num_layers), eps=eps, scale=scale)
+    return out, blocks

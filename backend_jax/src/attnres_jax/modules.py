@@ -1,0 +1,129 @@
+"""Flax NNX modules over the pure functions (needs the `flax` extra).
+
+* `DepthAttention`: one depth-attention layer with its own pseudo-query and key-norm gain.
+* `DepthRouter`: every `ResidualConfig` scheme around the user's sublayers; its parameters are
+  named and shaped exactly as `ResidualConfig.param_shapes(L, D)` (so reference/probe params load
+  1:1 with `load_params`) and initialized per the spec (M8, `ResidualConfig.init_params`).
+* `Transformer`: a small causal decoder (attention and MLP sublayers, M1) built on the router.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from attnres_numpy.config import ResidualConfig
+from flax import nnx
+
+from .ops import depth_attention
+from .stack import HIGHEST, Sublayer, stack_apply
+
+
+class DepthAttention(nnx.Module):
+    """One depth-attention layer: pseudo-query `query [D]` (zero init: uniform weights, M8) and
+    key-norm gain `norm_weight [D]` (ones).  `__call__(sources)` takes N x `[..., D]` or
+    `[N, ..., D]` and returns `[..., D]` (and lse / weights when asked)."""
+
+    def __init__(self, dim: int, *, num_heads: int = 1, activation: str = "softmax",
+                 key_norm: bool = True, eps: float = 1e-6, scale: float = 1.0, dtype=jnp.float32):
+        self.query = nnx.Param(jnp.zeros((dim,), dtype))
+        self.norm_weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.num_heads, self.activation, self.key_norm = num_heads, activation, key_norm
+        self.eps, self.scale = eps, scale
+
+    def __call__(self, sources, *, return_lse: bool = False, return_weights: bool = False):
+        return depth_attention(sources, self.query[...], self.norm_weight[...], eps=self.eps,
+                               scale=self.scale, num_heads=self.num_heads, activation=self.activation,
+                               key_norm=self.key_norm, return_lse=return_lse,
+                               return_weights=return_weights)
+
+
+class DepthRouter(nnx.Module):
+    """The residual scheme `config` over L = num_layers sublayers of width D = dim.
+
+    Parameters: one `nnx.Param` per name of `config.param_shapes(L, D)` (e.g. `queries [L+1, D]`,
+    `norm_weights [L+1, D]`), initialized with `config.init_params`.
+    `__call__(embedding [..., D], sublayers, schedule="direct") -> [..., D]` (before any final norm).
+    """
+
+    def __init__(self, config: ResidualConfig, num_layers: int, dim: int, *, dtype=jnp.float32):
+        self.config, self.num_layers, self.dim = config, num_layers, dim
+        self.names = tuple(config.param_shapes(num_layers, dim))
+        for name, value in config.init_params(num_layers, dim).items():
+            setattr(self, name, nnx.Param(jnp.asarray(value, dtype)))
+
+    def params(self) -> dict:
+        """name -> array, shaped as `config.param_shapes(L, D)`."""
+        return {name: getattr(self, name)[...] for name in self.names}
+
+    def load_params(self, params: Mapping) -> None:
+        """Set every parameter from a mapping name -> array (names and shapes must match)."""
+        shapes = self.config.param_shapes(self.num_layers, self.dim)
+        if set(params) != set(shapes):
+            raise ValueError(f"params: expected names {sorted(shapes)}, got {sorted(params)}")
+        for name, shape in shapes.items():
+            value = jnp.asarray(params[name])
+            if value.shape != shape:
+                raise ValueError(f"params[{name!r}]: expected shape {shape}, got shape {value.shape}")
+            var = getattr(self, name)
+            var[...] = value.astype(var[...].dtype)
+
+    def __call__(self, embedding, sublayers: Sequence[Sublayer], *, schedule: str = "direct"):
+        return stack_apply(self.config, self.params(), embedding, sublayers, schedule=schedule)
+
+
+class _Attention(nnx.Module):
+    """Causal multi-head self-attention sublayer with its own pre-RMSNorm: `[B, T, D] -> [B, T, D]`."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float, rngs: nnx.Rngs):
+        self.norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
+        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, precision=HIGHEST, rngs=rngs)
+        self.out = nnx.Linear(dim, dim, use_bias=False, precision=HIGHEST, rngs=rngs)
+        self.num_heads = num_heads
+
+    def __call__(self, h):
+        b, t, d = h.shape
+        q, k, v = jnp.split(self.qkv(self.norm(h)).reshape(b, t, 3, self.num_heads, -1), 3, axis=2)
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, Dh]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) / jnp.sqrt(q.shape[-1])
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+        return self.out(jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=HIGHEST).reshape(b, t, d))
+
+
+class _MLP(nnx.Module):
+    """GELU MLP sublayer with its own pre-RMSNorm: `[..., D] -> [..., D]`."""
+
+    def __init__(self, dim: int, hidden: int, eps: float, rngs: nnx.Rngs):
+        self.norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
+        self.up = nnx.Linear(dim, hidden, precision=HIGHEST, rngs=rngs)
+        self.down = nnx.Linear(hidden, dim, precision=HIGHEST, rngs=rngs)
+
+    def __call__(self, h):
+        return self.down(jax.nn.gelu(self.up(self.norm(h))))
+
+
+class Transformer(nnx.Module):
+    """A small causal decoder: tokens `[B, T]` -> logits `[B, T, vocab]`.
+
+    num_blocks transformer blocks = L = 2 * num_blocks sublayers (attention, MLP; M1) combined by
+    a `DepthRouter(config, L, dim)`, then a final RMSNorm and the LM head.  config "standard" is
+    the PreNorm baseline.
+    """
+
+    def __init__(self, config: ResidualConfig, *, vocab_size: int, dim: int, num_blocks: int,
+                 num_heads: int, rngs: nnx.Rngs, eps: float = 1e-6, mlp_ratio: int = 4):
+        self.embed = nnx.Embed(vocab_size, dim, rngs=rngs)
+        sublayers = []
+        for _ in range(num_blocks):
+            sublayers.append(_Attention(dim, num_heads, eps, rngs))
+            sublayers.append(_MLP(dim, mlp_ratio * dim, eps, rngs))
+        self.sublayers = nnx.List(sublayers)
+        self.router = DepthRouter(config, 2 * num_blocks, dim)
+        self.final_norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab_size, use_bias=False, precision=HIGHEST, rngs=rngs)
+
+    def __call__(self, tokens, *, schedule: str = "direct"):
+        h = self.router(self.embed(tokens), list(self.sublayers), schedule=schedule)
+        return self.head(self.final_norm(h))

@@ -1,0 +1,1 @@
+"""Pallas kernels (`kernels`) and their platform dispatch (`dispatch`)."""

@@ -1,0 +1,70 @@
+"""`jit` with `NamedSharding` over batch and sequence on an 8-device host mesh (subprocess: the
+device count must be set before JAX initializes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from attnres_numpy import model as ref
+    from attnres_numpy import ops
+    from attnres_numpy.config import ResidualConfig
+    from attnres_jax import depth_attention, probe_forward
+
+    assert len(jax.devices()) == 8, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("batch", "seq"))
+    tok = NamedSharding(mesh, P("batch", "seq", None))  # [B, T, D]
+    rep = NamedSharding(mesh, P())
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((4, 8, 16)).astype(np.float32) for _ in range(5)]
+    q, g = (rng.standard_normal(16).astype(np.float32) for _ in range(2))
+    sx = [jax.device_put(x, tok) for x in xs]
+    sq, sg = jax.device_put(q, rep), jax.device_put(g, rep)
+
+    def loss(xs, q, g):
+        out, lse = depth_attention(xs, q, g, return_lse=True)
+        return jnp.sum(out ** 2) + jnp.sum(lse), out
+
+    # The forward needs no communication at all: tokens stay where they are.
+    hlo = jax.jit(lambda xs, q, g: depth_attention(xs, q, g)).lower(sx, sq, sg).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo and "collective-permute" not in hlo, hlo
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, out), (dx, dq, dg) = step(sx, sq, sg)
+    assert out.sharding.is_equivalent_to(tok, 3), out.sharding
+    assert dx[0].sharding.is_equivalent_to(tok, 3), dx[0].sharding
+    x64 = [x.astype(np.float64) for x in xs]
+    want_out, want_lse = ops.depth_attention(x64, q.astype(np.float64), g.astype(np.float64), return_lse=True)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    want = ops.depth_attention_vjp(x64, q.astype(np.float64), g.astype(np.float64), 2 * want_out,
+                                   np.ones(want_lse.shape))
+    np.testing.assert_allclose(np.stack(dx), np.stack(want["sources"]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dq, want["query"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dg, want["norm_weight"], rtol=1e-4, atol=1e-4)
+
+    config = ResidualConfig.variant("block", block_size=2)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in config.param_shapes(4, 16).items()}
+    w = (rng.standard_normal((4, 16, 16)) / 4).astype(np.float32)
+    emb = rng.standard_normal((4, 8, 16)).astype(np.float32)
+    for schedule in ("direct", "two_phase"):
+        f = jax.jit(lambda p, e, w: probe_forward(config, p, e, w, schedule=schedule))
+        got = f(jax.device_put(params, rep), jax.device_put(emb, tok), jax.device_put(w, rep))
+        assert got.sharding.is_equivalent_to(tok, 3), got.sharding
+        p64 = {k: v.astype(np.float64) for k, v in params.items()}
+        np.testing.assert_allclose(got, ref.probe_forward(config, p64, emb.astype(np.float64),
+                                                          w.astype(np.float64)), rtol=1e-4, atol=1e-4)
+    print("SHARDING-OK")
+""")
+
+
+def test_sharded_jit_over_batch_and_sequence():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SHARDING-OK" in proc.stdout

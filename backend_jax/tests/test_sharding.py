@@ -59,6 +59,23 @@ SCRIPT = textwrap.dedent("""
         p64 = {k: v.astype(np.float64) for k, v in params.items()}
         np.testing.assert_allclose(got, ref.probe_forward(config, p64, emb.astype(np.float64),
                                                           w.astype(np.float64)), rtol=1e-4, atol=1e-4)
+
+    # shard_map with replicated pseudo-query and gain (check_vma on): the custom VJPs return
+    # their gradients summed over the token shards, equal to the unsharded gradients.
+    from attnres_jax import merge_partial
+    spec_tok = P("batch", "seq", None)
+
+    def local(xs, q, g):
+        out, lse = depth_attention(xs, q, g, return_lse=True)
+        merged = merge_partial(out, lse, xs[-1], q, g)
+        return jnp.sum(out ** 2) + jnp.sum(lse) + jnp.sum(merged)
+
+    sharded = jax.shard_map(lambda xs, q, g: jax.lax.psum(local(xs, q, g), ("batch", "seq")),
+                            mesh=mesh, in_specs=([spec_tok] * 5, P(), P()), out_specs=P())
+    got = jax.jit(jax.grad(sharded, argnums=(0, 1, 2)))(sx, sq, sg)
+    want = jax.grad(local, argnums=(0, 1, 2))(xs, q, g)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     print("SHARDING-OK")
 """)
 

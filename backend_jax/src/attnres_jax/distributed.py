@@ -85,18 +85,6 @@ def depth_attention_tp(sources, query, norm_weight=None, *, axis_name: str, eps:
     return out, (lse[..., 0] if h == 1 else lse)
 
 
-def _varying(x, axis_name: str):
-    """Mark a replicated (device-invariant) array as device-varying over `axis_name`.
-
-    The ops' custom VJPs return device-varying gradients for every argument; JAX requires the
-    primal to have the same type, so replicated parameters enter as varying values.  The
-    transpose of this cast is the psum that sums their per-device gradients.
-    """
-    if x is None or axis_name in getattr(jax.typeof(x), "vma", frozenset()):
-        return x
-    return jax.lax.pcast(x, axis_name, to="varying")
-
-
 def sequence_sharded_prefill(embedding, sublayers: Sequence[Callable], queries, norm_weights, *,
                              block_size: int, axis_name: str, seq_dim: int = 0, eps: float = 1e-6,
                              scale: float = 1.0):
@@ -115,8 +103,6 @@ def sequence_sharded_prefill(embedding, sublayers: Sequence[Callable], queries, 
     if queries.ndim != 2 or queries.shape[0] != num_layers + 1:
         raise ValueError(f"queries: expected shape [L + 1, D] = [{num_layers + 1}, D] for "
                          f"{num_layers} sublayers, got shape {tuple(queries.shape)}")
-
-    queries, norm_weights = _varying(queries, axis_name), _varying(norm_weights, axis_name)
 
     def nw(rows):
         return None if norm_weights is None else norm_weights[rows]

@@ -282,6 +282,30 @@ def _plan(opts: _Options, xs: list, qs: _Query):
                          num_sources=len(xs), num_sets=qs.num_sets)
 
 
+def _varying_axes(x) -> frozenset:
+    """Mesh axes over which x varies inside `shard_map` (empty outside it)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older JAX
+
+
+def _like_primals(cotangents, primals):
+    """Give every cotangent its primal's type under `shard_map`: a gradient built from
+    token-sharded data varies over mesh axes that a replicated primal (a pseudo-query, a gain)
+    does not, and the gradient of a replicated input is the sum over those axes (what JAX's own
+    autodiff inserts for replicated inputs).  A no-op outside `shard_map`."""
+
+    def one(ct, primal):
+        if ct is None:
+            return None
+        extra = _varying_axes(ct) - _varying_axes(primal)
+        return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+    return jax.tree_util.tree_map(one, cotangents, primals, is_leaf=lambda x: x is None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(opts: _Options, sources, query, norm_weight):
     """out `[S, ..., D]` (sources' dtype), lse `[S, ..., H]` or None, weights `[N, S, ..., H]`."""
@@ -322,7 +346,8 @@ def _attend_bwd(opts: _Options, res, cotangents):
     d_norm = None
     if norm_weight is not None:
         d_norm = _sum_to(dqg * qs.q, qs.g.shape).reshape(norm_weight.shape).astype(norm_weight.dtype)
-    return _restack(d_sources, sources), d_query, d_norm
+    return _like_primals((_restack(d_sources, sources), d_query, d_norm),
+                         (sources, query, norm_weight))
 
 
 def _xla_backward(xs: list, qs: _Query, opts: _Options, ct, g, d_lse, p, r, s):
@@ -523,8 +548,9 @@ def _merge_bwd(opts, res, cotangents):
     if norm_weight is not None:
         d_norm = _sum_to(dqg * query.astype(ct), (1,) * (dqg.ndim - 1) + norm_weight.shape)
         d_norm = d_norm.reshape(norm_weight.shape).astype(norm_weight.dtype)
-    return ((w1[..., None] * g).astype(out1.dtype), d_l1.astype(lse1.dtype),
-            d_partial.astype(partial.dtype), d_query.reshape(query.shape).astype(query.dtype), d_norm)
+    cts = ((w1[..., None] * g).astype(out1.dtype), d_l1.astype(lse1.dtype),
+           d_partial.astype(partial.dtype), d_query.reshape(query.shape).astype(query.dtype), d_norm)
+    return _like_primals(cts, (out1, lse1, partial, query, norm_weight))
 
 
 _merge.defvjp(_merge_fwd, _merge_bwd)

@@ -136,6 +136,7 @@ def main():
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
             fh.write(text)
 

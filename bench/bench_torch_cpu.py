@@ -220,6 +220,7 @@ def main():
         "",
     ]
     text = "\n".join(lines)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)
     print(json.dumps(rows, indent=1))

@@ -442,6 +442,7 @@ def main(argv=None):
     print(report)
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report + "\n")
     return 1 if failures else 0
 

@@ -119,6 +119,34 @@ def test_backward_kernel_is_deterministic(rng):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_kernels_under_the_tpu_interpreter(rng, per_token):
+    """TPU semantics (memory spaces, block rules) through `pltpu.InterpretParams` on CPU, at
+    TPU-legal tiles: 8 token rows x the full D = 128 lane dimension, T = 24 (three tiles)."""
+    tokens, dim = (24,), 128
+    with precision("float32"):
+        xs = [rounded(rng, tokens + (dim,), "float32") for _ in range(3)]
+        q, q64 = rounded(rng, tokens + (dim,) if per_token else (dim,), "float32")
+        g, g64 = rounded(rng, (dim,), "float32")
+        qs, qs64 = rounded(rng, (2, dim), "float32")
+        d_out, d_out64 = rounded(rng, tokens + (dim,), "float32")
+        dispatch.CALLS.clear()
+        with dispatch.use("interpret_tpu", tile=8, poison=True):
+            (out, lse), vjp = jax.vjp(lambda s, q, g: depth_attention(s, q, g, return_lse=True),
+                                      [x for x, _ in xs], q, g)
+            d_src, d_q, d_g = vjp((d_out, jnp.zeros_like(lse)))
+            out1, lse1 = depth_attention_multi([x for x, _ in xs[:2]], qs, None)
+            merged = merge_partial(out1[0], lse1[0], xs[2][0], qs[0], None)
+    assert set(dispatch.CALLS) == {"attnres_forward", "attnres_backward", "attnres_phase1", "attnres_merge"}
+    src64 = [x for _, x in xs]
+    assert_close(out, ref.depth_attention(src64, q64, g64), "float32", "out")
+    want = ref.depth_attention_vjp(src64, q64, g64, d_out64)
+    assert_close(np.stack(d_src), np.stack(want["sources"]), "float32", "d_sources")
+    assert_close(d_q, want["query"], "float32", "d_query")
+    assert_close(d_g, want["norm_weight"], "float32", "d_norm_weight")
+    assert_close(merged, ref.depth_attention(src64, qs64[0]), "float32", "phase 1 + merge")
+
+
 def test_poison_catches_an_unwritten_tile():
     """The harness itself: a body that skips the last tile leaves NaN there."""
     def body(ins, outs):

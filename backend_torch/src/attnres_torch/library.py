@@ -84,6 +84,7 @@ def _(sources, query, norm_weight, out, lse, d_out, d_lse, eps, scale, impl):
 
 
 def _setup(ctx, inputs, output):
+    """Saved for both custom ops: references to the inputs and the (out, lse) outputs only."""
     sources, query, norm_weight, eps, scale, impl = inputs
     ctx.save_for_backward(*sources, query, norm_weight, *output)
     ctx.num_sources, ctx.has_gain = len(sources), norm_weight is not None
@@ -130,13 +131,6 @@ def _(sources, queries, norm_weights, eps, scale, impl):
             x0.new_empty((num_q,) + tuple(x0.shape[:-1]), dtype=torch.float32))
 
 
-def _setup_multi(ctx, inputs, output):
-    sources, queries, norm_weights, eps, scale, impl = inputs
-    ctx.save_for_backward(*sources, queries, norm_weights, *output)
-    ctx.num_sources, ctx.has_gain = len(sources), norm_weights is not None
-    ctx.eps, ctx.scale, ctx.impl = eps, scale, impl
-
-
 def _backward_multi(ctx, d_out, d_lse):
     """Sum over the S queries of the single-query backward (phase 1 is the inference path)."""
     saved = ctx.saved_tensors
@@ -156,4 +150,4 @@ def _backward_multi(ctx, d_out, d_lse):
     return d_src, torch.stack(d_q).to(queries.dtype), d_gains, None, None, None
 
 
-depth_attention_multi_op.register_autograd(_backward_multi, setup_context=_setup_multi)
+depth_attention_multi_op.register_autograd(_backward_multi, setup_context=_setup)

@@ -21,12 +21,10 @@ from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
-from attnres_numpy import model, ops
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
-from attnres_numpy.validation import compute_dtype_for
+from attnres_numpy.config import VARIANT_KINDS
 
 from .backend import Capabilities
-from .numerics import DTYPES, round_to
+from .numerics import DTYPES
 
 #: Shape grid that breaks kernels (each value says what it stresses).
 GRID_N = (1, 2, 33, 130)  # identity; smallest softmax; just past 32 (Liger's cap); past 128
@@ -122,31 +120,6 @@ class Case:
                                                                                      self.spec)
 
 
-# -- drawing -------------------------------------------------------------------------------------
-def _sources(rng, n, shape, dtype, magnitude=1.0, zero=False):
-    """`[n, *shape]`: one magnitude per source in [1/4, 4] (so the key norm matters); large
-    magnitudes use clipped normals so fp16 stays finite."""
-    if zero:
-        return np.zeros((n,) + shape)
-    if magnitude != 1.0:
-        return round_to(magnitude * np.clip(rng.standard_normal((n,) + shape), -3, 3), dtype)
-    mag = np.clip(np.exp(0.7 * rng.standard_normal(n)), 0.25, 4.0).reshape((n,) + (1,) * len(shape))
-    return round_to(rng.standard_normal((n,) + shape) * mag, dtype)
-
-
-def _query(rng, shape, head_dim, dtype, spread=2.0):
-    """Logits ~ N(0, spread^2) against unit-RMS keys (so the softmax is neither flat nor one-hot)."""
-    return round_to(rng.standard_normal(shape) * spread / np.sqrt(head_dim), dtype)
-
-
-def _gain(rng, shape, dtype):
-    return round_to(1.0 + 0.3 * rng.standard_normal(shape), dtype)
-
-
-def _stack(sources):
-    return sources if isinstance(sources, np.ndarray) else np.stack(sources)
-
-
 def _vectors():
     try:
         from attnres_numpy import vectors
@@ -156,119 +129,29 @@ def _vectors():
     return vectors
 
 
-# -- builders: spec -> GoldenCase -------------------------------------------------------------------
-def _da(case_id, dtype, *, n, tokens, dim, layout="list", num_heads=1, activation="softmax",
-        key_norm=True, token_query=False, gain=True, lse=False, weights=False, eps=1e-6,
-        scale=1.0, magnitude=1.0, zero=False, query="random"):
-    rng = np.random.default_rng(seed_of(case_id))
-    tokens, compute = tuple(tokens), compute_dtype_for(dtype)
-    x = _sources(rng, n, tokens + (dim,), dtype, magnitude, zero)
-    q = _query(rng, tokens + (dim,) if token_query else (dim,), dim // num_heads, dtype)
-    q = np.zeros_like(q) if query == "zero" else q
-    g = _gain(rng, (dim,), dtype) if gain else None
-    attrs = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation, key_norm=key_norm,
-                 return_lse=lse, return_weights=weights)
-    sources = list(x) if layout == "list" else x
-    result = ops.depth_attention(sources, q, g, **attrs)
-    out, *extra = result if isinstance(result, tuple) else (result,)
-    arrays = {"input.sources": x, "input.query": q, "output.out": out,
-              "cotangent.out": round_to(rng.standard_normal(out.shape), dtype)}
-    if g is not None:
-        arrays["input.norm_weight"] = g
-    if lse:
-        arrays["output.lse"] = extra.pop(0)
-        arrays["cotangent.lse"] = round_to(rng.standard_normal(arrays["output.lse"].shape), compute)
-    if weights:
-        arrays["output.weights"] = extra.pop(0)
-    kw = {k: attrs[k] for k in ("eps", "scale", "num_heads", "activation", "key_norm")}
-    grads = ops.depth_attention_vjp(sources, q, g, arrays["cotangent.out"], arrays.get("cotangent.lse"), **kw)
-    arrays["grad.sources"] = _stack(grads["sources"])
-    arrays["grad.query"] = grads["query"]
-    if g is not None:
-        arrays["grad.norm_weight"] = grads["norm_weight"]
-    return _vectors().GoldenCase(case_id, "depth_attention", attrs, dtype, layout, seed_of(case_id),
-                                 dtype, arrays)
+# -- builders: spec -> GoldenCase ----------------------------------------------------------------
+# One implementation of "draw inputs from the id's seed, run the float64 reference, keep every
+# output and gradient": attnres_numpy.vectors, which also builds the committed golden set.  The
+# grid only chooses the ids and the knobs.
+def _da(case_id, dtype, *, n, tokens, dim, layout="list", magnitude=1.0, zero=False, query="random",
+        **options):
+    return _vectors().depth_attention_case(n, dim, tokens, dtype, layout, case_id=case_id,
+                                           magnitude=magnitude, zero_sources=zero,
+                                           zero_query=query == "zero", **options)
 
 
-def _multi(case_id, dtype, *, n, s, tokens, dim, layout="list", gain=True, eps=1e-6, scale=1.0):
-    rng = np.random.default_rng(seed_of(case_id))
-    tokens, compute = tuple(tokens), compute_dtype_for(dtype)
-    x = _sources(rng, n, tokens + (dim,), dtype)
-    qs = _query(rng, (s, dim), dim, dtype)
-    gs = _gain(rng, (s, dim), dtype) if gain else None
-    sources = list(x) if layout == "list" else x
-    out, lse = ops.depth_attention_multi(sources, qs, gs, eps=eps, scale=scale)
-    d_out = round_to(rng.standard_normal(out.shape), dtype)
-    d_lse = round_to(rng.standard_normal(lse.shape), compute)
-    grads = ops.depth_attention_multi_vjp(sources, qs, gs, d_out, d_lse, eps=eps, scale=scale)
-    arrays = {"input.sources": x, "input.queries": qs, "output.out": out, "output.lse": lse,
-              "cotangent.out": d_out, "cotangent.lse": d_lse,
-              "grad.sources": _stack(grads["sources"]), "grad.queries": grads["queries"]}
-    if gs is not None:
-        arrays["input.norm_weights"] = gs
-        arrays["grad.norm_weights"] = grads["norm_weights"]
-    return _vectors().GoldenCase(case_id, "depth_attention_multi", dict(eps=eps, scale=scale), dtype,
-                                 layout, seed_of(case_id), dtype, arrays)
+def _multi(case_id, dtype, *, n, s, tokens, dim, layout="list", **options):
+    return _vectors().multi_case(n, s, dim, tokens, dtype, layout, case_id=case_id, **options)
 
 
-def _merge(case_id, dtype, *, tokens, dim, token_query=False, gain=True, lse=True, eps=1e-6, scale=1.0):
-    """out1/lse1 come from a real phase 1 over 3 sources (rounded to their dtypes)."""
-    rng = np.random.default_rng(seed_of(case_id))
-    tokens, compute = tuple(tokens), compute_dtype_for(dtype)
-    x = _sources(rng, 4, tokens + (dim,), dtype)
-    q = _query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype)
-    g = _gain(rng, (dim,), dtype) if gain else None
-    o1, l1 = ops.depth_attention(list(x[:3]), q, g, eps=eps, scale=scale, return_lse=True)
-    o1, l1, partial = round_to(o1, dtype), round_to(l1, compute), x[3]
-    attrs = dict(eps=eps, scale=scale, return_lse=lse)
-    result = ops.merge_partial(o1, l1, partial, q, g, **attrs)
-    out = result[0] if lse else result
-    arrays = {"input.out1": o1, "input.lse1": l1, "input.partial": partial, "input.query": q,
-              "output.out": out, "cotangent.out": round_to(rng.standard_normal(out.shape), dtype)}
-    if g is not None:
-        arrays["input.norm_weight"] = g
-    if lse:
-        arrays["output.lse"] = result[1]
-        arrays["cotangent.lse"] = round_to(rng.standard_normal(result[1].shape), compute)
-    grads = ops.merge_partial_vjp(o1, l1, partial, q, g, arrays["cotangent.out"],
-                                  arrays.get("cotangent.lse"), eps=eps, scale=scale)
-    arrays.update({f"grad.{k}": v for k, v in grads.items() if v is not None})
-    return _vectors().GoldenCase(case_id, "merge_partial", attrs, dtype, None, seed_of(case_id), dtype,
-                                 arrays)
-
-
-def _params(rng, config, num_layers, dim, dtype):
-    """Random nonzero parameters (not the init values), so every gradient is exercised."""
-    params = {}
-    for name, shape in config.param_shapes(num_layers, dim).items():
-        if name in ("norm_weights", "alphas"):
-            value = 1.0 + 0.3 * rng.standard_normal(shape)
-        elif name == "queries":
-            value = rng.standard_normal(shape) * 2.0 / np.sqrt(dim // config.num_heads)
-        elif name in ("query_weights", "gate_weights"):
-            value = rng.standard_normal(shape) / np.sqrt(dim)
-        else:  # gate_biases; depth_weights (the unused upper triangle too: its gradient is 0)
-            value = 0.5 + 0.5 * rng.standard_normal(shape)
-        params[name] = round_to(value, dtype)
-    return params
+def _merge(case_id, dtype, *, tokens, dim, **options):
+    return _vectors().merge_case(dim, tokens, dtype, case_id=case_id, **options)
 
 
 def _probe(case_id, dtype, *, variant, num_layers=5, dim=8, tokens=(2, 3), schedule="direct",
            overrides=()):
-    config = ResidualConfig.variant(variant, **dict(overrides))
-    rng = np.random.default_rng(seed_of(case_id))
-    params = _params(rng, config, num_layers, dim, dtype)
-    emb = round_to(rng.standard_normal(tuple(tokens) + (dim,)), dtype)
-    w = round_to(rng.standard_normal((num_layers, dim, dim)) * 1.5 / np.sqrt(dim), dtype)
-    arrays = {"input.embedding": emb, "input.sublayer_weights": w}
-    arrays.update({f"input.{k}": v for k, v in params.items()})
-    arrays["output.out"] = model.probe_forward(config, params, emb, w, schedule=schedule)
-    if schedule == "direct":
-        arrays["cotangent.out"] = round_to(rng.standard_normal(emb.shape), dtype)
-        grads = model.probe_vjp(config, params, emb, w, arrays["cotangent.out"])
-        arrays.update({f"grad.{k}": v for k, v in grads.items()})
-    attrs = {"config": config.to_dict(), "schedule": schedule}
-    return _vectors().GoldenCase(case_id, "probe", attrs, dtype, None, seed_of(case_id), dtype, arrays)
+    return _vectors().probe_case(variant, num_layers, dim, tokens, dtype, schedule=schedule,
+                                 case_id=case_id, **dict(overrides))
 
 
 BUILDERS: Dict[str, Callable] = {"da": _da, "multi": _multi, "merge": _merge, "probe": _probe}

@@ -125,8 +125,16 @@ def _tokens_tag(tokens: Sequence[int]) -> str:
     return "x".join(str(t) for t in tokens) if tokens else "none"
 
 
-def _draw_sources(rng, n: int, shape: tuple, dtype: str) -> np.ndarray:
-    """`[n, *shape]` with one magnitude per source (spread e^N(0,1)), so the key norm matters."""
+def _draw_sources(rng, n: int, shape: tuple, dtype: str, magnitude: float = 1.0,
+                  zero: bool = False) -> np.ndarray:
+    """`[n, *shape]` with one magnitude per source (spread e^N(0,1)), so the key norm matters.
+
+    magnitude != 1: entries of size ~magnitude (normals clipped at 3 sigma, so a magnitude chosen
+    below a dtype's range stays finite after rounding); zero: all-zero sources."""
+    if zero:
+        return np.zeros((n,) + shape)
+    if magnitude != 1.0:
+        return round_to_dtype(magnitude * np.clip(rng.standard_normal((n,) + shape), -3, 3), dtype)
     mag = np.exp(rng.standard_normal(n)).reshape((n,) + (1,) * len(shape))
     return round_to_dtype(rng.standard_normal((n,) + shape) * mag, dtype)
 
@@ -151,20 +159,26 @@ def _stack(sources) -> np.ndarray:
 def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *, num_heads=1,
                          activation="softmax", key_norm=True, token_query=False, gain=True,
                          lse=False, weights=False, eps=1e-6, scale=1.0, spread=2.0,
-                         tag="") -> GoldenCase:
+                         tag="", case_id=None, magnitude=1.0, zero_sources=False,
+                         zero_query=False) -> GoldenCase:
     """A `depth_attention` case: n sources `[*tokens, dim]`, id built from every option (plus
-    `tag` for the eps/scale/spread knobs).  spread: the std of the logits the query produces."""
+    `tag` for the eps/scale/spread knobs).  spread: the std of the logits the query produces.
+
+    case_id: an id chosen by the caller (the conformance suite's grid) instead of the built one;
+    magnitude / zero_sources: see `_draw_sources`; zero_query: an all-zero query (uniform weights).
+    """
     tokens = tuple(tokens)
     parts = [f"depth_attention_N{n}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}_{layout}"]
     parts += [f"H{num_heads}"] * (num_heads > 1) + ["sigmoid"] * (activation == "sigmoid")
     parts += ["nokeynorm"] * (not key_norm) + ["tokq"] * token_query + ["nogain"] * (not gain)
     parts += ["lse"] * lse + ["weights"] * weights + [tag] * bool(tag)
-    case_id = "_".join(parts)
+    case_id = case_id or "_".join(parts)
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)
     compute = compute_dtype_for(dtype)
-    x = _draw_sources(rng, n, tokens + (dim,), dtype)
+    x = _draw_sources(rng, n, tokens + (dim,), dtype, magnitude, zero_sources)
     q = _draw_query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype, spread)
+    q = np.zeros_like(q) if zero_query else q
     g = _draw_gain(rng, (dim,), dtype) if gain else None
     attrs = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation,
                  key_norm=key_norm, return_lse=lse, return_weights=weights)
@@ -191,10 +205,10 @@ def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *,
 
 
 def multi_case(n, num_queries, dim, tokens=(4,), dtype="float32", layout="list", *, gain=True,
-               eps=1e-6, scale=1.0) -> GoldenCase:
+               eps=1e-6, scale=1.0, case_id=None) -> GoldenCase:
     """A `depth_attention_multi` case: S = num_queries pseudo-queries over n sources."""
     tokens = tuple(tokens)
-    case_id = (f"depth_attention_multi_N{n}_S{num_queries}_D{dim}_T{_tokens_tag(tokens)}_"
+    case_id = case_id or (f"depth_attention_multi_N{n}_S{num_queries}_D{dim}_T{_tokens_tag(tokens)}_"
                f"{SHORT_DTYPE[dtype]}_{layout}" + "_nogain" * (not gain))
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)
@@ -217,10 +231,10 @@ def multi_case(n, num_queries, dim, tokens=(4,), dtype="float32", layout="list",
 
 
 def merge_case(dim, tokens=(5,), dtype="float32", *, token_query=False, gain=True, lse=True,
-               eps=1e-6, scale=1.0) -> GoldenCase:
+               eps=1e-6, scale=1.0, case_id=None) -> GoldenCase:
     """A `merge_partial` case: out1/lse1 are a real phase 1 over 3 sources (rounded), plus a partial."""
     tokens = tuple(tokens)
-    case_id = (f"merge_partial_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
+    case_id = case_id or (f"merge_partial_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
                + "_tokq" * token_query + "_nogain" * (not gain) + "_lse" * lse)
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)
@@ -265,12 +279,12 @@ def _draw_params(rng, config: ResidualConfig, num_layers: int, dim: int, dtype: 
 
 
 def probe_case(variant: str, num_layers=5, dim=8, tokens=(3,), dtype="float32", *,
-               schedule="direct", **overrides) -> GoldenCase:
+               schedule="direct", case_id=None, **overrides) -> GoldenCase:
     """A probe-network case (spec section 6) of a named variant; two_phase is forward only."""
     config = ResidualConfig.variant(variant, **overrides)
     tokens = tuple(tokens)
     knobs = f"_S{config.block_size}" * (config.kind == "block") + f"_W{config.window}" * (config.kind == "window")
-    case_id = (f"probe_{variant}{knobs}_L{num_layers}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
+    case_id = case_id or (f"probe_{variant}{knobs}_L{num_layers}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
                + "_two_phase" * (schedule == "two_phase"))
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)

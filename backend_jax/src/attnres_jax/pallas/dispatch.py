@@ -4,10 +4,13 @@
 kernel) or None (the XLA path).  Mode "auto" (default) picks by `jax.default_backend()`:
 gpu and tpu run kernels where they apply (one head; not float64; on GPU, D a power of two),
 every other platform uses XLA.  `use("interpret", tile=8)` forces the kernels in Pallas interpret
-mode on any platform (tests); `use("xla")` forces XLA.  `CALLS` counts the `pallas_call`s built
+mode on any platform (tests); `use("interpret_tpu")` does the same through JAX's TPU interpreter
+(`pltpu.InterpretParams`: TPU memory spaces and semantics, simulated on CPU); `use("xla")` forces
+XLA.  `CALLS` counts the `pallas_call`s built
 (by kernel name, at trace time) so tests can prove a kernel ran.
 
-Status: the kernels are tested in interpret mode only; the Triton and Mosaic lowerings have not
+Status: the kernels are tested in the generic and the TPU interpreter only; the Triton and Mosaic
+lowerings have not
 been compiled or run on a GPU/TPU yet.  Multi-head calls, and the backward of phase 1, always
 run on XLA.
 """
@@ -21,7 +24,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-MODES = ("auto", "interpret", "xla")
+MODES = ("auto", "interpret", "interpret_tpu", "xla")
 
 #: Spy: kernel name -> number of `pallas_call`s built (counted when traced, in `kernels._call`).
 CALLS: collections.Counter = collections.Counter()
@@ -29,7 +32,7 @@ CALLS: collections.Counter = collections.Counter()
 
 class Plan(NamedTuple):
     tile: int  # TB: token rows per program
-    interpret: bool
+    interpret: object  # False (compile), True (generic interpreter) or pltpu.InterpretParams
     poison: bool  # alias every output to a NaN-filled input (tests)
 
 
@@ -38,7 +41,7 @@ _settings = {"mode": "auto", "tile": None, "poison": False}
 
 @contextlib.contextmanager
 def use(mode: str, *, tile: Optional[int] = None, poison: bool = False):
-    """Force a dispatch mode inside the block (trace time): "auto", "interpret" or "xla"."""
+    """Force a dispatch mode inside the block (trace time): one of MODES."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if tile is not None and (not isinstance(tile, int) or tile < 1):
@@ -63,6 +66,10 @@ def plan(*, num_heads: int, dim: int, dtype, num_sources: int, num_sets: int = 1
         return None
     if mode == "interpret":
         return Plan(_settings["tile"] or 8, True, _settings["poison"])
+    if mode == "interpret_tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return Plan(_settings["tile"] or 8, pltpu.InterpretParams(), _settings["poison"])
     platform = jax.default_backend()
     if platform not in ("gpu", "tpu") or jnp.dtype(dtype) == jnp.float64:
         return None

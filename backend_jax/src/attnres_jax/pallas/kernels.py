@@ -43,7 +43,7 @@ def _whole(shape):
 
 
 def _call(body, name: str, inputs: Sequence, in_specs: Sequence, out_shapes: Sequence, out_specs: Sequence,
-          tokens: int, tb: int, *, interpret: bool, poison: bool):
+          tokens: int, tb: int, *, interpret, poison: bool):
     """pallas_call over `cdiv(tokens, TB)` tiles; `body(in_refs, out_refs)`."""
     n_in, n_out = len(inputs), len(out_shapes)
     aliases = {}

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attnres_jax import probe_forward, stack_apply, two_phase_eligible
+from attnres_jax import probe_forward, stack_apply
 from attnres_numpy import model as ref
 from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 from jax_helpers import assert_close, precision
@@ -50,7 +50,7 @@ def test_probe_matches_reference(rng, variant, dtype):
 @pytest.mark.parametrize("block_size", [2, 3])  # L = 5: blocks (2, 2, 1) and (3, 2)
 def test_two_phase_equals_direct(rng, block_size):
     config = ResidualConfig.variant("block", block_size=block_size)
-    assert two_phase_eligible(config)
+    assert config.supports_two_phase
     with precision("float64"):
         (params, emb, w), (p64, e64, w64) = _probe_inputs(rng, config, "float64")
         cot = jnp.asarray(rng.standard_normal(emb.shape))

@@ -7,11 +7,11 @@ Pure functions (`depth_attention`, `depth_attention_multi`, `merge_partial`, `st
 """
 
 from .ops import depth_attention, depth_attention_multi, merge_partial
-from .stack import probe_forward, probe_sublayers, rmsnorm, stack_apply, two_phase_eligible
+from .stack import probe_forward, probe_sublayers, rmsnorm, stack_apply
 
 __version__ = "0.1.0"
 
 __all__ = [
     "depth_attention", "depth_attention_multi", "merge_partial", "probe_forward", "probe_sublayers",
-    "rmsnorm", "stack_apply", "two_phase_eligible", "__version__",
+    "rmsnorm", "stack_apply", "__version__",
 ]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from attnres_numpy.config import ResidualConfig
 from flax import nnx
 
-from .ops import depth_attention
+from .ops import depth_attention, dtype_name
 from .stack import HIGHEST, Sublayer, stack_apply
 
 
@@ -59,15 +59,11 @@ class DepthRouter(nnx.Module):
 
     def load_params(self, params: Mapping) -> None:
         """Set every parameter from a mapping name -> array (names and shapes must match)."""
-        shapes = self.config.param_shapes(self.num_layers, self.dim)
-        if set(params) != set(shapes):
-            raise ValueError(f"params: expected names {sorted(shapes)}, got {sorted(params)}")
-        for name, shape in shapes.items():
-            value = jnp.asarray(params[name])
-            if value.shape != shape:
-                raise ValueError(f"params[{name!r}]: expected shape {shape}, got shape {value.shape}")
+        params = {k: jnp.asarray(v) for k, v in params.items()} if isinstance(params, Mapping) else params
+        self.config.check_params(params, self.num_layers, self.dim, dtype_name)
+        for name in self.names:
             var = getattr(self, name)
-            var[...] = value.astype(var[...].dtype)
+            var[...] = params[name].astype(var[...].dtype)
 
     def __call__(self, embedding, sublayers: Sequence[Sublayer], *, schedule: str = "direct"):
         return stack_apply(self.config, self.params(), embedding, sublayers, schedule=schedule)

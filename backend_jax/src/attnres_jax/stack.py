@@ -23,7 +23,6 @@ from attnres_numpy.config import ResidualConfig
 from .ops import depth_attention, depth_attention_multi, dtype_name, merge_partial
 
 Sublayer = Callable[[jax.Array], jax.Array]
-SCHEDULES = ("direct", "two_phase")
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -40,42 +39,15 @@ def matmul(x, w):
     return jnp.matmul(x, w.astype(x.dtype), precision=HIGHEST)
 
 
-def two_phase_eligible(config: ResidualConfig) -> bool:
-    """M9: the two-phase schedule exists for block, softmax, key-normed, one head, static queries."""
-    return (config.kind == "block" and config.activation == "softmax" and config.key_norm
-            and config.num_heads == 1 and config.query == "static")
-
-
 def _check(config, params, embedding, num_layers: int, schedule: str) -> None:
-    """Config, schedule, embedding `[..., D]` and params names/shapes (static, at trace time)."""
+    """Config, schedule (M9), embedding `[..., D]` and params names/shapes (M6), at trace time."""
     if not isinstance(config, ResidualConfig):
         raise TypeError(f"config: expected a ResidualConfig, got {type(config).__name__}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
-    if schedule == "two_phase" and not two_phase_eligible(config):
-        raise ValueError(
-            "schedule: 'two_phase' needs kind='block', activation='softmax', key_norm=True, "
-            f"num_heads=1 and query='static'; got {config}"
-        )
-    validation._check_floating("embedding", dtype_name(embedding))
+    config.check_schedule(schedule)
+    validation.check_floating("embedding", dtype_name(embedding))
     if embedding.ndim < 1 or embedding.shape[-1] < 1:
         raise ValueError(f"embedding: expected shape [..., D] with D >= 1, got shape {embedding.shape}")
-    dim = embedding.shape[-1]
-    shapes = config.param_shapes(num_layers, dim)
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params: expected a mapping name -> array, got {type(params).__name__}")
-    if set(params) != set(shapes):
-        raise ValueError(
-            f"params: expected names {sorted(shapes)} for kind={config.kind!r}, query={config.query!r}; "
-            f"got {sorted(params)}"
-        )
-    for name, shape in shapes.items():
-        validation._check_floating(f"params[{name!r}]", dtype_name(params[name]))
-        if tuple(params[name].shape) != shape:
-            raise ValueError(
-                f"params[{name!r}]: expected shape {shape} for L = {num_layers} sublayers and D = {dim}, "
-                f"got shape {tuple(params[name].shape)}"
-            )
+    config.check_params(params, num_layers, embedding.shape[-1], dtype_name)
 
 
 def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Sequence[Sublayer], *,
@@ -85,7 +57,7 @@ def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: S
     Args:
       config: the residual scheme.  params: name -> array of `config.param_shapes(L, D)`.
       embedding: v_0 `[..., D]`.  sublayers: L callables `h [..., D] -> v [..., D]`.
-      schedule: "direct" or "two_phase" (M9, see `two_phase_eligible`); both give the same out.
+      schedule: "direct" or "two_phase" (M9, see `ResidualConfig.supports_two_phase`); both give the same out.
 
     Returns: out `[..., D]` (h_{L+1}, before any final norm) in the embedding's dtype.
     """
@@ -193,7 +165,7 @@ def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_w
     `[L, D, D]`; returns out `[..., D]`."""
     w = jnp.asarray(sublayer_weights)
     embedding = jnp.asarray(embedding)
-    validation._check_floating("sublayer_weights", dtype_name(w))
+    validation.check_floating("sublayer_weights", dtype_name(w))
     dim = embedding.shape[-1] if embedding.ndim else 0
     if w.ndim != 3 or w.shape[0] < 1 or w.shape[1:] != (dim, dim):
         raise ValueError(f"sublayer_weights: expected shape [L, D, D] with L >= 1 and D = {dim}, "

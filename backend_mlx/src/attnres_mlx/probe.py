@@ -7,6 +7,7 @@ from typing import Dict, List, Mapping
 import mlx.core as mx
 from attnres_numpy.config import ResidualConfig
 
+from . import ops
 from .router import DepthRouter, Sublayer, rmsnorm
 
 
@@ -26,12 +27,7 @@ def probe_forward(config: ResidualConfig, params: Mapping[str, mx.array], embedd
     """Probe output `[..., D]` (before any final norm) with the router loaded from `params`."""
     L, D = sublayer_weights.shape[0], embedding.shape[-1]
     router = DepthRouter(config, L, D)
-    expected = config.param_shapes(L, D)
-    if set(params) != set(expected):
-        raise ValueError(f"params: expected names {sorted(expected)}, got {sorted(params)}")
-    for name, shape in expected.items():
-        if tuple(params[name].shape) != shape:
-            raise ValueError(f"params[{name!r}]: expected shape {shape}, got {params[name].shape}")
+    config.check_params(params, L, D, lambda a: ops.dtype_name(a.dtype))
     router.update(dict(params))
     return router(embedding, probe_sublayers(sublayer_weights, config.eps), schedule=schedule)
 

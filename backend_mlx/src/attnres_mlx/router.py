@@ -22,7 +22,6 @@ from attnres_numpy.config import ResidualConfig
 from . import _twin, ops
 
 Sublayer = Callable[[mx.array], mx.array]
-SCHEDULES = ("direct", "two_phase")
 
 
 def rmsnorm(x: mx.array, eps: float) -> mx.array:
@@ -111,13 +110,7 @@ class DepthRouter(nn.Module):
         cfg, L = self.config, self.num_layers
         if len(sublayers) != L:
             raise ValueError(f"sublayers: expected L = {L} callables, got {len(sublayers)}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
-        if schedule == "two_phase" and not (
-                cfg.kind == "block" and cfg.activation == "softmax" and cfg.key_norm
-                and cfg.num_heads == 1 and cfg.query == "static"):
-            raise ValueError("schedule: 'two_phase' needs kind='block', activation='softmax', "
-                             f"key_norm=True, num_heads=1 and query='static'; got {cfg}")
+        cfg.check_schedule(schedule)
         if embedding.ndim < 1 or embedding.shape[-1] != self.dim:
             raise ValueError(f"embedding: expected shape [..., {self.dim}], got {embedding.shape}")
         if cfg.kind in ("standard", "scalar", "gated"):

@@ -28,8 +28,6 @@ from torch import nn
 
 from .ops import depth_attention, depth_attention_multi, merge_partial
 
-SCHEDULES = ("direct", "two_phase")
-
 
 class DepthAttention(nn.Module):
     """One depth-attention layer (spec 4): pseudo-query `[D]` (zero-initialized, M8) and key-norm
@@ -62,11 +60,8 @@ class DepthRouter(nn.Module):
     def __init__(self, config: ResidualConfig, num_layers: int, dim: int,
                  schedule: Optional[str] = None):
         super().__init__()
-        if schedule is not None and schedule not in SCHEDULES:
-            raise ValueError(f"schedule: expected one of {SCHEDULES} or None, got {schedule!r}")
-        if schedule == "two_phase" and not supports_two_phase(config):
-            raise ValueError("schedule: 'two_phase' needs kind='block', softmax, key_norm, "
-                             f"num_heads=1 and query='static'; got {config}")
+        if schedule is not None:
+            config.check_schedule(schedule)
         self.config, self.num_layers, self.dim, self.schedule = config, num_layers, dim, schedule
         for name, value in config.init_params(num_layers, dim).items():
             self.register_parameter(name, nn.Parameter(torch.tensor(value, dtype=torch.float32)))
@@ -74,7 +69,7 @@ class DepthRouter(nn.Module):
     def active_schedule(self) -> str:
         if self.schedule is not None:
             return self.schedule
-        return "two_phase" if not self.training and supports_two_phase(self.config) else "direct"
+        return "two_phase" if not self.training and self.config.supports_two_phase else "direct"
 
     def stream(self, embedding: torch.Tensor) -> "RouterStream":
         """Start a pass: embedding `[..., D]` is v_0."""
@@ -89,11 +84,6 @@ class DepthRouter(nn.Module):
         for f in sublayers:
             stream.push(f(stream.input()))
         return stream.output()
-
-
-def supports_two_phase(config: ResidualConfig) -> bool:
-    return (config.kind == "block" and config.activation == "softmax" and config.key_norm
-            and config.num_heads == 1 and config.query == "static")
 
 
 def _rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,13 +15,16 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
+
+from .validation import check_floating
 
 KINDS = ("standard", "scalar", "gated", "static", "full", "block", "window")
 ATTENTION_KINDS = ("full", "block", "window")
 QUERY_MODES = ("static", "input")
+SCHEDULES = ("direct", "two_phase")
 
 #: The named variants of the spec's conformance matrix and the config each one means
 #: (block_size / window are filled in by the caller where needed).
@@ -138,6 +141,23 @@ class ResidualConfig:
         if self.eps <= 0:
             raise ValueError(f"eps: expected eps > 0, got {self.eps!r}")
 
+    @property
+    def supports_two_phase(self) -> bool:
+        """M9: the two-phase schedule exists for block, softmax, key-normed, one-head, static-query
+        configs."""
+        return (self.kind == "block" and self.activation == "softmax" and self.key_norm
+                and self.num_heads == 1 and self.query == "static")
+
+    def check_schedule(self, schedule: str) -> None:
+        """M9: schedule is one of SCHEDULES, and "two_phase" only where `supports_two_phase`."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "two_phase" and not self.supports_two_phase:
+            raise ValueError(
+                "schedule: 'two_phase' needs kind='block', activation='softmax', key_norm=True, "
+                f"num_heads=1 and query='static'; got {self}"
+            )
+
     # -- parameters --------------------------------------------------------------------------
     def param_shapes(self, num_layers: int, dim: int) -> Dict[str, Tuple[int, ...]]:
         """Names and shapes of the scheme's parameters for L = num_layers sublayers of width D.
@@ -166,6 +186,29 @@ class ResidualConfig:
         shapes = {"queries": (L + 1, D)} if self.query == "static" else {"query_weights": (L + 1, D, D)}
         shapes["norm_weights"] = (L + 1, D)
         return shapes
+
+    def check_params(self, params, num_layers: int, dim: int,
+                     dtype_name: Callable[[object], str]) -> None:
+        """M6: params maps exactly the names of `param_shapes(L, D)` to floating arrays of those
+        shapes.  dtype_name: the caller's array -> canonical dtype name ("float32", ...), so every
+        framework raises the same errors."""
+        shapes = self.param_shapes(num_layers, dim)
+        if not isinstance(params, Mapping):
+            raise TypeError(f"params: expected a mapping name -> array, got {type(params).__name__}")
+        if set(params) != set(shapes):
+            raise ValueError(
+                f"params: expected names {sorted(shapes)} for kind={self.kind!r}, query={self.query!r}; "
+                f"got {sorted(params)}"
+            )
+        for name, shape in shapes.items():
+            value = params[name]
+            check_floating(f"params[{name!r}]", dtype_name(value))
+            got = tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
+            if got != shape:
+                raise ValueError(
+                    f"params[{name!r}]: expected shape {shape} for L = {num_layers} sublayers and "
+                    f"D = {dim}, got shape {got}"
+                )
 
     def init_params(self, num_layers: int, dim: int) -> Dict[str, np.ndarray]:
         """The spec's initialization (M8): queries and projections zero, gains one, alphas one,

@@ -30,7 +30,6 @@ from .config import ResidualConfig
 
 Sublayer = Callable[[np.ndarray], np.ndarray]
 
-SCHEDULES = ("direct", "two_phase")
 
 
 # -- the probe's building blocks ---------------------------------------------------------------
@@ -158,7 +157,7 @@ class _Tape:
         v = np.asarray(fn(x.value.copy()))
         if v.shape != x.value.shape:
             raise ValueError(f"{name}: returned shape {v.shape}, expected the input's shape {x.value.shape}")
-        validation._check_floating(name, v.dtype.name)
+        validation.check_floating(name, v.dtype.name)
         return self.var(v)
 
     # depth-attention primitives (VJPs from ops)
@@ -296,24 +295,15 @@ def _block_schedule(config, tape, embedding, sublayer, L, schedule, attend, row)
 # -- argument checks ---------------------------------------------------------------------------
 def _check_array(name: str, value) -> np.ndarray:
     a = np.asarray(value)
-    validation._check_floating(name, a.dtype.name)
+    validation.check_floating(name, a.dtype.name)
     return a
 
 
 def _check_call(config, embedding, schedule: str) -> np.ndarray:
-    """Validate config, schedule and the embedding `[..., D]`; returns the embedding as an array."""
+    """Validate config, schedule (M9) and the embedding `[..., D]`; returns the embedding as an array."""
     if not isinstance(config, ResidualConfig):
         raise TypeError(f"config: expected a ResidualConfig, got {type(config).__name__}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
-    if schedule == "two_phase" and not (
-        config.kind == "block" and config.activation == "softmax" and config.key_norm
-        and config.num_heads == 1 and config.query == "static"
-    ):
-        raise ValueError(
-            "schedule: 'two_phase' needs kind='block', activation='softmax', key_norm=True, "
-            f"num_heads=1 and query='static'; got {config}"
-        )
+    config.check_schedule(schedule)
     emb = _check_array("embedding", embedding)
     if emb.ndim < 1 or emb.shape[-1] < 1:
         raise ValueError(f"embedding: expected shape [..., D] with D >= 1, got shape {emb.shape}")
@@ -321,22 +311,8 @@ def _check_call(config, embedding, schedule: str) -> np.ndarray:
 
 
 def _check_params(config: ResidualConfig, params, num_layers: int, dim: int) -> None:
-    """params must hold exactly the names and shapes of `config.param_shapes(L, D)`."""
-    shapes = config.param_shapes(num_layers, dim)
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params: expected a mapping name -> array, got {type(params).__name__}")
-    if set(params) != set(shapes):
-        raise ValueError(
-            f"params: expected names {sorted(shapes)} for kind={config.kind!r}, query={config.query!r}; "
-            f"got {sorted(params)}"
-        )
-    for name, shape in shapes.items():
-        got = _check_array(f"params[{name!r}]", params[name]).shape
-        if got != shape:
-            raise ValueError(
-                f"params[{name!r}]: expected shape {shape} for L = {num_layers} sublayers and D = {dim}, "
-                f"got shape {got}"
-            )
+    """params must hold exactly the names and shapes of `config.param_shapes(L, D)` (M6)."""
+    config.check_params(params, num_layers, dim, lambda v: np.asarray(v).dtype.name)
 
 
 def _check_sublayer_weights(sublayer_weights, dim: int) -> np.ndarray:

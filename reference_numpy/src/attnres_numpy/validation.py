@@ -46,7 +46,8 @@ def compute_dtype_for(source_dtype: str) -> str:
     return "float64" if source_dtype == "float64" else "float32"
 
 
-def _check_floating(name: str, dtype: str) -> None:
+def check_floating(name: str, dtype: str) -> None:
+    """C3-C5: `dtype` (a canonical name) must be floating; the message names the argument."""
     if dtype not in FLOATING_DTYPES:
         raise TypeError(
             f"{name}: expected a floating dtype (one of {', '.join(FLOATING_DTYPES)}), got {dtype}"
@@ -105,7 +106,7 @@ def check_sources(source_shapes: Sequence[Shape], source_dtypes: Sequence[str], 
         raise ValueError(f"sources: expected D >= 1, got source shape {first}")
     dtypes = [str(d) for d in source_dtypes]
     for i, d in enumerate(dtypes):
-        _check_floating(f"sources[{i}]", d)
+        check_floating(f"sources[{i}]", d)
     if len(set(dtypes)) > 1:
         raise TypeError(
             f"sources: all sources must share one dtype, got {sorted(set(dtypes))} "
@@ -116,7 +117,7 @@ def check_sources(source_shapes: Sequence[Shape], source_dtypes: Sequence[str], 
 
 def check_vector(name: str, shape: Shape, dtype: str, dim: int) -> None:
     """A `[D]` parameter (norm weight, pseudo-query) must match the sources' D (C5)."""
-    _check_floating(name, str(dtype))
+    check_floating(name, str(dtype))
     if tuple(shape) != (dim,):
         raise ValueError(f"{name}: expected shape [D] = ({dim},) to match the sources, got shape {tuple(shape)}")
 
@@ -126,7 +127,7 @@ def check_query(query_shape: Shape, query_dtype: str, source_shape: Shape) -> bo
 
     Returns True for a per-token query.
     """
-    _check_floating("query", str(query_dtype))
+    check_floating("query", str(query_dtype))
     query_shape = tuple(query_shape)
     dim = source_shape[-1]
     if len(query_shape) == 1 and query_shape[0] == dim:
@@ -190,12 +191,12 @@ def check_multi(
 ) -> DepthAttentionGeometry:
     """Checks of `depth_attention_multi` (C1-C3, C8, C13): queries `[S, D]`, norm_weights `[S, D]`."""
     n, batch, dim, dtype = check_sources(source_shapes, source_dtypes, stacked)
-    _check_floating("queries", str(queries_dtype))
+    check_floating("queries", str(queries_dtype))
     queries_shape = tuple(queries_shape)
     if len(queries_shape) != 2 or queries_shape[1] != dim or queries_shape[0] < 1:
         raise ValueError(f"queries: expected shape [S, D] with S >= 1 and D = {dim}, got shape {queries_shape}")
     if norm_weights_shape is not None:
-        _check_floating("norm_weights", str(norm_weights_dtype))
+        check_floating("norm_weights", str(norm_weights_dtype))
         if tuple(norm_weights_shape) != queries_shape:
             raise ValueError(
                 f"norm_weights: expected shape {queries_shape} to match queries [S, D], "
@@ -225,9 +226,9 @@ def check_merge(
 ) -> DepthAttentionGeometry:
     """Checks of `merge_partial` (C14): out1 and partial `[..., D]`, lse1 `[...]`."""
     out1_shape, lse1_shape, partial_shape = tuple(out1_shape), tuple(lse1_shape), tuple(partial_shape)
-    _check_floating("out1", str(out1_dtype))
-    _check_floating("lse1", str(lse1_dtype))
-    _check_floating("partial", str(partial_dtype))
+    check_floating("out1", str(out1_dtype))
+    check_floating("lse1", str(lse1_dtype))
+    check_floating("partial", str(partial_dtype))
     if len(partial_shape) < 1 or partial_shape[-1] < 1:
         raise ValueError(f"partial: expected shape [..., D] with D >= 1, got shape {partial_shape}")
     if out1_shape != partial_shape:

@@ -53,6 +53,8 @@ def _tests(session: nox.Session, backend: str) -> None:
     # The conformance suite against this backend (the same checks `nox -s conformance` reports).
     dtypes = ("--dtype", "float64") if backend == "numpy" else ()  # the reference is float64-only
     session.run("attnres-conformance", "--backend", backend, *dtypes)
+    if backend == "torch":  # again on the chunked torch kernel, the fallback without a C compiler
+        session.run("attnres-conformance", "--backend", backend, env={"ATTNRES_TORCH_CPU_C": "0"})
 
 
 @nox.session(name="tests-numpy", tags=["tests"])

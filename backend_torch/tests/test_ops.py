@@ -1,5 +1,5 @@
 """The ops (values and every gradient with random cotangents) against the float64 NumPy
-reference on upcast inputs, on the "cpu" fast path and the "composite" path."""
+reference on upcast inputs, on both CPU fast paths ("cpu_c", "cpu") and the "composite" path."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ CASES = [  # (N, batch, D, per-token query, gain)
     (130, (3,), 7, False, True),
     (4, (3,), 1000, True, False),
 ]
-IMPL_DTYPES = [(impl, d) for impl in ("cpu", "composite") for d in FAST] + [("composite", "float64")]
+IMPL_DTYPES = ([(impl, d) for impl in ("cpu_c", "cpu", "composite") for d in FAST]
+               + [("composite", "float64")])
 
 
 def _inputs(seed, n, batch, dim, per_token, gain, dtype):
@@ -80,6 +81,17 @@ def test_stacked_equals_list_and_reference(dname):
     _run_vs_reference(stacked, q, g, "cpu", dname)
 
 
+@pytest.mark.parametrize("impl", ["cpu_c", "cpu", "composite"])
+def test_row_strided_inputs(impl):
+    """Sources, query and gain that are slices of wider rows (unit stride along D): every fast
+    path reads them in place."""
+    gen = torch.Generator().manual_seed(3)
+    xs = [rand(gen, (7, 40), torch.float32)[:, 5:29] for _ in range(4)]
+    q = rand(gen, (7, 40), torch.float32)[:, 3:27]
+    assert not xs[0].is_contiguous() and xs[0].stride() == (40, 1)
+    _run_vs_reference(xs, q, None, impl, "float32")
+
+
 @pytest.mark.parametrize("impl", ["cpu", "composite"])
 def test_strided_inputs(impl):
     gen = torch.Generator().manual_seed(3)
@@ -89,6 +101,9 @@ def test_strided_inputs(impl):
     g = (torch.rand(48, generator=gen) + 0.5)[::2]
     assert not xs[0].is_contiguous() and not q.is_contiguous() and not g.is_contiguous()
     _run_vs_reference(xs, q, g, impl, "float32")
+    if impl == "cpu":  # the C kernel needs unit stride along D: the dispatch passes to "cpu"
+        at.depth_attention(xs, q, g)
+        assert at.last_impl() == "cpu"
 
 
 @pytest.mark.parametrize("dname", list(DTYPES))
@@ -99,13 +114,13 @@ def test_strided_inputs(impl):
 def test_options_match_reference(dname, opts):
     _, xs, q, g = _inputs(11, 5, (2, 3), 16, True, True, DTYPES[dname])
     default_op = opts.get("num_heads", 1) == 1 and "activation" not in opts and "key_norm" not in opts
-    impl = "cpu" if default_op and dname != "float64" else "composite"
+    impl = "cpu_c" if default_op and dname != "float64" else "composite"
     at.depth_attention(xs, q, g, **opts)
     assert at.last_impl() == impl  # the dispatch picks it by itself
     _run_vs_reference(xs, q, g, impl, dname, **opts)
 
 
-@pytest.mark.parametrize("impl,heads", [("cpu", 1), ("composite", 1), ("composite", 2)])
+@pytest.mark.parametrize("impl,heads", [("cpu_c", 1), ("cpu", 1), ("composite", 1), ("composite", 2)])
 def test_return_weights(impl, heads):
     _, xs, q, g = _inputs(4, 5, (6,), 8, False, True, torch.float32)
     with at.use_impl(impl):
@@ -175,7 +190,7 @@ def test_two_phase_ops_equal_direct():
         torch.testing.assert_close(lse, d_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "composite"])
+@pytest.mark.parametrize("impl", ["cpu_c", "cpu", "composite"])
 def test_deterministic_and_inputs_unmodified(impl):
     _, xs, q, g = _inputs(13, 7, (300,), 64, False, True, torch.float32)
     copies = [t.clone() for t in xs + [q, g]]
@@ -224,6 +239,10 @@ def test_forcing_cpu_on_unsupported_call_raises():
     x, q = torch.randn(4, 8), torch.randn(8)
     with at.use_impl("cpu"), pytest.raises(ValueError, match="impl: 'cpu'"):
         at.depth_attention([x], q, num_heads=2)
+    with at.use_impl("cpu_c"), pytest.raises(ValueError, match="impl: 'cpu_c'.*unit stride"):
+        at.depth_attention([torch.randn(4, 16)[:, ::2]], q)
+    with at.use_impl("cpu_c"), pytest.raises(ValueError, match="impl: 'cpu_c'"):
+        at.depth_attention_multi([x], q[None])
     with pytest.raises(ValueError, match="impl: expected one of"):
         with at.use_impl("fast"):
             pass

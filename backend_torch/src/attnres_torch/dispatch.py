@@ -1,8 +1,11 @@
-"""Which implementation runs a call: "triton", "cpu" or "composite".
+"""Which implementation runs a call: "triton", "cpu_c", "cpu" or "composite".
 
 * "triton": every tensor on CUDA, Triton importable and `kernels.triton_depth.supports(...)`.
-* "cpu": the chunked CPU kernel (`cpu_kernel.py`) for the default op: softmax, key norm, one head,
-  float16/bfloat16/float32 sources on the CPU.
+* "cpu_c": the fused C kernel (`cpu_c.py`, `csrc/depth_cpu.c`) for the default op on the CPU
+  (softmax, key norm, one head, float16/bfloat16/float32 sources with unit stride along D) when
+  it could be built; `depth_attention` only (phase 1 runs on "cpu").
+* "cpu": the chunked torch kernel (`cpu_kernel.py`) for the same calls: the fallback without a
+  C compiler (or with `ATTNRES_TORCH_CPU_C=0`), for sources strided along D, and phase 1.
 * "composite": the plain differentiable torch composition (`composite.py`): float64, heads,
   sigmoid, no key norm; also the comparison baseline.
 
@@ -20,7 +23,9 @@ from typing import Iterator, Optional
 
 import torch
 
-IMPLS = ("triton", "cpu", "composite")
+from . import cpu_c
+
+IMPLS = ("triton", "cpu_c", "cpu", "composite")
 
 _forced: list = []
 _counts: Counter = Counter()
@@ -74,12 +79,12 @@ def impl_counts() -> Counter:
     return Counter(_counts)
 
 
-def choose(tensors, *, default_op: bool, triton_supports) -> str:
+def choose(tensors, *, default_op: bool, triton_supports, cpu_c_supports=None) -> str:
     """Pick the implementation for one call.
 
     tensors: every tensor argument; default_op: the call is softmax, key-normed, single head with
-    float16/bfloat16/float32 sources; triton_supports: a no-argument callable asking the kernel
-    module whether it takes this call.
+    float16/bfloat16/float32 sources; triton_supports / cpu_c_supports: no-argument callables
+    asking that kernel whether it takes this call (cpu_c_supports None: the op has no C kernel).
     """
     name = forced()
     if name == "triton":
@@ -90,13 +95,18 @@ def choose(tensors, *, default_op: bool, triton_supports) -> str:
             raise ValueError("impl: 'triton' was forced but the Triton kernels do not support "
                              "this call (see kernels.triton_depth.supports)")
         return name
-    if name == "cpu" and not default_op:
-        raise ValueError("impl: 'cpu' was forced but the CPU kernel covers only softmax, key_norm, "
-                         "num_heads=1 and float16/bfloat16/float32 sources")
+    if name in ("cpu", "cpu_c") and not default_op:
+        raise ValueError(f"impl: {name!r} was forced but the CPU kernels cover only softmax, "
+                         "key_norm, num_heads=1 and float16/bfloat16/float32 sources")
+    if name == "cpu_c" and (cpu_c_supports is None or not cpu_c_supports()):
+        raise ValueError("impl: 'cpu_c' was forced but the C kernel does not take this call "
+                         f"(C kernel for this op: {cpu_c_supports is not None}; "
+                         f"library: {cpu_c.unavailable_reason() or 'available'}; it needs CPU "
+                         "sources with unit stride along D)")
     if name is not None:
         return name
     if all(t.is_cuda for t in tensors) and triton_kernels() is not None and triton_supports():
         return "triton"
     if default_op and all(t.device.type == "cpu" for t in tensors):
-        return "cpu"
+        return "cpu_c" if cpu_c_supports is not None and cpu_c_supports() else "cpu"
     return "composite"

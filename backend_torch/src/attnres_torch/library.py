@@ -1,4 +1,4 @@
-"""`torch.library` custom ops of the fast paths ("cpu" and "triton"), with fake implementations
+"""`torch.library` custom ops of the fast paths ("triton", "cpu_c" and "cpu"), with fake implementations
 and explicit autograd, so `torch.compile(fullgraph=True)` treats them as single graph nodes and
 CUDA graphs can capture them.
 
@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from . import cpu_kernel, dispatch
+from . import cpu_c, cpu_kernel, dispatch
 
 
 def _qg(query: Tensor, norm_weight: Optional[Tensor]) -> Tensor:
@@ -34,6 +34,17 @@ def _flat(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _cpu_module(impl: str):
+    """The CPU kernel module behind `impl` ("cpu_c" or "cpu"); both share one interface."""
+    return cpu_c if impl == "cpu_c" else cpu_kernel
+
+
+def _unit_rows(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """`[T, D]` in `dtype` with unit stride along D (a broadcast d_out may arrive with stride 0)."""
+    t = t.to(dtype)
+    return t if t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous()
+
+
 @torch.library.custom_op("attnres::depth_attention", mutates_args=())
 def depth_attention_op(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
                        eps: float, scale: float, impl: str) -> tuple[Tensor, Tensor]:
@@ -43,8 +54,8 @@ def depth_attention_op(sources: List[Tensor], query: Tensor, norm_weight: Option
     x0 = sources[0]
     out = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
     lse = torch.empty(x0.shape[:-1], dtype=torch.float32, device=x0.device)
-    cpu_kernel.forward_into([_flat(s) for s in sources], _qg(query, norm_weight), eps, scale,
-                            _flat(out), lse.view(-1))
+    _cpu_module(impl).forward_into([_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
+                                   eps, scale, _flat(out), lse.view(-1))
     return out, lse
 
 
@@ -66,9 +77,10 @@ def depth_attention_backward_op(sources: List[Tensor], query: Tensor, norm_weigh
             d_g = torch.zeros(dim, dtype=torch.float32, device=query.device)
         return [d.contiguous() for d in d_src] + [d_q.float().contiguous(), d_g.float().contiguous()]
     d_src = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
-    d_qg = cpu_kernel.backward_into(
-        [_flat(s) for s in sources], _qg(query, norm_weight), lse.reshape(-1),
-        _flat(d_out), None if d_lse is None else d_lse.reshape(-1).float(), eps, scale,
+    d_qg = _cpu_module(impl).backward_into(
+        [_flat(s) for s in sources], _qg(query, norm_weight).contiguous(), lse.reshape(-1).contiguous(),
+        _unit_rows(_flat(d_out), sources[0].dtype),
+        None if d_lse is None else d_lse.reshape(-1).float().contiguous(), eps, scale,
         [_flat(d) for d in d_src])
     gain = torch.ones(dim, device=query.device) if norm_weight is None else norm_weight.float()
     d_query = (d_qg * gain).reshape(query.shape)

@@ -2,9 +2,9 @@
 `depth_attention_multi`, `merge_partial`.
 
 Each call is validated with `attnres_numpy.validation` (same messages as every backend), then
-dispatched (`dispatch.py`) to the Triton kernels, the chunked CPU kernel (both as `torch.library`
-custom ops with explicit backward, `library.py`) or the differentiable composition
-(`composite.py`).  Inputs are never modified; nothing is capped.
+dispatched (`dispatch.py`) to the Triton kernels, the fused C kernel or the chunked CPU kernel (all
+as `torch.library` custom ops with explicit backward, `library.py`) or the differentiable
+composition (`composite.py`).  Inputs are never modified; nothing is capped.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from attnres_numpy import validation
 
-from . import composite, dispatch, library
+from . import composite, cpu_c, dispatch, library
 from ._args import Sources, check_same_device, dtype_name, optional_tensor, require_tensor, split_sources
 
 _FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,7 +61,8 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
                                                   activation=activation, key_norm=key_norm)
 
     impl = dispatch.record(dispatch.choose(tensors, default_op=default_op,
-                                           triton_supports=triton_supports))
+                                           triton_supports=triton_supports,
+                                           cpu_c_supports=lambda: cpu_c.supports(xs)))
     if impl == "composite":
         out, lse, weights = composite.depth_attention(
             xs, query, norm_weight, eps=eps, scale=scale, num_heads=geo.num_heads,

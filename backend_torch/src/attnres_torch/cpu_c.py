@@ -1,0 +1,218 @@
+"""The fused C kernel of the default op on the CPU (`csrc/depth_cpu.c`; spec 2.1-2.3, C10, C15).
+
+Each source row is read from memory once (forward: one sweep for both row sums, the weighted sum
+from cache; backward: one sweep for three row sums, the gradients from cache), on
+`torch.get_num_threads()` threads with thread-count-independent bits.  See the C file's header
+for the tiling and the numerics.
+
+The library is built at first use with the system C compiler (`$CC`, else `cc`) as
+`-O3 -march=native`, cached under `$ATTNRES_CACHE_DIR` (default `$XDG_CACHE_HOME/attnres` or
+`~/.cache/attnres`) by a hash of the source, the flags, the compiler's version and this CPU's
+feature flags, and loaded with ctypes (calls release the GIL).  `ATTNRES_TORCH_CPU_C=0` turns it
+off.  Without a compiler the dispatch falls back to the chunked torch kernel (`cpu_kernel.py`);
+`unavailable_reason()` says why.
+
+All functions take 2-D views with unit stride along D (any row stride): sources N x `[T, D]`
+(float32/bfloat16/float16), qg = query * gain in fp32 (`[D]` or `[T, D]`), and write into
+caller-provided buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "depth_cpu.c"
+FLAG_SETS = (("-O3", "-march=native"), ("-O3",))  # the second when the compiler lacks -march=native
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("ATTNRES_TORCH_CPU_C", "1") != "0"
+
+
+def cache_dir() -> Path:
+    if os.environ.get("ATTNRES_CACHE_DIR"):
+        return Path(os.environ["ATTNRES_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attnres"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    """Compile SOURCE (or reuse the cached build); returns the shared library's path."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
+                                          _cpu_flags().encode(), platform.machine().encode()]))
+        directory = cache_dir()
+        target = directory / f"depth_cpu-{key.hexdigest()[:20]}.so"
+        if target.exists():
+            return target
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(fd)
+        cmd = [compiler, *flags, "-shared", "-fPIC", "-pthread", "-std=gnu11", "-o", tmp, str(SOURCE), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode == 0:
+            os.replace(tmp, target)  # atomic: concurrent builders each install a whole file
+            return target
+        os.unlink(tmp)
+        errors.append(f"{' '.join(cmd)}: {res.stderr.strip()[-500:]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    if not enabled():
+        _state["reason"] = "disabled by ATTNRES_TORCH_CPU_C=0"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"))))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        _state["reason"] = f"could not build or load {SOURCE.name}: {exc}"
+        return None
+    i64, ptr, f32p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
+    lib.attnres_forward.restype = lib.attnres_backward.restype = ctypes.c_int
+    f64 = ctypes.c_double
+    lib.attnres_forward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, f64, f64, ptr,
+                                    i64, f32p, ctypes.c_int]
+    lib.attnres_backward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, ptr, i64, f32p,
+                                     f64, f64, ptr, ptr, f32p, ctypes.c_int]
+    return lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded kernel library (built on the first call), or None when unavailable."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"] = _load()
+        return _state["lib"]
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """The library can be used (built on the first call).  A constant to torch.compile, which
+    runs this once while tracing instead of tracing into the build."""
+    return library() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """None when the kernel is available, else why not."""
+    return None if library() is not None else _state.get("reason")
+
+
+def _unit_stride(t: torch.Tensor) -> bool:
+    return t.shape[-1] == 1 or t.stride(-1) == 1
+
+
+def supports(sources: List[torch.Tensor]) -> bool:
+    """The kernel takes these sources: CPU, float32/bfloat16/float16, unit stride along D, and
+    the library is available."""
+    return (all(s.device.type == "cpu" and s.dtype in _DTYPES and _unit_stride(s) for s in sources)
+            and available())
+
+
+def _pointers(tensors: List[torch.Tensor]):
+    n = len(tensors)
+    return ((ctypes.c_void_p * n)(*[t.data_ptr() for t in tensors]),
+            (ctypes.c_int64 * n)(*[t.stride(0) for t in tensors]))
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape) -> None:
+    """The ctypes boundary trusts pointers: make every layout assumption an explicit error."""
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape) or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected {dtype} {tuple(shape)} on cpu, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+    if t.dim() == 2 and not _unit_stride(t):
+        raise ValueError(f"{name}: expected unit stride along D, got strides {t.stride()}")
+    if t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous vector, got stride {t.stride()}")
+
+
+def _check_common(sources, qg):
+    rows, dim = sources[0].shape
+    dtype = sources[0].dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"sources: dtype {dtype} is not one of {tuple(_DTYPES)}")
+    for i, s in enumerate(sources):
+        _check(f"sources[{i}]", s, dtype, (rows, dim))
+    if qg.dim() == 1:
+        _check("qg", qg, torch.float32, (dim,))
+    else:
+        _check("qg", qg, torch.float32, (rows, dim))
+        if not qg.is_contiguous():
+            raise ValueError(f"qg: expected a contiguous [T, D], got strides {qg.stride()}")
+    return rows, dim, dtype
+
+
+def _qg_row_stride(qg: torch.Tensor) -> int:
+    return 0 if qg.dim() == 1 else qg.stride(0)
+
+
+@torch.no_grad()
+def forward_into(sources: List[torch.Tensor], qg: torch.Tensor, eps: float, scale: float,
+                 out: torch.Tensor, lse: torch.Tensor) -> None:
+    """out `[T, D]` (sources' dtype) and lse `[T]` (fp32, contiguous) of depth attention."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"cpu_c: {unavailable_reason()}")
+    rows, dim, dtype = _check_common(sources, qg)
+    _check("out", out, dtype, (rows, dim))
+    _check("lse", lse, torch.float32, (rows,))
+    src, src_rs = _pointers(sources)
+    rc = lib.attnres_forward(_DTYPES[dtype], len(sources), rows, dim, src, src_rs, qg.data_ptr(),
+                             _qg_row_stride(qg), eps, scale, out.data_ptr(), out.stride(0),
+                             lse.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError("cpu_c: attnres_forward could not allocate its scratch or threads")
+
+
+@torch.no_grad()
+def backward_into(sources: List[torch.Tensor], qg: torch.Tensor, lse: torch.Tensor,
+                  d_out: torch.Tensor, d_lse: Optional[torch.Tensor], eps: float, scale: float,
+                  d_sources: List[torch.Tensor]) -> torch.Tensor:
+    """Writes d_sources N x `[T, D]` (sources' dtype); returns d(qg) in fp32 (`[D]` summed over
+    tokens, or `[T, D]` for a per-token query).  d_out `[T, D]` in the sources' dtype, d_lse `[T]`
+    fp32 contiguous or None.  `lse` is checked but not read (the interface of
+    `cpu_kernel.backward_into`): the kernel recomputes the weights from the logits in float64."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"cpu_c: {unavailable_reason()}")
+    rows, dim, dtype = _check_common(sources, qg)
+    _check("lse", lse, torch.float32, (rows,))
+    _check("d_out", d_out, dtype, (rows, dim))
+    if d_lse is not None:
+        _check("d_lse", d_lse, torch.float32, (rows,))
+    for i, d in enumerate(d_sources):
+        _check(f"d_sources[{i}]", d, dtype, (rows, dim))
+    d_qg = torch.empty(qg.shape, dtype=torch.float32)
+    src, src_rs = _pointers(sources)
+    dst, dst_rs = _pointers(d_sources)
+    rc = lib.attnres_backward(_DTYPES[dtype], len(sources), rows, dim, src, src_rs, qg.data_ptr(),
+                              _qg_row_stride(qg), d_out.data_ptr(), d_out.stride(0),
+                              None if d_lse is None else d_lse.data_ptr(), eps, scale, dst, dst_rs,
+                              d_qg.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError("cpu_c: attnres_backward could not allocate its scratch or threads")
+    return d_qg

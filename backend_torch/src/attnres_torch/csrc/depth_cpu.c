@@ -1,0 +1,392 @@
+/* Fused CPU kernels of the default depth-attention op (softmax, key norm, one head;
+ * spec 2.1-2.3, numerics C10).  Built at first use by attnres_torch/cpu_c.py with the system C
+ * compiler (-O3 -march=native) and called through ctypes on tensor data pointers.
+ *
+ * Layout: every 2-D operand is rows x D with unit stride along D and its own row stride (in
+ * elements; 0 broadcasts one row, used for a shared pseudo-query).  Sources, out and d_sources
+ * share one storage dtype (DT_F32, DT_BF16 or DT_F16); qg = query * gain, lse, d_lse and d_qg
+ * are fp32.  Each result is rounded once (C10.3) and no intermediate is narrower than fp32
+ * (C10.2): the row sums over D are blocked (fp32 runs folded into float64, see row_sums) and the
+ * per-row scalars (z, m, l, p, r, a, b) are float64 — the backward's dz = p (dp - <p, dp>)
+ * cancels when one weight is near 1, where plain fp32 sums cost 10x the error of the chunked
+ * torch kernel — while the vector work over D (weighted sums, gradients, d_qg) is fp32.
+ *
+ * One token row t at a time; its N source rows (N * D * size bytes) stay in L1/L2 between passes:
+ *   forward   pass 1 reads x_i once for s_i = <x_i, qg> and |x_i|^2 (both sums in one sweep),
+ *             z_i = scale * s_i * r_i, r_i = 1 / sqrt(|x_i|^2 / D + eps); max-subtracted softmax
+ *             (C10.4; NaN-propagating max for C12); pass 2: out = sum_i p_i x_i from cache,
+ *             a [OUT_VECS x VW] column tile in registers at a time.
+ *   backward  pass 1: s_i, |x_i|^2 and dp_i = <x_i, d_out> in one sweep, p_i recomputed from the
+ *             logits (not from the fp32 lse); pass 2 writes dx_i = p_i d_out + a_i qg - b_i x_i
+ *             and accumulates d_qg += a_i x_i (spec 2.3), the rows again from cache.
+ * Every sum has a fixed order that depends only on D, never on the thread count (C15).  Rows are
+ * cut into NBLK <= MAX_BLOCKS blocks fixed by T alone; threads take contiguous runs of blocks.  A
+ * shared query's d_qg is summed per block into its own fp32 row, then the blocks are added in
+ * block order: no atomics, and the bits do not depend on how many threads ran.  N and D are
+ * unbounded (C16): scratch is malloc'ed.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+#define VW 8        /* fp32 elements per vector: 32 bytes (a ymm register; 2 x 128-bit without AVX) */
+#define OUT_VECS 8  /* forward pass 2: OUT_VECS x VW = 64 output columns in registers over N rows */
+#define MIN_BLOCK_ROWS 16
+#define SUM_RUN 256 /* row sums: elements per fp32 run before folding into float64 (16 | SUM_RUN) */
+#define PF_ROWS 1   /* software prefetch distance, in token rows */
+#define MAX_BLOCKS 256
+#define INLINE static inline __attribute__((always_inline))
+
+/* GCC/Clang vector extensions, lowered to the SIMD of -march=native.  No type is wider than 32
+ * bytes: wider generic vectors are kept in memory by GCC (each accumulator update would become a
+ * store/load round trip). */
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef double vd4 __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef _Float16 vh16 __attribute__((vector_size(VW * 2)));
+
+/* ---- storage dtypes: load to fp32, store rounded to nearest even (as torch rounds) ---- */
+INLINE float ld(int dt, const void *p, int64_t j) {
+    if (dt == DT_F32) return ((const float *)p)[j];
+    if (dt == DT_F16) return (float)((const _Float16 *)p)[j];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[j] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+INLINE void st(int dt, void *p, int64_t j, float v) {
+    if (dt == DT_F32) {
+        ((float *)p)[j] = v;
+    } else if (dt == DT_F16) {
+        ((_Float16 *)p)[j] = (_Float16)v;
+    } else {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        ((uint16_t *)p)[j] = (v != v) ? (uint16_t)0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+INLINE vf ldv(int dt, const void *p, int64_t j) {
+    vf f;
+    if (dt == DT_F32) {
+        memcpy(&f, (const float *)p + j, sizeof f);
+    } else if (dt == DT_F16) {
+        vh16 h;
+        memcpy(&h, (const _Float16 *)p + j, sizeof h);
+        f = __builtin_convertvector(h, vf);
+    } else {
+        vh h;
+        memcpy(&h, (const uint16_t *)p + j, sizeof h);
+        vu u = __builtin_convertvector(h, vu) << 16;
+        memcpy(&f, &u, sizeof f);
+    }
+    return f;
+}
+INLINE void stv(int dt, void *p, int64_t j, vf v) {
+    if (dt == DT_F32) {
+        memcpy((float *)p + j, &v, sizeof v);
+    } else if (dt == DT_F16) {
+        vh16 h = __builtin_convertvector(v, vh16);
+        memcpy((_Float16 *)p + j, &h, sizeof h);
+    } else {
+        vu u;
+        memcpy(&u, &v, sizeof u);
+        vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        vu nan = (vu)(v != v);                         /* all ones where v is NaN */
+        r = (r & ~nan) | (0x7fc0u & nan);
+        vh h = __builtin_convertvector(r, vh);
+        memcpy((uint16_t *)p + j, &h, sizeof h);
+    }
+}
+
+INLINE double hsum(vd4 a) { /* lanes 0 + 2, 1 + 3, then the two: fixed order */
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+static inline double nan_max(double m, double z) { return (z > m || z != z) ? z : m; }
+
+/* Row sums over D of one source row x: *s = <x, q>, *ss = <x, x>, and *dp = <x, g> when g is not
+ * NULL.  Blocked summation: fp32 vector accumulators (2 x VW lanes) over runs of SUM_RUN
+ * elements (each lane adds SUM_RUN / 16 products in fp32), each run folded into float64
+ * accumulators; then a fixed tree over the lanes, then the tail in order.  The fp32 rounding
+ * stays that of a 16-term sum whatever D is, at fp32 vector speed (summing in float64 throughout
+ * made this loop compute-bound: 2x slower at D = 1024).
+ * pf_x / pf_g (or NULL): the rows PF_ROWS tokens ahead, prefetched (into L2) as this one is read —
+ * the hardware prefetchers stop at 4 KiB pages, and at D = 1024 fp32 each source row is a page. */
+INLINE vd4 widen(vf a, int half) { /* lanes 4 half .. 4 half + 3 of a, as float64 */
+    vf4 h = half ? __builtin_shufflevector(a, a, 4, 5, 6, 7) : __builtin_shufflevector(a, a, 0, 1, 2, 3);
+    return __builtin_convertvector(h, vd4);
+}
+
+INLINE void row_sums(int dt, const void *x, const float *q, const void *g, int64_t d, double *s,
+                     double *ss, double *dp, const char *pf_x, const char *pf_g) {
+    vd4 ds = {0}, dq = {0}, dg = {0};
+    const int64_t es = dt == DT_F32 ? 4 : 2, full = d - d % 16;
+    int64_t j = 0;
+    while (j < full) {
+        const int64_t end = j + SUM_RUN < full ? j + SUM_RUN : full;
+        vf fs[2] = {{0}}, fq[2] = {{0}}, fg[2] = {{0}};
+        for (; j < end; j += 16) {
+            if (pf_x) __builtin_prefetch(pf_x + j * es, 0, 1);
+            if (pf_g) __builtin_prefetch(pf_g + j * es, 0, 1);
+            for (int k = 0; k < 2; k++) {
+                const vf v = ldv(dt, x, j + VW * k);
+                fs[k] += v * ldv(DT_F32, q, j + VW * k);
+                fq[k] += v * v;
+                if (g) fg[k] += v * ldv(dt, g, j + VW * k);
+            }
+        }
+        const vf s8 = fs[0] + fs[1], q8 = fq[0] + fq[1];
+        ds += widen(s8, 0) + widen(s8, 1);
+        dq += widen(q8, 0) + widen(q8, 1);
+        if (g) {
+            const vf g8 = fg[0] + fg[1];
+            dg += widen(g8, 0) + widen(g8, 1);
+        }
+    }
+    double ts = 0.0, tq = 0.0, tg = 0.0; /* the tail, in order */
+    for (; j < d; j++) {
+        double v = ld(dt, x, j);
+        ts += v * q[j];
+        tq += v * v;
+        if (g) tg += v * ld(dt, g, j);
+    }
+    *s = hsum(ds) + ts;
+    *ss = hsum(dq) + tq;
+    if (g) *dp = hsum(dg) + tg;
+}
+
+typedef struct {
+    int64_t n, rows, dim, nblk, elsize;
+    int dtype;
+    const void *const *src; /* N pointers */
+    const int64_t *src_rs;  /* N row strides */
+    const float *qg;
+    int64_t qg_rs;
+    double eps, scale;
+    /* forward */
+    void *out;
+    int64_t out_rs;
+    float *lse;
+    /* backward */
+    const void *d_out;
+    int64_t d_out_rs;
+    const float *d_lse;
+    void *const *d_src;
+    const int64_t *d_src_rs;
+    float *d_qg;     /* [D] (shared query) or [T, D] (per-token, row stride D) */
+    float *partials; /* [NBLK, D] fp32, shared query only */
+    int64_t blk0, blk1;
+    int failed;
+} job_t;
+
+static inline int64_t block_start(const job_t *j, int64_t b) { return b * j->rows / j->nblk; }
+
+INLINE const void *row_ptr(const void *base, int64_t rs, int64_t t, int64_t elsize) {
+    return (const char *)base + t * rs * elsize;
+}
+
+/* ---- forward: out[t] and lse[t] for the rows of blocks [blk0, blk1); z: N doubles ---- */
+INLINE void forward_rows(int dt, job_t *j, double *z, float *p) {
+    const int64_t n = j->n, d = j->dim, es = j->elsize;
+    for (int64_t t = block_start(j, j->blk0); t < block_start(j, j->blk1); t++) {
+        const float *q = j->qg + t * j->qg_rs;
+        double m = -INFINITY, l = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            double s, ss;
+            row_sums(dt, row_ptr(j->src[i], j->src_rs[i], t, es), q, NULL, d, &s, &ss, NULL,
+                     t + PF_ROWS < j->rows ? row_ptr(j->src[i], j->src_rs[i], t + PF_ROWS, es) : NULL, NULL);
+            z[i] = j->scale * (s / sqrt(ss / (double)d + j->eps));
+            m = nan_max(m, z[i]);
+        }
+        for (int64_t i = 0; i < n; i++) l += (z[i] = exp(z[i] - m));
+        for (int64_t i = 0; i < n; i++) p[i] = (float)(z[i] / l);
+        j->lse[t] = (float)(m + log(l));
+        void *o = (char *)j->out + t * j->out_rs * es;
+        int64_t c = 0;
+        for (; c + OUT_VECS * VW <= d; c += OUT_VECS * VW) { /* [OUT_VECS x VW] tile in registers */
+            vf acc[OUT_VECS] = {{0}};
+            for (int64_t i = 0; i < n; i++) {
+                const void *x = row_ptr(j->src[i], j->src_rs[i], t, es);
+                for (int k = 0; k < OUT_VECS; k++) acc[k] += p[i] * ldv(dt, x, c + k * VW);
+            }
+            for (int k = 0; k < OUT_VECS; k++) stv(dt, o, c + k * VW, acc[k]);
+        }
+        for (; c + VW <= d; c += VW) {
+            vf acc = {0};
+            for (int64_t i = 0; i < n; i++) acc += p[i] * ldv(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
+            stv(dt, o, c, acc);
+        }
+        for (; c < d; c++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < n; i++) acc += p[i] * ld(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
+            st(dt, o, c, acc);
+        }
+    }
+}
+
+/* ---- backward: d_src[t] for the rows of blocks [blk0, blk1); d_qg per token or per block ----
+ * st: 4 N doubles (r, s, p, dp per source). */
+INLINE void backward_rows(int dt, job_t *j, double *st_) {
+    const int64_t n = j->n, d = j->dim, es = j->elsize;
+    double *rr = st_, *sq = st_ + n, *pp = st_ + 2 * n, *dpp = st_ + 3 * n;
+    for (int64_t b = j->blk0; b < j->blk1; b++) {
+        float *dq_blk = NULL;
+        if (j->qg_rs == 0) {
+            dq_blk = j->partials + b * d;
+            memset(dq_blk, 0, (size_t)d * sizeof(float));
+        }
+        for (int64_t t = block_start(j, b); t < block_start(j, b + 1); t++) {
+            const float *q = j->qg + t * j->qg_rs;
+            const void *g = row_ptr(j->d_out, j->d_out_rs, t, es);
+            double m = -INFINITY, l = 0.0, base = j->d_lse ? j->d_lse[t] : 0.0;
+            for (int64_t i = 0; i < n; i++) {
+                double s, ss, dp = 0.0;
+                const int pf = t + PF_ROWS < j->rows;
+                row_sums(dt, row_ptr(j->src[i], j->src_rs[i], t, es), q, g, d, &s, &ss, &dp,
+                         pf ? row_ptr(j->src[i], j->src_rs[i], t + PF_ROWS, es) : NULL,
+                         pf && i == 0 ? row_ptr(j->d_out, j->d_out_rs, t + PF_ROWS, es) : NULL);
+                rr[i] = 1.0 / sqrt(ss / (double)d + j->eps);
+                sq[i] = s;
+                pp[i] = j->scale * (s * rr[i]);
+                dpp[i] = dp;
+                m = nan_max(m, pp[i]);
+            }
+            for (int64_t i = 0; i < n; i++) l += (pp[i] = exp(pp[i] - m));
+            for (int64_t i = 0; i < n; i++) base -= (pp[i] /= l) * dpp[i];
+            float *dq = dq_blk ? dq_blk : j->d_qg + t * d;
+            if (!dq_blk) memset(dq, 0, (size_t)d * sizeof(float));
+            for (int64_t i = 0; i < n; i++) {
+                const void *x = row_ptr(j->src[i], j->src_rs[i], t, es);
+                void *dx = (char *)j->d_src[i] + t * j->d_src_rs[i] * es;
+                const double a_ = pp[i] * (dpp[i] + base) * (j->scale * rr[i]);
+                const float p = (float)pp[i], a = (float)a_;
+                const float bb = (float)(a_ * sq[i] * rr[i] * rr[i] / (double)d);
+                int64_t c = 0;
+                for (; c + VW <= d; c += VW) {
+                    const vf v = ldv(dt, x, c);
+                    stv(dt, dx, c, p * ldv(dt, g, c) + a * ldv(DT_F32, q, c) - bb * v);
+                    stv(DT_F32, dq, c, ldv(DT_F32, dq, c) + a * v);
+                }
+                for (; c < d; c++) {
+                    const float v = ld(dt, x, c);
+                    st(dt, dx, c, p * ld(dt, g, c) + a * q[c] - bb * v);
+                    dq[c] += a * v;
+                }
+            }
+        }
+    }
+}
+
+static void *forward_worker(void *arg) {
+    job_t *j = (job_t *)arg;
+    double *z = (double *)malloc((size_t)j->n * sizeof(double));
+    float *p = (float *)malloc((size_t)j->n * sizeof(float));
+    if (!z || !p) {
+        j->failed = 1;
+    } else if (j->dtype == DT_F32) {
+        forward_rows(DT_F32, j, z, p);
+    } else if (j->dtype == DT_BF16) {
+        forward_rows(DT_BF16, j, z, p);
+    } else {
+        forward_rows(DT_F16, j, z, p);
+    }
+    free(z), free(p);
+    return NULL;
+}
+
+static void *backward_worker(void *arg) {
+    job_t *j = (job_t *)arg;
+    double *stats = (double *)malloc((size_t)j->n * 4 * sizeof(double));
+    if (!stats) j->failed = 1;
+    else if (j->dtype == DT_F32) backward_rows(DT_F32, j, stats);
+    else if (j->dtype == DT_BF16) backward_rows(DT_BF16, j, stats);
+    else backward_rows(DT_F16, j, stats);
+    free(stats);
+    return NULL;
+}
+
+static int64_t num_blocks(int64_t rows) {
+    int64_t nb = (rows + MIN_BLOCK_ROWS - 1) / MIN_BLOCK_ROWS;
+    return nb < 1 ? 1 : (nb > MAX_BLOCKS ? MAX_BLOCKS : nb);
+}
+
+/* Runs `work` over `proto`'s blocks on `threads` threads (the caller's thread takes the first
+ * run).  Returns 0, or -1 when a thread or its scratch could not be had. */
+static int run_blocks(job_t *proto, int threads, void *(*work)(void *)) {
+    const int64_t nblk = proto->nblk;
+    if (threads < 1) threads = 1;
+    if (threads > nblk) threads = (int)nblk;
+    job_t *jobs = (job_t *)calloc((size_t)threads, sizeof(job_t));
+    pthread_t *tids = (pthread_t *)calloc((size_t)threads, sizeof(pthread_t));
+    int *started = (int *)calloc((size_t)threads, sizeof(int));
+    int rc = 0;
+    if (!jobs || !tids || !started) {
+        free(jobs), free(tids), free(started);
+        return -1;
+    }
+    for (int k = 0; k < threads; k++) {
+        jobs[k] = *proto;
+        jobs[k].blk0 = k * nblk / threads;
+        jobs[k].blk1 = (k + 1) * nblk / threads;
+    }
+    for (int k = 1; k < threads; k++) started[k] = pthread_create(&tids[k], NULL, work, &jobs[k]) == 0;
+    work(&jobs[0]);
+    for (int k = 1; k < threads; k++) {
+        if (started[k]) pthread_join(tids[k], NULL);
+        else work(&jobs[k]); /* no thread: run its blocks here */
+    }
+    for (int k = 0; k < threads; k++) rc |= jobs[k].failed ? -1 : 0;
+    free(jobs), free(tids), free(started);
+    return rc;
+}
+
+static int64_t elsize_of(int dtype) { return dtype == DT_F32 ? 4 : 2; }
+
+/* out [T, D] (sources' dtype) and lse [T] (fp32, contiguous). Returns 0 or -1. */
+int attnres_forward(int dtype, int64_t n, int64_t rows, int64_t dim, const void *const *src,
+                    const int64_t *src_rs, const float *qg, int64_t qg_rs, double eps, double scale,
+                    void *out, int64_t out_rs, float *lse, int threads) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.n = n, j.rows = rows, j.dim = dim, j.dtype = dtype, j.elsize = elsize_of(dtype);
+    j.nblk = num_blocks(rows);
+    j.src = src, j.src_rs = src_rs, j.qg = qg, j.qg_rs = qg_rs, j.eps = eps, j.scale = scale;
+    j.out = out, j.out_rs = out_rs, j.lse = lse;
+    return run_blocks(&j, threads, forward_worker);
+}
+
+/* d_src N x [T, D] (sources' dtype) and d_qg: [D] when qg_rs == 0 (summed over tokens in block
+ * order), else [T, D] contiguous; d_lse may be NULL.  Returns 0 or -1. */
+int attnres_backward(int dtype, int64_t n, int64_t rows, int64_t dim, const void *const *src,
+                     const int64_t *src_rs, const float *qg, int64_t qg_rs, const void *d_out, int64_t d_out_rs, const float *d_lse, double eps,
+                     double scale, void *const *d_src, const int64_t *d_src_rs, float *d_qg,
+                     int threads) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.n = n, j.rows = rows, j.dim = dim, j.dtype = dtype, j.elsize = elsize_of(dtype);
+    j.nblk = num_blocks(rows);
+    j.src = src, j.src_rs = src_rs, j.qg = qg, j.qg_rs = qg_rs, j.eps = eps, j.scale = scale;
+    j.d_out = d_out, j.d_out_rs = d_out_rs, j.d_lse = d_lse;
+    j.d_src = d_src, j.d_src_rs = d_src_rs, j.d_qg = d_qg;
+    if (qg_rs == 0) {
+        j.partials = (float *)malloc((size_t)(j.nblk * dim) * sizeof(float));
+        if (!j.partials) return -1;
+    }
+    int rc = run_blocks(&j, threads, backward_worker);
+    if (qg_rs == 0) {
+        if (rc == 0) {
+            for (int64_t c = 0; c < dim; c++) d_qg[c] = 0.0f;
+            for (int64_t b = 0; b < j.nblk; b++) {
+                const float *pb = j.partials + b * dim;
+                for (int64_t c = 0; c < dim; c++) d_qg[c] += pb[c];
+            }
+        }
+        free(j.partials);
+    }
+    return rc;
+}

@@ -1,0 +1,172 @@
+"""The fused C kernel (`cpu_c.py`, `csrc/depth_cpu.c`): built here, chosen by the dispatch, writes
+every element (NaN-poisoned buffers), matches the float64 reference at block/tile/lane edges,
+gives the same bits on any thread count, and falls back to the chunked kernel without a compiler."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import attnres_torch as at
+import numpy as np
+import pytest
+import torch
+from _helpers import assert_close, f64, rand
+from attnres_numpy import ops as ref
+from attnres_torch import cpu_c
+
+NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: (N, T, D): one source; lane tail (D % 16); D = 1; past one 512-column tile with a tail;
+#: T past 256 blocks of 16 rows (the block cap, uneven blocks); N past 32.
+SHAPES = [(1, 3, 7), (3, 5, 17), (2, 9, 1), (4, 6, 1000), (3, 4133, 5), (33, 3, 64)]
+
+
+def test_kernel_is_built_on_this_machine():
+    """CI and the benchmarks need the C path: a missing compiler must fail here, not fall back
+    silently."""
+    assert cpu_c.unavailable_reason() is None
+    x = [torch.randn(4, 8) for _ in range(2)]
+    before = at.impl_counts()["cpu_c"]
+    at.depth_attention(x, torch.randn(8))
+    assert at.last_impl() == "cpu_c" and at.impl_counts()["cpu_c"] == before + 1
+
+
+def _rows_of(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """t `[T, D]` stored inside wider rows `[T, D + pad]` (row stride D + pad, unit stride)."""
+    wide = torch.full((t.shape[0], t.shape[1] + pad), float("nan"), dtype=t.dtype)
+    wide[:, pad // 2: pad // 2 + t.shape[1]] = t
+    return wide[:, pad // 2: pad // 2 + t.shape[1]]
+
+
+@pytest.mark.parametrize("dtype", list(NAMES))
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"N{n}-T{t}-D{d}" for n, t, d in SHAPES])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_forward_backward_write_every_element(dtype, shape, per_token):
+    n, t, d = shape
+    gen = torch.Generator().manual_seed(n * 1000 + d)
+    xs = [_rows_of(rand(gen, (t, d), dtype), 6) for _ in range(n)]  # row-strided in NaN padding
+    qg = rand(gen, (t, d) if per_token else (d,), torch.float32, 0.5)
+    out = _rows_of(torch.full((t, d), float("nan"), dtype=dtype), 4)
+    lse = torch.full((t,), float("nan"))
+    cpu_c.forward_into(xs, qg, 1e-6, 0.9, out, lse)
+    r_out, r_lse = ref.depth_attention(f64(xs), f64(qg), None, scale=0.9, return_lse=True)
+    name = NAMES[dtype]
+    assert_close(out, r_out, name, "out")
+    assert_close(lse, r_lse, name, "lse")
+    d_out = rand(gen, (t, d), dtype)
+    d_lse = rand(gen, (t,), torch.float32)
+    d_src = [_rows_of(torch.full((t, d), float("nan"), dtype=dtype), 2) for _ in xs]
+    d_qg = cpu_c.backward_into(xs, qg, lse, d_out, d_lse, 1e-6, 0.9, d_src)
+    v = ref.depth_attention_vjp(f64(xs), f64(qg), None, f64(d_out), f64(d_lse), scale=0.9)
+    assert_close(d_src, v["sources"], name, "d_sources")
+    assert_close(d_qg, v["query"], name, "d_qg")
+    d_src_no_lse = [torch.full((t, d), float("nan"), dtype=dtype) for _ in xs]
+    d_qg = cpu_c.backward_into(xs, qg, lse, d_out, None, 1e-6, 0.9, d_src_no_lse)
+    v = ref.depth_attention_vjp(f64(xs), f64(qg), None, f64(d_out), None, scale=0.9)
+    assert_close(d_src_no_lse, v["sources"], name, "d_sources (no d_lse)")
+    assert_close(d_qg, v["query"], name, "d_qg (no d_lse)")
+
+
+def _fwd_bwd(xs, qg, d_out):
+    out, lse = torch.empty_like(xs[0]), torch.empty(xs[0].shape[0])
+    cpu_c.forward_into(xs, qg, 1e-6, 1.0, out, lse)
+    d_src = [torch.empty_like(x) for x in xs]
+    d_qg = cpu_c.backward_into(xs, qg, lse, d_out, None, 1e-6, 1.0, d_src)
+    return [out, lse, d_qg] + d_src
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_bits_do_not_depend_on_the_thread_count(per_token):
+    """C15: rows are cut into blocks fixed by T; threads take runs of blocks; the shared query's
+    gradient is summed block by block in block order."""
+    gen = torch.Generator().manual_seed(8)
+    xs = [rand(gen, (1037, 40), torch.float32) for _ in range(5)]
+    qg = rand(gen, (1037, 40) if per_token else (40,), torch.float32, 0.5)
+    d_out = rand(gen, (1037, 40), torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for k in (1, 2, 3, 7):
+            torch.set_num_threads(k)
+            runs.append(_fwd_bwd(xs, qg, d_out))
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_specials_propagate_per_token_and_large_values_stay_finite():
+    """C12: a NaN or Inf in one token's source reaches that token only; |x| = 1e30 overflows the
+    fp32 sum of squares (r = 0) but every output stays finite."""
+    xs = [torch.randn(5, 33) for _ in range(3)]
+    xs[1][2, 3] = float("nan")
+    xs[2][4, 0] = float("inf")
+    out, lse = torch.empty(5, 33), torch.empty(5)
+    cpu_c.forward_into(xs, torch.randn(33), 1e-6, 1.0, out, lse)
+    assert torch.isnan(out[2]).all() and not torch.isfinite(out[4]).all()
+    assert torch.isfinite(out[[0, 1, 3]]).all()
+    big = [torch.randn(3, 64) * 1e30 for _ in range(5)]
+    out, lse = torch.empty(3, 64), torch.empty(3)
+    cpu_c.forward_into(big, torch.randn(64), 1e-6, 1.0, out, lse)
+    d_src = [torch.empty(3, 64) for _ in big]
+    d_qg = cpu_c.backward_into(big, torch.randn(64), lse, torch.randn(3, 64), None, 1e-6, 1.0, d_src)
+    assert all(torch.isfinite(t).all() for t in [out, lse, d_qg] + d_src)
+
+
+def test_bad_buffers_are_named():
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    q = torch.randn(8)
+    with pytest.raises(ValueError, match="out: expected torch.float32"):
+        cpu_c.forward_into(xs, q, 1e-6, 1.0, torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(4))
+    with pytest.raises(ValueError, match=r"sources\[1\]: expected unit stride"):
+        cpu_c.forward_into([xs[0], torch.randn(4, 16)[:, ::2]], q, 1e-6, 1.0, torch.empty(4, 8),
+                           torch.empty(4))
+    with pytest.raises(ValueError, match="lse: expected"):
+        cpu_c.forward_into(xs, q, 1e-6, 1.0, torch.empty(4, 8), torch.empty(5))
+    with pytest.raises(ValueError, match=r"d_sources\[0\]: expected"):
+        cpu_c.backward_into(xs, q, torch.zeros(4), torch.randn(4, 8), None, 1e-6, 1.0,
+                            [torch.empty(4, 7), torch.empty(4, 8)])
+
+
+def test_broadcast_cotangent_through_autograd():
+    """`out.sum()` hands the backward a stride-0 d_out: it is made unit-stride, not misread."""
+    gen = torch.Generator().manual_seed(2)
+    xs = [rand(gen, (6, 12), torch.float32).requires_grad_(True) for _ in range(3)]
+    q = rand(gen, (12,), torch.float32, 0.5).requires_grad_(True)
+    at.depth_attention(xs, q).sum().backward()
+    assert at.last_impl() == "cpu_c"
+    v = ref.depth_attention_vjp(f64(xs), f64(q), None, np.ones((6, 12)))
+    assert_close([x.grad for x in xs], v["sources"], "float32", "d_sources")
+    assert_close(q.grad, v["query"], "float32", "d_query")
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env={**os.environ, **env}, timeout=300)
+
+
+_PROBE = """
+    import torch, attnres_torch as at
+    from attnres_torch import cpu_c
+    at.depth_attention([torch.randn(3, 8) for _ in range(2)], torch.randn(8))
+    print(at.last_impl(), '|', cpu_c.unavailable_reason())
+"""
+
+
+def test_builds_into_the_cache_dir(tmp_path):
+    res = _python(_PROBE, ATTNRES_CACHE_DIR=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("|")[0].strip() == "cpu_c"
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # one library, no temp files left
+
+
+@pytest.mark.parametrize("env,reason", [({"ATTNRES_TORCH_CPU_C": "0"}, "disabled"),
+                                        ({"CC": "/nonexistent/cc"}, "could not build")])
+def test_falls_back_to_the_chunked_kernel(tmp_path, env, reason):
+    res = _python(_PROBE, ATTNRES_CACHE_DIR=str(tmp_path), **env)
+    assert res.returncode == 0, res.stderr
+    impl, why = (s.strip() for s in res.stdout.split("|"))
+    assert impl == "cpu" and reason in why

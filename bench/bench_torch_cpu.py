@@ -1,7 +1,9 @@
 """CPU benchmark of attnres_torch's depth attention (default op: softmax, key norm, one head).
 
 Compares, in one run on the same inputs (N sources `[T, D]` fp32, pseudo-query `[D]`, gain `[D]`):
-  ours      attnres_torch.depth_attention (the chunked CPU kernel, dispatch "cpu")
+  ours      attnres_torch.depth_attention as dispatched (the fused C kernel, dispatch "cpu_c")
+  chunked   the same op forced onto the chunked torch kernel (dispatch "cpu": the fallback
+            without a C compiler)
   naive     the plain eager composition (attnres_torch.composite: stack, fp32 math, autograd)
   compiled  torch.compile (inductor) of that composition
   fla       FLA's pure-PyTorch `naive_attnres` (fla/ops/attnres/naive.py, loaded by file path;
@@ -32,7 +34,7 @@ import attnres_torch as at
 import torch
 from attnres_torch import composite
 
-IMPLS = ("ours", "naive", "compiled", "fla")
+IMPLS = ("ours", "chunked", "naive", "compiled", "fla")
 
 
 def load_fla_naive():
@@ -57,6 +59,11 @@ def naive(xs, q, g):
 def make_fn(name):
     if name == "ours":
         return lambda xs, q, g: at.depth_attention(xs, q, g)
+    if name == "chunked":
+        def chunked(xs, q, g):
+            with at.use_impl("cpu"):
+                return at.depth_attention(xs, q, g)
+        return chunked
     if name == "naive":
         return naive
     if name == "compiled":
@@ -133,6 +140,71 @@ print(max(0, peak[0] - base))
     return int(res.stdout.split()[-1]) / (t * d * 4)
 
 
+def block_section(blocks_n, sublayers, t, d, reps, copy_gbs):
+    """One block of the two-phase schedule on the CPU (inference, no grad), as in
+    bench/gpu_check.py: `blocks_n` cached block sums, `sublayers` queries; sublayer i attends over
+    the blocks plus the running partial sum (none for i = 0), and the partial then grows by a
+    stand-in update.  Rows: two-phase (phase 1 once for all queries, then `merge_partial` per
+    sublayer) vs the same outputs from independent `depth_attention` calls, the naive composition
+    and torch.compile of it.  Returns markdown lines."""
+    gen = torch.Generator().manual_seed(1)
+    blocks = [torch.randn(t, d, generator=gen) for _ in range(blocks_n)]
+    updates = [torch.randn(t, d, generator=gen) for _ in range(sublayers)]
+    qs = torch.randn(sublayers, d, generator=gen) * 0.05
+    gs = torch.rand(sublayers, d, generator=gen) + 0.5
+
+    def two_phase():
+        out1, lse1 = at.depth_attention_multi(blocks, qs, gs)
+        outs, partial = [out1[0]], updates[0]
+        for i in range(1, sublayers):
+            outs.append(at.merge_partial(out1[i], lse1[i], partial, qs[i], gs[i]))
+            partial = partial + updates[i]
+        return outs
+
+    def independent(fn):
+        def run():
+            outs, partial = [fn(blocks, qs[0], gs[0])], updates[0]
+            for i in range(1, sublayers):
+                outs.append(fn(blocks + [partial], qs[i], gs[i]))
+                partial = partial + updates[i]
+            return outs
+        return run
+
+    compiled = torch.compile(naive)
+    impls = {"ours two-phase (multi + merges)": two_phase,
+             "ours independent reads": independent(lambda xs, q, g: at.depth_attention(xs, q, g)),
+             "naive independent reads": independent(naive),
+             "compiled independent reads": independent(compiled)}
+    ref = two_phase()
+    buf = t * d * 4
+    # minimal bytes (the partial-sum updates excluded, same in every row): the blocks read once,
+    # each sublayer's partial read once (from sublayer 1 on), every output written once.
+    nbytes = (blocks_n + (sublayers - 1) + sublayers) * buf
+    lines = [
+        f"### Two-phase block, CPU: {blocks_n} cached blocks x {sublayers} sublayers, "
+        f"`[{t}, {d}]` fp32, no grad",
+        "",
+        f"Minimal bytes {nbytes / 2**20:.0f} MiB (blocks read once, partials read once, outputs "
+        "written once; the partial-sum updates, identical in every row, excluded).",
+        "",
+        "| impl | ms | GB/s (min bytes) | % copy bw | max abs diff vs two-phase |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    times = {}
+    with torch.no_grad():
+        for name, fn in impls.items():
+            got = fn()
+            diff = max(float((a - b).abs().max()) for a, b in zip(got, ref))
+            times[name] = median_time(fn, reps)
+            gbs = nbytes / times[name] / 1e9
+            lines.append(f"| {name} | {times[name] * 1e3:.1f} | {gbs:.2f} | "
+                         f"{100 * gbs / copy_gbs:.0f}% | {diff:.1e} |")
+    base = times["ours two-phase (multi + merges)"]
+    lines += ["", "Ratios (this run): " + ", ".join(
+        f"{name} / two-phase {times[name] / base:.2f}x" for name in list(impls)[1:]), ""]
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -142,6 +214,9 @@ def main():
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: the 2 shared cores are oversubscribed, "
                          "where OpenMP barriers make 2 threads far slower)")
+    ap.add_argument("--block", type=int, nargs=4, default=(8, 12, 2048, 1024),
+                    metavar=("BLOCKS", "SUBLAYERS", "TOKENS", "DIM"),
+                    help="the two-phase block section's shape (0 0 0 0 skips it)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "torch-cpu.md"))
     args = ap.parse_args()
     n, t, d, reps = args.sources, args.tokens, args.dim, args.reps
@@ -197,12 +272,14 @@ def main():
             f"{fg:.2f} | {100 * fg / copy_gbs:.0f}% | {bg:.2f} | {100 * bg / copy_gbs:.0f}% | "
             f"{'n/a' if pe is None else f'{pe:.1f}'} |")
     lines += ["", "Ratios (this run):", ""]
-    for other in ("naive", "compiled", "fla"):
+    for other in ("chunked", "naive", "compiled", "fla"):
         if other in rows:
             r = rows[other]
             lines.append(f"- vs {other}: forward {r['fwd'] / ours['fwd']:.1f}x, backward "
                          f"{r['bwd'] / ours['bwd']:.1f}x, fwd+bwd {r['both'] / ours['both']:.1f}x faster")
     lines.append(f"- ours forward / read-once floor: {ours['fwd'] / read_s:.2f}x")
+    if "chunked" in rows:
+        lines.append(f"- chunked forward / read-once floor: {rows['chunked']['fwd'] / read_s:.2f}x")
     lines += [
         "",
         f"Minimal bytes: forward (N+1) [T, D] fp32 = {fwd_bytes / 2**20:.0f} MiB; backward (2N+1) "
@@ -210,15 +287,18 @@ def main():
         "fwd+bwd minus its RSS after creating the inputs, in units of one [T, D] fp32 buffer "
         f"({buf_bytes / 2**20:.0f} MiB), minus nothing: it includes the mandatory out (1) and the N "
         f"source gradients (N = {n}), so the avoidable part is the value minus {n + 1}.",
-        "Analytic count for ours: the backward allocates the N source gradients (outputs) plus "
-        "three reused chunk buffers `[C, D]` fp32 (C = 2 MiB / (4 D) rows) and `[N, C]` "
-        "statistics: no `[T, D]` fp32 temporary (0 of the 2 allowed); it saves only references "
-        "to the inputs, out and the fp32 lse `[T]`.",
+        "Analytic count for ours: the backward allocates the N source gradients (outputs), per "
+        "thread 4N float64 statistics and, for a shared query, `[min(ceil(T / 16), 256), D]` "
+        "fp32 per-block d_query partials (1 MiB at D = 1024): no `[T, D]` fp32 temporary (0 of "
+        "the 2 allowed); it saves only references to the inputs, out and the fp32 lse `[T]`. "
+        "The chunked kernel allocates three `[C, D]` fp32 chunk buffers (C = 2 MiB / (4 D)).",
         "FLA `naive_attnres` semantics match the spec's default op (fp32 math, RMSNorm keys with "
         "gain, softmax over depth, `[D]` query, scale 1; no lse).",
         f"ours ran on dispatch impl: {ours.get('impl')}.",
         "",
     ]
+    if all(args.block):
+        lines += block_section(*args.block, reps, copy_gbs)
     text = "\n".join(lines)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

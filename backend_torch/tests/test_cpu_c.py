@@ -1,6 +1,7 @@
-"""The fused C kernel (`cpu_c.py`, `csrc/depth_cpu.c`): built here, chosen by the dispatch, writes
-every element (NaN-poisoned buffers), matches the float64 reference at block/tile/lane edges,
-gives the same bits on any thread count, and falls back to the chunked kernel without a compiler."""
+"""The fused C kernels (`cpu_c.py`, `csrc/depth_cpu.c`: forward, backward, phase 1, merge): built
+here, chosen by the dispatch, write every element (NaN-poisoned buffers), match the float64
+reference at block/tile/lane edges, give the same bits on any thread count, and fall back to the
+chunked kernel without a compiler."""
 
 from __future__ import annotations
 
@@ -69,12 +70,68 @@ def test_forward_backward_write_every_element(dtype, shape, per_token):
     assert_close(d_qg, v["query"], name, "d_qg (no d_lse)")
 
 
+MULTI_SHAPES = [(1, 1, 3, 7), (3, 4, 5, 17), (2, 12, 600, 1000), (5, 3, 4133, 5)]
+
+
+@pytest.mark.parametrize("dtype", list(NAMES))
+@pytest.mark.parametrize("shape", MULTI_SHAPES, ids=[f"N{n}-S{q}-T{t}-D{d}" for n, q, t, d in MULTI_SHAPES])
+def test_phase1_writes_every_element(dtype, shape):
+    n, num_q, t, d = shape
+    gen = torch.Generator().manual_seed(n * 100 + num_q)
+    xs = [_rows_of(rand(gen, (t, d), dtype), 6) for _ in range(n)]
+    qgs = rand(gen, (num_q, d), torch.float32, 2.0 / d ** 0.5)
+    out = torch.full((num_q, t, d), float("nan"), dtype=dtype)
+    lse = torch.full((num_q, t), float("nan"))
+    cpu_c.multi_forward_into(xs, qgs, 1e-6, 0.9, out, lse)
+    r_out, r_lse = ref.depth_attention_multi(f64(xs), f64(qgs), None, scale=0.9)
+    assert_close(out, r_out, NAMES[dtype], "out")
+    assert_close(lse, r_lse, NAMES[dtype], "lse")
+
+
+@pytest.mark.parametrize("dtype", list(NAMES))
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("t,d", [(3, 7), (4133, 24), (5, 1000)])
+def test_merge_writes_every_element(dtype, per_token, t, d):
+    gen = torch.Generator().manual_seed(t + d)
+    out1 = _rows_of(rand(gen, (t, d), dtype), 4)
+    partial = _rows_of(rand(gen, (t, d), dtype), 2)
+    lse1 = rand(gen, (t,), torch.float32, 3.0)
+    qg = rand(gen, (t, d) if per_token else (d,), torch.float32, 2.0 / d ** 0.5)
+    out = _rows_of(torch.full((t, d), float("nan"), dtype=dtype), 6)
+    lse = torch.full((t,), float("nan"))
+    cpu_c.merge_forward_into(out1, lse1, partial, qg, 1e-6, 0.9, out, lse)
+    r_out, r_lse = ref.merge_partial(f64(out1), f64(lse1), f64(partial), f64(qg), None, scale=0.9,
+                                     return_lse=True)
+    assert_close(out, r_out, NAMES[dtype], "out")
+    assert_close(lse, r_lse, NAMES[dtype], "lse")
+
+
+def test_two_phase_on_the_c_kernels_equals_direct():
+    gen = torch.Generator().manual_seed(5)
+    blocks = [rand(gen, (2, 40, 96), torch.bfloat16) for _ in range(4)]
+    partial = rand(gen, (2, 40, 96), torch.bfloat16)
+    qs, gs = rand(gen, (3, 96), torch.float32, 0.2), torch.rand(3, 96, generator=gen) + 0.5
+    with torch.no_grad():
+        out1, lse1 = at.depth_attention_multi(blocks, qs, gs)
+        assert at.last_impl() == "cpu_c"
+        for s in range(3):
+            merged = at.merge_partial(out1[s], lse1[s], partial, qs[s], gs[s])
+            assert at.last_impl() == "cpu_c"
+            r = ref.depth_attention(f64(blocks + [partial]), f64(qs[s]), f64(gs[s]))
+            assert_close(merged, r, "bfloat16", "merged")
+
+
 def _fwd_bwd(xs, qg, d_out):
     out, lse = torch.empty_like(xs[0]), torch.empty(xs[0].shape[0])
     cpu_c.forward_into(xs, qg, 1e-6, 1.0, out, lse)
     d_src = [torch.empty_like(x) for x in xs]
     d_qg = cpu_c.backward_into(xs, qg, lse, d_out, None, 1e-6, 1.0, d_src)
-    return [out, lse, d_qg] + d_src
+    m_out, m_lse = torch.empty(3, *xs[0].shape), torch.empty(3, xs[0].shape[0])
+    cpu_c.multi_forward_into(xs, torch.stack([qg.reshape(-1, qg.shape[-1])[0]] * 3) * torch.arange(
+        1.0, 4.0)[:, None], 1e-6, 1.0, m_out, m_lse)
+    g_out, g_lse = torch.empty_like(xs[0]), torch.empty(xs[0].shape[0])
+    cpu_c.merge_forward_into(out, lse, xs[1], qg, 1e-6, 1.0, g_out, g_lse)
+    return [out, lse, d_qg, m_out, m_lse, g_out, g_lse] + d_src
 
 
 @pytest.mark.parametrize("per_token", [False, True])

@@ -25,12 +25,13 @@ def _case(per_token: bool, dtype=torch.float32):
     return gen, xs, q, g
 
 
-def test_dispatch_picks_chunked_kernel_for_phase1_and_d_strided_sources():
+def test_dispatch_picks_chunked_kernel_for_d_strided_sources():
     x = [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)]
     before = at.impl_counts()["cpu"]
-    at.depth_attention_multi(x, torch.randn(2, 8))
+    strided = [torch.randn(4, 16)[:, ::2] for _ in range(3)]
+    at.depth_attention_multi(strided, torch.randn(2, 8))
     assert at.last_impl() == "cpu" and at.impl_counts()["cpu"] == before + 1
-    at.depth_attention([torch.randn(4, 16)[:, ::2] for _ in range(3)], torch.randn(8))
+    at.depth_attention(strided, torch.randn(8))
     assert at.last_impl() == "cpu" and at.impl_counts()["cpu"] == before + 2
     at.depth_attention([t.double() for t in x], torch.randn(8))
     assert at.last_impl() == "composite"

@@ -143,7 +143,7 @@ def test_multi_matches_reference(dname, gain):
     gs = (torch.rand(3, 37, generator=gen, dtype=torch.float64) + 0.5).to(dtype) if gain else None
     xs_l, qs_l, gs_l = leaves(xs), leaves(qs), leaves(gs)
     out, lse = at.depth_attention_multi(xs_l, qs_l, gs_l)
-    assert at.last_impl() == ("composite" if dname == "float64" else "cpu")
+    assert at.last_impl() == ("composite" if dname == "float64" else "cpu_c")
     d_out, d_lse = rand(gen, out.shape, out.dtype), rand(gen, lse.shape, lse.dtype)
     torch.autograd.backward([out, lse], [d_out, d_lse])
     r_out, r_lse = ref.depth_attention_multi(f64(xs), f64(qs), f64(gs))
@@ -175,6 +175,24 @@ def test_merge_matches_reference(dname, per_token):
     v = ref.merge_partial_vjp(*f64([out1, lse1, partial, q, g]), f64(d_out), f64(d_lse))
     for name, t in zip(("out1", "lse1", "partial", "query", "norm_weight"), ins):
         assert_close(t.grad, v[name], dname, f"d_{name}")
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("per_token", [False, True])
+def test_merge_without_grad_takes_the_fused_kernel(dname, per_token):
+    dtype = DTYPES[dname]
+    gen = torch.Generator().manual_seed(9)
+    out1, partial = rand(gen, (3, 7, 37), dtype), rand(gen, (3, 7, 37), dtype)
+    lse1 = rand(gen, (3, 7), torch.float64)  # any floating dtype (C14)
+    q = rand(gen, (3, 7, 37) if per_token else (37,), dtype, 0.5)
+    g = (torch.rand(37, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    with torch.no_grad():
+        out, lse = at.merge_partial(out1, lse1, partial, q, g, return_lse=True)
+    assert at.last_impl() == ("composite" if dname == "float64" else "cpu_c")
+    r_out, r_lse = ref.merge_partial(*f64([out1, lse1, partial, q, g]), return_lse=True)
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dname == "float64" else torch.float32)
+    assert_close(out, r_out, dname, "out")
+    assert_close(lse, r_lse, dname, "lse")
 
 
 def test_two_phase_ops_equal_direct():
@@ -242,7 +260,7 @@ def test_forcing_cpu_on_unsupported_call_raises():
     with at.use_impl("cpu_c"), pytest.raises(ValueError, match="impl: 'cpu_c'.*unit stride"):
         at.depth_attention([torch.randn(4, 16)[:, ::2]], q)
     with at.use_impl("cpu_c"), pytest.raises(ValueError, match="impl: 'cpu_c'"):
-        at.depth_attention_multi([x], q[None])
+        at.depth_attention_multi([torch.randn(4, 16)[:, ::2]], q[None])
     with pytest.raises(ValueError, match="impl: expected one of"):
         with at.use_impl("fast"):
             pass

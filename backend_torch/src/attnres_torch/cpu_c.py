@@ -93,12 +93,18 @@ def _load() -> Optional[ctypes.CDLL]:
         _state["reason"] = f"could not build or load {SOURCE.name}: {exc}"
         return None
     i64, ptr, f32p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
-    lib.attnres_forward.restype = lib.attnres_backward.restype = ctypes.c_int
+    for fn in (lib.attnres_forward, lib.attnres_backward, lib.attnres_multi_forward,
+               lib.attnres_merge_forward):
+        fn.restype = ctypes.c_int
     f64 = ctypes.c_double
     lib.attnres_forward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, f64, f64, ptr,
                                     i64, f32p, ctypes.c_int]
     lib.attnres_backward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, ptr, i64, f32p,
                                      f64, f64, ptr, ptr, f32p, ctypes.c_int]
+    lib.attnres_multi_forward.argtypes = [ctypes.c_int, i64, i64, i64, i64, ptr, ptr, f32p, f64, f64,
+                                          ptr, i64, i64, f32p, ctypes.c_int]
+    lib.attnres_merge_forward.argtypes = [ctypes.c_int, i64, i64, ptr, i64, f32p, ptr, i64, f32p, i64,
+                                          f64, f64, ptr, i64, f32p, ctypes.c_int]
     return lib
 
 
@@ -170,13 +176,23 @@ def _qg_row_stride(qg: torch.Tensor) -> int:
     return 0 if qg.dim() == 1 else qg.stride(0)
 
 
+def _library_or_raise() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"cpu_c: {unavailable_reason()}")
+    return lib
+
+
+def _done(rc: int, name: str) -> None:
+    if rc:
+        raise MemoryError(f"cpu_c: {name} could not allocate its scratch or threads")
+
+
 @torch.no_grad()
 def forward_into(sources: List[torch.Tensor], qg: torch.Tensor, eps: float, scale: float,
                  out: torch.Tensor, lse: torch.Tensor) -> None:
     """out `[T, D]` (sources' dtype) and lse `[T]` (fp32, contiguous) of depth attention."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"cpu_c: {unavailable_reason()}")
+    lib = _library_or_raise()
     rows, dim, dtype = _check_common(sources, qg)
     _check("out", out, dtype, (rows, dim))
     _check("lse", lse, torch.float32, (rows,))
@@ -184,8 +200,7 @@ def forward_into(sources: List[torch.Tensor], qg: torch.Tensor, eps: float, scal
     rc = lib.attnres_forward(_DTYPES[dtype], len(sources), rows, dim, src, src_rs, qg.data_ptr(),
                              _qg_row_stride(qg), eps, scale, out.data_ptr(), out.stride(0),
                              lse.data_ptr(), torch.get_num_threads())
-    if rc:
-        raise MemoryError("cpu_c: attnres_forward could not allocate its scratch or threads")
+    _done(rc, "attnres_forward")
 
 
 @torch.no_grad()
@@ -196,9 +211,7 @@ def backward_into(sources: List[torch.Tensor], qg: torch.Tensor, lse: torch.Tens
     tokens, or `[T, D]` for a per-token query).  d_out `[T, D]` in the sources' dtype, d_lse `[T]`
     fp32 contiguous or None.  `lse` is checked but not read (the interface of
     `cpu_kernel.backward_into`): the kernel recomputes the weights from the logits in float64."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"cpu_c: {unavailable_reason()}")
+    lib = _library_or_raise()
     rows, dim, dtype = _check_common(sources, qg)
     _check("lse", lse, torch.float32, (rows,))
     _check("d_out", d_out, dtype, (rows, dim))
@@ -213,6 +226,50 @@ def backward_into(sources: List[torch.Tensor], qg: torch.Tensor, lse: torch.Tens
                               _qg_row_stride(qg), d_out.data_ptr(), d_out.stride(0),
                               None if d_lse is None else d_lse.data_ptr(), eps, scale, dst, dst_rs,
                               d_qg.data_ptr(), torch.get_num_threads())
-    if rc:
-        raise MemoryError("cpu_c: attnres_backward could not allocate its scratch or threads")
+    _done(rc, "attnres_backward")
     return d_qg
+
+
+@torch.no_grad()
+def multi_forward_into(sources: List[torch.Tensor], qgs: torch.Tensor, eps: float, scale: float,
+                       out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Phase 1 (spec 3.1): S pseudo-queries qgs `[S, D]` (fp32, contiguous) over N x `[T, D]`,
+    each source row read from memory once for all S; writes out `[S, T, D]` (sources' dtype, unit
+    stride along D) and lse `[S, T]` (fp32, contiguous)."""
+    lib = _library_or_raise()
+    rows, dim, dtype = _check_common(sources, qgs[0])
+    num_q = qgs.shape[0]
+    _check("qgs", qgs, torch.float32, (num_q, dim))
+    if not qgs.is_contiguous():
+        raise ValueError(f"qgs: expected a contiguous [S, D], got strides {qgs.stride()}")
+    _check("out", out, dtype, (num_q, rows, dim))
+    if dim > 1 and out.stride(-1) != 1:
+        raise ValueError(f"out: expected unit stride along D, got strides {out.stride()}")
+    _check("lse", lse, torch.float32, (num_q, rows))
+    if not lse.is_contiguous():
+        raise ValueError(f"lse: expected a contiguous [S, T], got strides {lse.stride()}")
+    src, src_rs = _pointers(sources)
+    rc = lib.attnres_multi_forward(_DTYPES[dtype], len(sources), num_q, rows, dim, src, src_rs,
+                                   qgs.data_ptr(), eps, scale, out.data_ptr(), out.stride(0),
+                                   out.stride(1), lse.data_ptr(), torch.get_num_threads())
+    _done(rc, "attnres_multi_forward")
+
+
+@torch.no_grad()
+def merge_forward_into(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor,
+                       qg: torch.Tensor, eps: float, scale: float, out: torch.Tensor,
+                       lse: torch.Tensor) -> None:
+    """Phase 2 (spec 3.2): out `[T, D]` (partial's dtype) and lse `[T]` (fp32) from phase 1's
+    out1 `[T, D]` and lse1 `[T]` (fp32, contiguous), the partial sum `[T, D]` and qg (`[D]` or
+    `[T, D]`, fp32)."""
+    lib = _library_or_raise()
+    rows, dim, dtype = _check_common([partial], qg)
+    _check("out1", out1, dtype, (rows, dim))
+    _check("lse1", lse1, torch.float32, (rows,))
+    _check("out", out, dtype, (rows, dim))
+    _check("lse", lse, torch.float32, (rows,))
+    rc = lib.attnres_merge_forward(_DTYPES[dtype], rows, dim, out1.data_ptr(), out1.stride(0),
+                                   lse1.data_ptr(), partial.data_ptr(), partial.stride(0),
+                                   qg.data_ptr(), _qg_row_stride(qg), eps, scale, out.data_ptr(),
+                                   out.stride(0), lse.data_ptr(), torch.get_num_threads())
+    _done(rc, "attnres_merge_forward")

@@ -3,9 +3,9 @@
 * "triton": every tensor on CUDA, Triton importable and `kernels.triton_depth.supports(...)`.
 * "cpu_c": the fused C kernel (`cpu_c.py`, `csrc/depth_cpu.c`) for the default op on the CPU
   (softmax, key norm, one head, float16/bfloat16/float32 sources with unit stride along D) when
-  it could be built; `depth_attention` only (phase 1 runs on "cpu").
+  it could be built (and `merge_partial` without gradients).
 * "cpu": the chunked torch kernel (`cpu_kernel.py`) for the same calls: the fallback without a
-  C compiler (or with `ATTNRES_TORCH_CPU_C=0`), for sources strided along D, and phase 1.
+  C compiler (or with `ATTNRES_TORCH_CPU_C=0`) and for sources strided along D.
 * "composite": the plain differentiable torch composition (`composite.py`): float64, heads,
   sigmoid, no key norm; also the comparison baseline.
 

@@ -130,8 +130,8 @@ def depth_attention_multi_op(sources: List[Tensor], queries: Tensor, norm_weight
     out = torch.empty((num_q,) + tuple(x0.shape), dtype=x0.dtype, device=x0.device)
     lse = torch.empty((num_q,) + tuple(x0.shape[:-1]), dtype=torch.float32, device=x0.device)
     qgs = queries.float() if norm_weights is None else queries.float() * norm_weights.float()
-    cpu_kernel.multi_forward_into([_flat(s) for s in sources], qgs, eps, scale,
-                                  out.view(num_q, -1, x0.shape[-1]), lse.view(num_q, -1))
+    _cpu_module(impl).multi_forward_into([_flat(s) for s in sources], qgs.contiguous(), eps, scale,
+                                         out.view(num_q, -1, x0.shape[-1]), lse.view(num_q, -1))
     return out, lse
 
 

@@ -117,7 +117,8 @@ def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=
                                                   activation="softmax", key_norm=True)
 
     impl = dispatch.record(dispatch.choose(tensors, default_op=xs[0].dtype in _FAST_DTYPES,
-                                           triton_supports=triton_supports))
+                                           triton_supports=triton_supports,
+                                           cpu_c_supports=lambda: cpu_c.supports(xs)))
     if impl != "composite":
         return library.depth_attention_multi_op(xs, queries, norm_weights, eps, scale, impl)
     outs, lses = [], []
@@ -137,8 +138,9 @@ def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor,
     partial sum `[..., D]` for query `[D]` | `[..., D]` and gain `[D]` | None.
 
     Returns out `[..., D]` in partial's dtype (and lse `[...]` in the compute dtype), equal to
-    `depth_attention(phase1_sources + [partial], query, norm_weight)`.  Elementwise work: the
-    Triton kernel serves it on CUDA when no gradient is needed, the composition otherwise.
+    `depth_attention(phase1_sources + [partial], query, norm_weight)`.  When no gradient is
+    needed a fused kernel serves it (Triton on CUDA, the C kernel on the CPU: one pass over
+    out1 and partial); otherwise, and for float64, the differentiable composition.
     """
     names = ("out1", "lse1", "partial", "query")
     out1, lse1, partial, query = (require_tensor(n, t) for n, t in zip(names, (out1, lse1, partial, query)))
@@ -156,12 +158,33 @@ def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor,
                       tensors, default_op=False, triton_supports=lambda: dispatch.triton_kernels()
                       .supports([partial], query, norm_weight, num_heads=1, activation="softmax",
                                 key_norm=True)) == "triton")
+    use_c = (not use_triton and not needs_grad and dispatch.forced() in (None, "cpu_c")
+             and not torch.compiler.is_compiling()  # a ctypes call: torch.compile traces the composition
+             and partial.dtype in _FAST_DTYPES and out1.dtype == partial.dtype
+             and all(t.device.type == "cpu" for t in tensors) and cpu_c.supports([out1, partial]))
     if use_triton:
         dispatch.record("triton")
         out, lse = dispatch.triton_kernels().merge_forward(out1, lse1, partial, query, norm_weight,
                                                            eps, scale)
+    elif use_c:
+        dispatch.record("cpu_c")
+        out, lse = _merge_c(out1, lse1, partial, query, norm_weight, eps, scale)
     else:
         dispatch.record("composite")
         out, lse = composite.merge_partial(out1, lse1, partial, query, norm_weight, eps=eps,
                                            scale=scale)
     return (out, lse) if return_lse else out
+
+
+def _merge_c(out1, lse1, partial, query, norm_weight, eps, scale):
+    """merge_partial on the C kernel: `[..., D]` flattened to `[T, D]` views (copies only where
+    the strides do not allow a view)."""
+    dim = partial.shape[-1]
+    flat = lambda t: t.reshape(-1, dim)  # noqa: E731
+    qg = query.float() if norm_weight is None else query.float() * norm_weight.float()
+    qg = (qg if qg.dim() == 1 else flat(qg)).contiguous()
+    out = torch.empty(partial.shape, dtype=partial.dtype)
+    lse = torch.empty(partial.shape[:-1], dtype=torch.float32)
+    cpu_c.merge_forward_into(flat(out1), lse1.float().reshape(-1).contiguous(), flat(partial), qg,
+                             eps, scale, flat(out), lse.view(-1))
+    return out, lse

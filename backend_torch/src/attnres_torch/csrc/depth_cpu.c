@@ -1,5 +1,5 @@
 /* Fused CPU kernels of the default depth-attention op (softmax, key norm, one head;
- * spec 2.1-2.3, numerics C10).  Built at first use by attnres_torch/cpu_c.py with the system C
+ * spec 2.1-2.3 and 3.1-3.2, numerics C10).  Built at first use by attnres_torch/cpu_c.py with the system C
  * compiler (-O3 -march=native) and called through ctypes on tensor data pointers.
  *
  * Layout: every 2-D operand is rows x D with unit stride along D and its own row stride (in
@@ -19,6 +19,10 @@
  *   backward  pass 1: s_i, |x_i|^2 and dp_i = <x_i, d_out> in one sweep, p_i recomputed from the
  *             logits (not from the fp32 lse); pass 2 writes dx_i = p_i d_out + a_i qg - b_i x_i
  *             and accumulates d_qg += a_i x_i (spec 2.3), the rows again from cache.
+ *   phase 1   (spec 3.1) the forward with S queries: each source row is read from memory once and
+ *             its row sums taken for every query from L1; S softmaxes and S weighted sums.
+ *   merge     (spec 3.2) one pass over out1 and the partial sum: the partial's logit z2, then
+ *             out = w1 out1 + (1 - w1) partial with w1 = sigmoid(lse1 - z2).
  * Every sum has a fixed order that depends only on D, never on the thread count (C15).  Rows are
  * cut into NBLK <= MAX_BLOCKS blocks fixed by T alone; threads take contiguous runs of blocks.  A
  * shared query's d_qg is summed per block into its own fp32 row, then the blocks are added in
@@ -168,10 +172,16 @@ typedef struct {
     const float *qg;
     int64_t qg_rs;
     double eps, scale;
-    /* forward */
+    /* forward: S = nq >= 1 queries qg + k * qg_qs (phase 1 when S > 1), out + k * out_qs,
+     * lse + k * lse_qs */
+    int64_t nq, qg_qs, out_qs, lse_qs;
     void *out;
     int64_t out_rs;
     float *lse;
+    /* merge (phase 2) */
+    const void *out1;
+    int64_t out1_rs;
+    const float *lse1;
     /* backward */
     const void *d_out;
     int64_t d_out_rs;
@@ -190,42 +200,83 @@ INLINE const void *row_ptr(const void *base, int64_t rs, int64_t t, int64_t elsi
     return (const char *)base + t * rs * elsize;
 }
 
-/* ---- forward: out[t] and lse[t] for the rows of blocks [blk0, blk1); z: N doubles ---- */
-INLINE void forward_rows(int dt, job_t *j, double *z, float *p) {
+/* out_row = sum_i p_i x_i(t) for one token row: the N rows from cache, an [OUT_VECS x VW] column
+ * tile of out in registers at a time. */
+INLINE void weighted_row(int dt, const job_t *j, int64_t t, const float *p, void *o) {
     const int64_t n = j->n, d = j->dim, es = j->elsize;
-    for (int64_t t = block_start(j, j->blk0); t < block_start(j, j->blk1); t++) {
-        const float *q = j->qg + t * j->qg_rs;
-        double m = -INFINITY, l = 0.0;
+    int64_t c = 0;
+    for (; c + OUT_VECS * VW <= d; c += OUT_VECS * VW) {
+        vf acc[OUT_VECS] = {{0}};
         for (int64_t i = 0; i < n; i++) {
-            double s, ss;
-            row_sums(dt, row_ptr(j->src[i], j->src_rs[i], t, es), q, NULL, d, &s, &ss, NULL,
-                     t + PF_ROWS < j->rows ? row_ptr(j->src[i], j->src_rs[i], t + PF_ROWS, es) : NULL, NULL);
-            z[i] = j->scale * (s / sqrt(ss / (double)d + j->eps));
-            m = nan_max(m, z[i]);
+            const void *x = row_ptr(j->src[i], j->src_rs[i], t, es);
+            for (int k = 0; k < OUT_VECS; k++) acc[k] += p[i] * ldv(dt, x, c + k * VW);
         }
-        for (int64_t i = 0; i < n; i++) l += (z[i] = exp(z[i] - m));
-        for (int64_t i = 0; i < n; i++) p[i] = (float)(z[i] / l);
-        j->lse[t] = (float)(m + log(l));
+        for (int k = 0; k < OUT_VECS; k++) stv(dt, o, c + k * VW, acc[k]);
+    }
+    for (; c + VW <= d; c += VW) {
+        vf acc = {0};
+        for (int64_t i = 0; i < n; i++) acc += p[i] * ldv(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
+        stv(dt, o, c, acc);
+    }
+    for (; c < d; c++) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < n; i++) acc += p[i] * ld(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
+        st(dt, o, c, acc);
+    }
+}
+
+/* The max-subtracted softmax of z[0..n) (C10.4; NaN-propagating max for C12) into p (fp32);
+ * returns lse.  z is overwritten. */
+INLINE double softmax_row(double *z, int64_t n, float *p) {
+    double m = -INFINITY, l = 0.0;
+    for (int64_t i = 0; i < n; i++) m = nan_max(m, z[i]);
+    for (int64_t i = 0; i < n; i++) l += (z[i] = exp(z[i] - m));
+    for (int64_t i = 0; i < n; i++) p[i] = (float)(z[i] / l);
+    return m + log(l);
+}
+
+/* ---- forward and phase 1: for the rows of blocks [blk0, blk1) and each of the S queries,
+ * out[k][t] and lse[k][t]; each source row is read from memory once for all S (spec 3.1).
+ * z: S x N doubles, p: N floats. ---- */
+INLINE void forward_rows(int dt, job_t *j, double *z, float *p) {
+    const int64_t n = j->n, d = j->dim, es = j->elsize, nq = j->nq;
+    for (int64_t t = block_start(j, j->blk0); t < block_start(j, j->blk1); t++) {
+        for (int64_t i = 0; i < n; i++) {
+            const void *x = row_ptr(j->src[i], j->src_rs[i], t, es);
+            const char *pf = t + PF_ROWS < j->rows ? row_ptr(j->src[i], j->src_rs[i], t + PF_ROWS, es) : NULL;
+            for (int64_t k = 0; k < nq; k++) { /* queries after the first find x in L1 */
+                double s, ss;
+                row_sums(dt, x, j->qg + k * j->qg_qs + t * j->qg_rs, NULL, d, &s, &ss, NULL,
+                         k == 0 ? pf : NULL, NULL);
+                z[k * n + i] = j->scale * (s / sqrt(ss / (double)d + j->eps));
+            }
+        }
+        for (int64_t k = 0; k < nq; k++) {
+            j->lse[k * j->lse_qs + t] = (float)softmax_row(z + k * n, n, p);
+            weighted_row(dt, j, t, p, (char *)j->out + (k * j->out_qs + t * j->out_rs) * es);
+        }
+    }
+}
+
+/* ---- phase 2 merge (spec 3.2): out = w1 out1 + (1 - w1) partial, w1 = sigmoid(lse1 - z2),
+ * lse = logaddexp(lse1, z2), z2 the partial's logit; the partial is src[0]. ---- */
+INLINE void merge_rows(int dt, job_t *j) {
+    const int64_t d = j->dim, es = j->elsize;
+    for (int64_t t = block_start(j, j->blk0); t < block_start(j, j->blk1); t++) {
+        const void *x = row_ptr(j->src[0], j->src_rs[0], t, es);
+        const void *o1 = row_ptr(j->out1, j->out1_rs, t, es);
+        double s, ss;
+        row_sums(dt, x, j->qg + t * j->qg_rs, NULL, d, &s, &ss, NULL,
+                 t + PF_ROWS < j->rows ? row_ptr(j->src[0], j->src_rs[0], t + PF_ROWS, es) : NULL,
+                 t + PF_ROWS < j->rows ? row_ptr(j->out1, j->out1_rs, t + PF_ROWS, es) : NULL);
+        const double z2 = j->scale * (s / sqrt(ss / (double)d + j->eps)), l1 = j->lse1[t];
+        const double m = nan_max(l1, z2);
+        j->lse[t] = (float)(m + log(exp(l1 - m) + exp(z2 - m)));
+        const float w1 = (float)(1.0 / (1.0 + exp(z2 - l1))), w2 = (float)(1.0 - (double)w1);
         void *o = (char *)j->out + t * j->out_rs * es;
         int64_t c = 0;
-        for (; c + OUT_VECS * VW <= d; c += OUT_VECS * VW) { /* [OUT_VECS x VW] tile in registers */
-            vf acc[OUT_VECS] = {{0}};
-            for (int64_t i = 0; i < n; i++) {
-                const void *x = row_ptr(j->src[i], j->src_rs[i], t, es);
-                for (int k = 0; k < OUT_VECS; k++) acc[k] += p[i] * ldv(dt, x, c + k * VW);
-            }
-            for (int k = 0; k < OUT_VECS; k++) stv(dt, o, c + k * VW, acc[k]);
-        }
-        for (; c + VW <= d; c += VW) {
-            vf acc = {0};
-            for (int64_t i = 0; i < n; i++) acc += p[i] * ldv(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
-            stv(dt, o, c, acc);
-        }
-        for (; c < d; c++) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < n; i++) acc += p[i] * ld(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
-            st(dt, o, c, acc);
-        }
+        for (; c + VW <= d; c += VW) stv(dt, o, c, w1 * ldv(dt, o1, c) + w2 * ldv(dt, x, c));
+        for (; c < d; c++) st(dt, o, c, w1 * ld(dt, o1, c) + w2 * ld(dt, x, c));
     }
 }
 
@@ -284,18 +335,21 @@ INLINE void backward_rows(int dt, job_t *j, double *st_) {
 
 static void *forward_worker(void *arg) {
     job_t *j = (job_t *)arg;
-    double *z = (double *)malloc((size_t)j->n * sizeof(double));
+    double *z = (double *)malloc((size_t)(j->n * j->nq) * sizeof(double));
     float *p = (float *)malloc((size_t)j->n * sizeof(float));
-    if (!z || !p) {
-        j->failed = 1;
-    } else if (j->dtype == DT_F32) {
-        forward_rows(DT_F32, j, z, p);
-    } else if (j->dtype == DT_BF16) {
-        forward_rows(DT_BF16, j, z, p);
-    } else {
-        forward_rows(DT_F16, j, z, p);
-    }
+    if (!z || !p) j->failed = 1;
+    else if (j->dtype == DT_F32) forward_rows(DT_F32, j, z, p);
+    else if (j->dtype == DT_BF16) forward_rows(DT_BF16, j, z, p);
+    else forward_rows(DT_F16, j, z, p);
     free(z), free(p);
+    return NULL;
+}
+
+static void *merge_worker(void *arg) {
+    job_t *j = (job_t *)arg;
+    if (j->dtype == DT_F32) merge_rows(DT_F32, j);
+    else if (j->dtype == DT_BF16) merge_rows(DT_BF16, j);
+    else merge_rows(DT_F16, j);
     return NULL;
 }
 
@@ -356,8 +410,41 @@ int attnres_forward(int dtype, int64_t n, int64_t rows, int64_t dim, const void 
     j.n = n, j.rows = rows, j.dim = dim, j.dtype = dtype, j.elsize = elsize_of(dtype);
     j.nblk = num_blocks(rows);
     j.src = src, j.src_rs = src_rs, j.qg = qg, j.qg_rs = qg_rs, j.eps = eps, j.scale = scale;
-    j.out = out, j.out_rs = out_rs, j.lse = lse;
+    j.nq = 1, j.out = out, j.out_rs = out_rs, j.lse = lse;
     return run_blocks(&j, threads, forward_worker);
+}
+
+/* Phase 1: S queries qgs [S, D] (fp32, contiguous) over N sources; out [S, T, D] with query
+ * stride out_qs and row stride out_rs (sources' dtype), lse [S, T] contiguous fp32. */
+int attnres_multi_forward(int dtype, int64_t n, int64_t nq, int64_t rows, int64_t dim,
+                          const void *const *src, const int64_t *src_rs, const float *qgs,
+                          double eps, double scale, void *out, int64_t out_qs, int64_t out_rs,
+                          float *lse, int threads) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.n = n, j.rows = rows, j.dim = dim, j.dtype = dtype, j.elsize = elsize_of(dtype);
+    j.nblk = num_blocks(rows);
+    j.src = src, j.src_rs = src_rs, j.qg = qgs, j.qg_rs = 0, j.eps = eps, j.scale = scale;
+    j.nq = nq, j.qg_qs = dim, j.out = out, j.out_qs = out_qs, j.out_rs = out_rs;
+    j.lse = lse, j.lse_qs = rows;
+    return run_blocks(&j, threads, forward_worker);
+}
+
+/* Phase 2: out [T, D] and lse [T] from out1 [T, D] (partial's dtype), lse1 [T] (fp32,
+ * contiguous), partial [T, D] and qg ([D] when qg_rs == 0, else [T, D]). */
+int attnres_merge_forward(int dtype, int64_t rows, int64_t dim, const void *out1, int64_t out1_rs,
+                          const float *lse1, const void *partial, int64_t partial_rs,
+                          const float *qg, int64_t qg_rs, double eps, double scale, void *out,
+                          int64_t out_rs, float *lse, int threads) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    const void *src[1] = {partial};
+    const int64_t src_rs[1] = {partial_rs};
+    j.n = 1, j.rows = rows, j.dim = dim, j.dtype = dtype, j.elsize = elsize_of(dtype);
+    j.nblk = num_blocks(rows);
+    j.src = src, j.src_rs = src_rs, j.qg = qg, j.qg_rs = qg_rs, j.eps = eps, j.scale = scale;
+    j.out1 = out1, j.out1_rs = out1_rs, j.lse1 = lse1, j.out = out, j.out_rs = out_rs, j.lse = lse;
+    return run_blocks(&j, threads, merge_worker);
 }
 
 /* d_src N x [T, D] (sources' dtype) and d_qg: [D] when qg_rs == 0 (summed over tokens in block

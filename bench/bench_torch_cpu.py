@@ -146,26 +146,31 @@ def block_section(blocks_n, sublayers, t, d, reps, copy_gbs):
     the blocks plus the running partial sum (none for i = 0), and the partial then grows by a
     stand-in update.  Rows: two-phase (phase 1 once for all queries, then `merge_partial` per
     sublayer) vs the same outputs from independent `depth_attention` calls, the naive composition
-    and torch.compile of it.  Returns markdown lines."""
+    and torch.compile of it.  Timed as inference runs it: each sublayer's output is dropped after
+    use (phase 1's `[S, T, D]` output lives for the whole block).  Returns markdown lines."""
     gen = torch.Generator().manual_seed(1)
     blocks = [torch.randn(t, d, generator=gen) for _ in range(blocks_n)]
     updates = [torch.randn(t, d, generator=gen) for _ in range(sublayers)]
     qs = torch.randn(sublayers, d, generator=gen) * 0.05
     gs = torch.rand(sublayers, d, generator=gen) + 0.5
 
-    def two_phase():
+    def two_phase(keep):
         out1, lse1 = at.depth_attention_multi(blocks, qs, gs)
         outs, partial = [out1[0]], updates[0]
         for i in range(1, sublayers):
-            outs.append(at.merge_partial(out1[i], lse1[i], partial, qs[i], gs[i]))
+            out = at.merge_partial(out1[i], lse1[i], partial, qs[i], gs[i])
+            if keep:
+                outs.append(out)
             partial = partial + updates[i]
         return outs
 
     def independent(fn):
-        def run():
+        def run(keep):
             outs, partial = [fn(blocks, qs[0], gs[0])], updates[0]
             for i in range(1, sublayers):
-                outs.append(fn(blocks + [partial], qs[i], gs[i]))
+                out = fn(blocks + [partial], qs[i], gs[i])
+                if keep:
+                    outs.append(out)
                 partial = partial + updates[i]
             return outs
         return run
@@ -175,7 +180,7 @@ def block_section(blocks_n, sublayers, t, d, reps, copy_gbs):
              "ours independent reads": independent(lambda xs, q, g: at.depth_attention(xs, q, g)),
              "naive independent reads": independent(naive),
              "compiled independent reads": independent(compiled)}
-    ref = two_phase()
+    ref = two_phase(True)
     buf = t * d * 4
     # minimal bytes (the partial-sum updates excluded, same in every row): the blocks read once,
     # each sublayer's partial read once (from sublayer 1 on), every output written once.
@@ -185,7 +190,8 @@ def block_section(blocks_n, sublayers, t, d, reps, copy_gbs):
         f"`[{t}, {d}]` fp32, no grad",
         "",
         f"Minimal bytes {nbytes / 2**20:.0f} MiB (blocks read once, partials read once, outputs "
-        "written once; the partial-sum updates, identical in every row, excluded).",
+        "written once; the partial-sum updates, identical in every row, excluded). Two-phase "
+        "also writes and re-reads phase 1's S outputs, which this count leaves out.",
         "",
         "| impl | ms | GB/s (min bytes) | % copy bw | max abs diff vs two-phase |",
         "|---|---:|---:|---:|---:|",
@@ -193,9 +199,9 @@ def block_section(blocks_n, sublayers, t, d, reps, copy_gbs):
     times = {}
     with torch.no_grad():
         for name, fn in impls.items():
-            got = fn()
+            got = fn(True)
             diff = max(float((a - b).abs().max()) for a, b in zip(got, ref))
-            times[name] = median_time(fn, reps)
+            times[name] = median_time(lambda: fn(False), reps)  # each output dropped after use
             gbs = nbytes / times[name] / 1e9
             lines.append(f"| {name} | {times[name] * 1e3:.1f} | {gbs:.2f} | "
                          f"{100 * gbs / copy_gbs:.0f}% | {diff:.1e} |")
@@ -228,6 +234,8 @@ def main():
     copy_gbs = copy_bandwidth(n * t * d, reps)
     with torch.no_grad():
         read_s = median_time(lambda: [x.sum() for x in xs], reps)
+        # what every backward pays to hand back N fresh gradients: allocate and first-touch them
+        grads_s = median_time(lambda: [torch.empty(t, d).fill_(0.0) for _ in range(n)], reps)
 
     rows = {}
     fwd_bytes = (n + 1) * buf_bytes  # each source read once + out written once
@@ -258,7 +266,9 @@ def main():
         "",
         f"Floors: read every source once (`sum` each) {read_s * 1e3:.1f} ms "
         f"({n * buf_bytes / read_s / 1e9:.2f} GB/s); copy bandwidth (`dst.copy_(src)`, "
-        f"{n * buf_bytes / 2**20:.0f} MiB) {copy_gbs:.2f} GB/s (read + write).",
+        f"{n * buf_bytes / 2**20:.0f} MiB) {copy_gbs:.2f} GB/s (read + write); allocating and "
+        f"first-touching N fresh `[T, D]` fp32 gradient buffers (`torch.empty(...).fill_(0)`) "
+        f"{grads_s * 1e3:.1f} ms.",
         "",
         "| impl | fwd ms | bwd ms | fwd+bwd ms | fwd GB/s (min bytes) | fwd % copy bw | "
         "bwd GB/s | bwd % copy bw | fwd+bwd peak extra ([T, D] fp32 buffers) |",

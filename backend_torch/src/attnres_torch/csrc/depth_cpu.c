@@ -113,8 +113,8 @@ INLINE double hsum(vd4 a) { /* lanes 0 + 2, 1 + 3, then the two: fixed order */
 
 static inline double nan_max(double m, double z) { return (z > m || z != z) ? z : m; }
 
-/* Row sums over D of one source row x: *s = <x, q>, *ss = <x, x>, and *dp = <x, g> when g is not
- * NULL.  Blocked summation: fp32 vector accumulators (2 x VW lanes) over runs of SUM_RUN
+/* Row sums over D of one source row x: *s = <x, q>, *ss = <x, x> when ss is not NULL, and
+ * *dp = <x, g> when g is not NULL.  Blocked summation: fp32 vector accumulators (2 x VW lanes) over runs of SUM_RUN
  * elements (each lane adds SUM_RUN / 16 products in fp32), each run folded into float64
  * accumulators; then a fixed tree over the lanes, then the tail in order.  The fp32 rounding
  * stays that of a 16-term sum whatever D is, at fp32 vector speed (summing in float64 throughout
@@ -140,13 +140,13 @@ INLINE void row_sums(int dt, const void *x, const float *q, const void *g, int64
             for (int k = 0; k < 2; k++) {
                 const vf v = ldv(dt, x, j + VW * k);
                 fs[k] += v * ldv(DT_F32, q, j + VW * k);
-                fq[k] += v * v;
+                if (ss) fq[k] += v * v;
                 if (g) fg[k] += v * ldv(dt, g, j + VW * k);
             }
         }
         const vf s8 = fs[0] + fs[1], q8 = fq[0] + fq[1];
         ds += widen(s8, 0) + widen(s8, 1);
-        dq += widen(q8, 0) + widen(q8, 1);
+        if (ss) dq += widen(q8, 0) + widen(q8, 1);
         if (g) {
             const vf g8 = fg[0] + fg[1];
             dg += widen(g8, 0) + widen(g8, 1);
@@ -156,11 +156,11 @@ INLINE void row_sums(int dt, const void *x, const float *q, const void *g, int64
     for (; j < d; j++) {
         double v = ld(dt, x, j);
         ts += v * q[j];
-        tq += v * v;
+        if (ss) tq += v * v;
         if (g) tg += v * ld(dt, g, j);
     }
     *s = hsum(ds) + ts;
-    *ss = hsum(dq) + tq;
+    if (ss) *ss = hsum(dq) + tq;
     if (g) *dp = hsum(dg) + tg;
 }
 
@@ -244,11 +244,13 @@ INLINE void forward_rows(int dt, job_t *j, double *z, float *p) {
         for (int64_t i = 0; i < n; i++) {
             const void *x = row_ptr(j->src[i], j->src_rs[i], t, es);
             const char *pf = t + PF_ROWS < j->rows ? row_ptr(j->src[i], j->src_rs[i], t + PF_ROWS, es) : NULL;
-            for (int64_t k = 0; k < nq; k++) { /* queries after the first find x in L1 */
-                double s, ss;
-                row_sums(dt, x, j->qg + k * j->qg_qs + t * j->qg_rs, NULL, d, &s, &ss, NULL,
-                         k == 0 ? pf : NULL, NULL);
-                z[k * n + i] = j->scale * (s / sqrt(ss / (double)d + j->eps));
+            double s, ss;
+            row_sums(dt, x, j->qg + t * j->qg_rs, NULL, d, &s, &ss, NULL, pf, NULL);
+            const double r = 1.0 / sqrt(ss / (double)d + j->eps);
+            z[i] = j->scale * (s * r);
+            for (int64_t k = 1; k < nq; k++) { /* the other queries find x in L1 */
+                row_sums(dt, x, j->qg + k * j->qg_qs + t * j->qg_rs, NULL, d, &s, NULL, NULL, NULL, NULL);
+                z[k * n + i] = j->scale * (s * r);
             }
         }
         for (int64_t k = 0; k < nq; k++) {

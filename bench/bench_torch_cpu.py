@@ -2,6 +2,8 @@
 
 Compares, in one run on the same inputs (N sources `[T, D]` fp32, pseudo-query `[D]`, gain `[D]`):
   ours      attnres_torch.depth_attention as dispatched (the fused C kernel, dispatch "cpu_c")
+  ours+thp  the same with the C kernel's opt-in huge-page advice on fresh outputs
+            (`attnres_torch.cpu_c.set_hugepages(True)`, as `ATTNRES_TORCH_HUGEPAGES=1`)
   chunked   the same op forced onto the chunked torch kernel (dispatch "cpu": the fallback
             without a C compiler)
   naive     the plain eager composition (attnres_torch.composite: stack, fp32 math, autograd)
@@ -32,9 +34,9 @@ from pathlib import Path
 
 import attnres_torch as at
 import torch
-from attnres_torch import composite
+from attnres_torch import composite, cpu_c
 
-IMPLS = ("ours", "chunked", "naive", "compiled", "fla")
+IMPLS = ("ours", "ours+thp", "chunked", "naive", "compiled", "fla")
 
 
 def load_fla_naive():
@@ -58,6 +60,9 @@ def naive(xs, q, g):
 
 def make_fn(name):
     if name == "ours":
+        return lambda xs, q, g: at.depth_attention(xs, q, g)
+    if name == "ours+thp":  # on until main() turns it off after this row (forward and backward)
+        cpu_c.set_hugepages(True)
         return lambda xs, q, g: at.depth_attention(xs, q, g)
     if name == "chunked":
         def chunked(xs, q, g):
@@ -249,6 +254,7 @@ def main():
         bwd = backward_time(fn, xs, q, g, d_out, reps)
         both = median_time(lambda: torch.autograd.grad(fn(xs, q, g), xs + [q, g], d_out), reps)
         rows[name] = dict(fwd=fwd, bwd=bwd, both=both)
+        cpu_c.set_hugepages(False)
         if name == "ours":
             rows[name]["impl"] = at.last_impl()
     for name in rows:
@@ -282,12 +288,14 @@ def main():
             f"{fg:.2f} | {100 * fg / copy_gbs:.0f}% | {bg:.2f} | {100 * bg / copy_gbs:.0f}% | "
             f"{'n/a' if pe is None else f'{pe:.1f}'} |")
     lines += ["", "Ratios (this run):", ""]
-    for other in ("chunked", "naive", "compiled", "fla"):
+    for other in ("ours+thp", "chunked", "naive", "compiled", "fla"):
         if other in rows:
             r = rows[other]
             lines.append(f"- vs {other}: forward {r['fwd'] / ours['fwd']:.1f}x, backward "
                          f"{r['bwd'] / ours['bwd']:.1f}x, fwd+bwd {r['both'] / ours['both']:.1f}x faster")
     lines.append(f"- ours forward / read-once floor: {ours['fwd'] / read_s:.2f}x")
+    if "ours+thp" in rows:
+        lines.append(f"- ours+thp forward / read-once floor: {rows['ours+thp']['fwd'] / read_s:.2f}x")
     if "chunked" in rows:
         lines.append(f"- chunked forward / read-once floor: {rows['chunked']['fwd'] / read_s:.2f}x")
     lines += [

@@ -155,6 +155,22 @@ def test_bits_do_not_depend_on_the_thread_count(per_token):
             assert torch.equal(a, b)
 
 
+def test_huge_page_advice_changes_no_bits():
+    """Opt-in MADV_HUGEPAGE on outputs >= 8 MiB (here [2048, 1040] fp32 = 8.1 MiB, a 2 MiB-aligned
+    interior exists): same bits as without."""
+    gen = torch.Generator().manual_seed(6)
+    xs = [rand(gen, (2048, 1040), torch.float32) for _ in range(3)]
+    qg, d_out = rand(gen, (1040,), torch.float32, 0.05), rand(gen, (2048, 1040), torch.float32)
+    plain = _fwd_bwd(xs, qg, d_out)
+    cpu_c.set_hugepages(True)
+    try:
+        huge = _fwd_bwd(xs, qg, d_out)
+    finally:
+        cpu_c.set_hugepages(False)
+    for a, b in zip(plain, huge):
+        assert torch.equal(a, b)
+
+
 def test_specials_propagate_per_token_and_large_values_stay_finite():
     """C12: a NaN or Inf in one token's source reaches that token only; |x| = 1e30 overflows the
     fp32 sum of squares (r = 0) but every output stays finite."""

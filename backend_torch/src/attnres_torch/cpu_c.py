@@ -9,7 +9,10 @@ The library is built at first use with the system C compiler (`$CC`, else `cc`) 
 `-O3 -march=native`, cached under `$ATTNRES_CACHE_DIR` (default `$XDG_CACHE_HOME/attnres` or
 `~/.cache/attnres`) by a hash of the source, the flags, the compiler's version and this CPU's
 feature flags, and loaded with ctypes (calls release the GIL).  `ATTNRES_TORCH_CPU_C=0` turns it
-off.  Without a compiler the dispatch falls back to the chunked torch kernel (`cpu_kernel.py`);
+off.  Opt-in (`ATTNRES_TORCH_HUGEPAGES=1` or `set_hugepages(True)`; Linux): outputs of 8 MiB or
+more get `madvise(MADV_HUGEPAGE)` on their 2 MiB-aligned interior before the kernel first touches
+them — fewer first-touch page faults on fresh outputs, at the cost of changing how that memory is
+backed (see the C file).  Without a compiler the dispatch falls back to the chunked torch kernel (`cpu_kernel.py`);
 `unavailable_reason()` says why.
 
 All functions take 2-D views with unit stride along D (any row stride): sources N x `[T, D]`
@@ -96,6 +99,8 @@ def _load() -> Optional[ctypes.CDLL]:
     for fn in (lib.attnres_forward, lib.attnres_backward, lib.attnres_multi_forward,
                lib.attnres_merge_forward):
         fn.restype = ctypes.c_int
+    lib.attnres_set_hugepages.argtypes = [ctypes.c_int]
+    lib.attnres_set_hugepages(int(os.environ.get("ATTNRES_TORCH_HUGEPAGES", "0") == "1"))
     f64 = ctypes.c_double
     lib.attnres_forward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, f64, f64, ptr,
                                     i64, f32p, ctypes.c_int]
@@ -121,6 +126,12 @@ def available() -> bool:
     """The library can be used (built on the first call).  A constant to torch.compile, which
     runs this once while tracing instead of tracing into the build."""
     return library() is not None
+
+
+def set_hugepages(on: bool) -> None:
+    """Advise fresh outputs of >= 8 MiB to use transparent huge pages (off by default)."""
+    lib = _library_or_raise()
+    lib.attnres_set_hugepages(int(bool(on)))
 
 
 def unavailable_reason() -> Optional[str]:

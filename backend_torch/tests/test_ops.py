@@ -156,15 +156,22 @@ def test_multi_matches_reference(dname, gain):
         assert_close(gs_l.grad, v["norm_weights"], dname, "d_norm_weights")
 
 
+def _merge_inputs(seed, dtype, batch, dim, per_token, lse_dtype):
+    """(gen, out1, lse1, partial, query, gain) for merge_partial: `batch + (dim,)` tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    out1, partial = rand(gen, batch + (dim,), dtype), rand(gen, batch + (dim,), dtype)
+    lse1 = rand(gen, batch, lse_dtype)
+    q = rand(gen, batch + (dim,) if per_token else (dim,), dtype, 0.5)
+    g = (torch.rand(dim, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    return gen, out1, lse1, partial, q, g
+
+
 @pytest.mark.parametrize("dname", list(DTYPES))
 @pytest.mark.parametrize("per_token", [False, True])
 def test_merge_matches_reference(dname, per_token):
     dtype = DTYPES[dname]
-    gen = torch.Generator().manual_seed(8)
-    out1, partial = rand(gen, (4, 9, 12), dtype), rand(gen, (4, 9, 12), dtype)
-    lse1 = rand(gen, (4, 9), torch.float64 if dname == "float64" else torch.float32)
-    q = rand(gen, (4, 9, 12) if per_token else (12,), dtype, 0.5)
-    g = (torch.rand(12, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    gen, out1, lse1, partial, q, g = _merge_inputs(
+        8, dtype, (4, 9), 12, per_token, torch.float64 if dname == "float64" else torch.float32)
     ins = leaves([out1, lse1, partial, q, g])
     out, lse = at.merge_partial(*ins, return_lse=True)
     d_out, d_lse = rand(gen, out.shape, out.dtype), rand(gen, lse.shape, lse.dtype)
@@ -181,11 +188,8 @@ def test_merge_matches_reference(dname, per_token):
 @pytest.mark.parametrize("per_token", [False, True])
 def test_merge_without_grad_takes_the_fused_kernel(dname, per_token):
     dtype = DTYPES[dname]
-    gen = torch.Generator().manual_seed(9)
-    out1, partial = rand(gen, (3, 7, 37), dtype), rand(gen, (3, 7, 37), dtype)
-    lse1 = rand(gen, (3, 7), torch.float64)  # any floating dtype (C14)
-    q = rand(gen, (3, 7, 37) if per_token else (37,), dtype, 0.5)
-    g = (torch.rand(37, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    # lse1 in float64 whatever the other dtypes: any floating dtype is accepted (C14)
+    _, out1, lse1, partial, q, g = _merge_inputs(9, dtype, (3, 7), 37, per_token, torch.float64)
     with torch.no_grad():
         out, lse = at.merge_partial(out1, lse1, partial, q, g, return_lse=True)
     assert at.last_impl() == ("composite" if dname == "float64" else "cpu_c")

@@ -192,12 +192,12 @@ def test_specials_propagate_per_token_and_large_values_stay_finite():
 def test_bad_buffers_are_named():
     xs = [torch.randn(4, 8) for _ in range(2)]
     q = torch.randn(8)
-    with pytest.raises(ValueError, match="out: expected torch.float32"):
+    with pytest.raises(TypeError, match="out: expected torch.float32, got torch.bfloat16"):
         cpu_c.forward_into(xs, q, 1e-6, 1.0, torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(4))
     with pytest.raises(ValueError, match=r"sources\[1\]: expected unit stride"):
         cpu_c.forward_into([xs[0], torch.randn(4, 16)[:, ::2]], q, 1e-6, 1.0, torch.empty(4, 8),
                            torch.empty(4))
-    with pytest.raises(ValueError, match="lse: expected"):
+    with pytest.raises(ValueError, match=r"lse: expected shape \(4,\) on cpu, got \(5,\)"):
         cpu_c.forward_into(xs, q, 1e-6, 1.0, torch.empty(4, 8), torch.empty(5))
     with pytest.raises(ValueError, match=r"d_sources\[0\]: expected"):
         cpu_c.backward_into(xs, q, torch.zeros(4), torch.randn(4, 8), None, 1e-6, 1.0,
@@ -214,6 +214,21 @@ def test_broadcast_cotangent_through_autograd():
     v = ref.depth_attention_vjp(f64(xs), f64(q), None, np.ones((6, 12)))
     assert_close([x.grad for x in xs], v["sources"], "float32", "d_sources")
     assert_close(q.grad, v["query"], "float32", "d_query")
+
+
+@pytest.mark.parametrize("impl", ["cpu_c", "cpu"])
+def test_zero_tokens(impl):
+    """T = 0: empty outputs and gradients, zero query/gain gradients, on both CPU kernels."""
+    xs = [torch.randn(0, 8, requires_grad=True) for _ in range(3)]
+    q, g = torch.randn(8, requires_grad=True), torch.ones(8, requires_grad=True)
+    with at.use_impl(impl):
+        out, lse = at.depth_attention(xs, q, g, return_lse=True)
+        assert at.last_impl() == impl
+        (out.sum() + lse.sum()).backward()  # stride-0 cotangents of an empty tensor
+        out1, lse1 = at.depth_attention_multi([x.detach() for x in xs], torch.randn(2, 8))
+    assert out.shape == (0, 8) and lse.shape == (0,) and out1.shape == (2, 0, 8)
+    assert all(x.grad.shape == (0, 8) for x in xs)
+    assert torch.equal(q.grad, torch.zeros(8)) and torch.equal(g.grad, torch.zeros(8))
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:

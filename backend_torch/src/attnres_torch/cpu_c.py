@@ -9,11 +9,13 @@ The library is built at first use with the system C compiler (`$CC`, else `cc`) 
 `-O3 -march=native`, cached under `$ATTNRES_CACHE_DIR` (default `$XDG_CACHE_HOME/attnres` or
 `~/.cache/attnres`) by a hash of the source, the flags, the compiler's version and this CPU's
 feature flags, and loaded with ctypes (calls release the GIL).  `ATTNRES_TORCH_CPU_C=0` turns it
-off.  Opt-in (`ATTNRES_TORCH_HUGEPAGES=1` or `set_hugepages(True)`; Linux): outputs of 8 MiB or
-more get `madvise(MADV_HUGEPAGE)` on their 2 MiB-aligned interior before the kernel first touches
-them — fewer first-touch page faults on fresh outputs, at the cost of changing how that memory is
-backed (see the C file).  Without a compiler the dispatch falls back to the chunked torch kernel (`cpu_kernel.py`);
+off.  Without a compiler the dispatch falls back to the chunked torch kernel (`cpu_kernel.py`);
 `unavailable_reason()` says why.
+
+Opt-in (`ATTNRES_TORCH_HUGEPAGES=1` or `set_hugepages(True)`; Linux): outputs of 8 MiB or more get
+`madvise(MADV_HUGEPAGE)` on their 2 MiB-aligned interior before the kernel first touches them —
+fewer first-touch page faults on fresh outputs, at the cost of changing how that memory is backed
+(see the C file and docs/benchmarks.md).
 
 All functions take 2-D views with unit stride along D (any row stride): sources N x `[T, D]`
 (float32/bfloat16/float16), qg = query * gain in fp32 (`[D]` or `[T, D]`), and write into
@@ -140,7 +142,8 @@ def unavailable_reason() -> Optional[str]:
 
 
 def _unit_stride(t: torch.Tensor) -> bool:
-    return t.shape[-1] == 1 or t.stride(-1) == 1
+    """Unit stride along D, or nothing that a stride could mislead (D = 1, or no elements)."""
+    return t.numel() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1
 
 
 def supports(sources: List[torch.Tensor]) -> bool:
@@ -158,9 +161,11 @@ def _pointers(tensors: List[torch.Tensor]):
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape) -> None:
     """The ctypes boundary trusts pointers: make every layout assumption an explicit error."""
-    if t.dtype != dtype or tuple(t.shape) != tuple(shape) or t.device.type != "cpu":
-        raise ValueError(f"{name}: expected {dtype} {tuple(shape)} on cpu, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected {dtype}, got {t.dtype} (shape {tuple(t.shape)})")
+    if tuple(t.shape) != tuple(shape) or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected shape {tuple(shape)} on cpu, got {tuple(t.shape)} "
+                         f"on {t.device}")
     if t.dim() == 2 and not _unit_stride(t):
         raise ValueError(f"{name}: expected unit stride along D, got strides {t.stride()}")
     if t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
@@ -171,7 +176,7 @@ def _check_common(sources, qg):
     rows, dim = sources[0].shape
     dtype = sources[0].dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"sources: dtype {dtype} is not one of {tuple(_DTYPES)}")
+        raise TypeError(f"sources: dtype {dtype} is not one of {tuple(_DTYPES)}")
     for i, s in enumerate(sources):
         _check(f"sources[{i}]", s, dtype, (rows, dim))
     if qg.dim() == 1:

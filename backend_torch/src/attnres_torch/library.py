@@ -42,7 +42,7 @@ def _cpu_module(impl: str):
 def _unit_rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     """`[T, D]` in `dtype` with unit stride along D (a broadcast d_out may arrive with stride 0)."""
     t = t.to(dtype)
-    return t if t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous()
+    return t if t.numel() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 @torch.library.custom_op("attnres::depth_attention", mutates_args=())

@@ -251,6 +251,29 @@ def test_builds_into_the_cache_dir(tmp_path):
     assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # one library, no temp files left
 
 
+def test_portable_build_without_march_native(tmp_path):
+    """The second flag set (no -march=native: SSE2 on x86-64, no F16C) builds a correct kernel."""
+    code = """
+        import numpy as np, torch
+        from attnres_torch import cpu_c
+        from attnres_numpy import ops as ref
+        cpu_c.FLAG_SETS = (("-O3",),)
+        gen = torch.Generator().manual_seed(0)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+            xs = [torch.randn(37, 100, generator=gen).to(dtype) for _ in range(5)]
+            qg = torch.randn(100, generator=gen) * 0.2
+            out, lse = torch.full((37, 100), float("nan"), dtype=dtype), torch.empty(37)
+            cpu_c.forward_into(xs, qg, 1e-6, 1.0, out, lse)
+            r = ref.depth_attention([x.double().numpy() for x in xs], qg.double().numpy(), None)
+            err = np.abs(out.double().numpy() - r).max() / (1 + np.abs(r).max())
+            assert err < tol, (dtype, err)
+        print("ok", cpu_c.library()._name)
+    """
+    res = _python(code, ATTNRES_CACHE_DIR=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("ok") and str(tmp_path) in res.stdout
+
+
 @pytest.mark.parametrize("env,reason", [({"ATTNRES_TORCH_CPU_C": "0"}, "disabled"),
                                         ({"CC": "/nonexistent/cc"}, "could not build")])
 def test_falls_back_to_the_chunked_kernel(tmp_path, env, reason):

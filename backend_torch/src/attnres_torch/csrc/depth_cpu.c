@@ -37,14 +37,17 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__F16C__)
+#include <immintrin.h> /* fp16 <-> fp32 vectors: GCC scalarizes the generic conversion */
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 #define VW 8        /* fp32 elements per vector: 32 bytes (a ymm register; 2 x 128-bit without AVX) */
 #define OUT_VECS 8  /* forward pass 2: OUT_VECS x VW = 64 output columns in registers over N rows */
-#define MIN_BLOCK_ROWS 16
+#define MIN_BLOCK_ROWS 16 /* rows are cut into blocks of >= 16 rows ... */
 #define SUM_RUN 256 /* row sums: elements per fp32 run before folding into float64 (16 | SUM_RUN) */
 #define PF_ROWS 1   /* software prefetch distance, in token rows */
-#define MAX_BLOCKS 256
+#define MAX_BLOCKS 256    /* ... and at most 256 blocks (bounds the [NBLK, D] d_qg partials) */
 #define INLINE static inline __attribute__((always_inline))
 
 /* GCC/Clang vector extensions, lowered to the SIMD of -march=native.  No type is wider than 32
@@ -82,9 +85,14 @@ INLINE vf ldv(int dt, const void *p, int64_t j) {
     if (dt == DT_F32) {
         memcpy(&f, (const float *)p + j, sizeof f);
     } else if (dt == DT_F16) {
+#if defined(__F16C__)
+        const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + j)));
+        memcpy(&f, &w, sizeof f);
+#else
         vh16 h;
         memcpy(&h, (const _Float16 *)p + j, sizeof h);
         f = __builtin_convertvector(h, vf);
+#endif
     } else {
         vh h;
         memcpy(&h, (const uint16_t *)p + j, sizeof h);
@@ -97,8 +105,14 @@ INLINE void stv(int dt, void *p, int64_t j, vf v) {
     if (dt == DT_F32) {
         memcpy((float *)p + j, &v, sizeof v);
     } else if (dt == DT_F16) {
+#if defined(__F16C__)
+        __m256 w;
+        memcpy(&w, &v, sizeof w);
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + j), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
         vh16 h = __builtin_convertvector(v, vh16);
         memcpy((_Float16 *)p + j, &h, sizeof h);
+#endif
     } else {
         vu u;
         memcpy(&u, &v, sizeof u);

@@ -145,6 +145,26 @@ print(max(0, peak[0] - base))
     return int(res.stdout.split()[-1]) / (t * d * 4)
 
 
+def dtype_section(n, t, d, reps):
+    """Forward only, per storage dtype: ours (C kernel) and chunked against the read-once floor
+    of that dtype's sources.  Returns markdown lines."""
+    lines = [f"### Forward per dtype, CPU: N = {n} x `[{t}, {d}]`, no grad", "",
+             "| dtype | read floor ms | ours ms | ours / floor | chunked ms | chunked / floor |",
+             "|---|---:|---:|---:|---:|---:|"]
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xs = [torch.randn(t, d, generator=gen).to(dtype) for _ in range(n)]
+        q, g = torch.randn(d, generator=gen) * 0.05, torch.rand(d, generator=gen) + 0.5
+        with torch.no_grad():
+            floor = median_time(lambda: [x.sum() for x in xs], reps)
+            ours = median_time(lambda: at.depth_attention(xs, q, g), reps)
+            with at.use_impl("cpu"):
+                chunked = median_time(lambda: at.depth_attention(xs, q, g), reps)
+        lines.append(f"| {str(dtype).split('.')[-1]} | {floor * 1e3:.1f} | {ours * 1e3:.1f} | "
+                     f"{ours / floor:.2f}x | {chunked * 1e3:.1f} | {chunked / floor:.2f}x |")
+    return lines + [""]
+
+
 def block_section(blocks_n, sublayers, t, d, reps, copy_gbs):
     """One block of the two-phase schedule on the CPU (inference, no grad), as in
     bench/gpu_check.py: `blocks_n` cached block sums, `sublayers` queries; sublayer i attends over
@@ -318,6 +338,7 @@ def main():
         f"ours ran on dispatch impl: {ours.get('impl')}.",
         "",
     ]
+    lines += dtype_section(n, t, d, reps)
     if all(args.block):
         lines += block_section(*args.block, reps, copy_gbs)
     text = "\n".join(lines)

@@ -97,6 +97,20 @@ def median_time(fn, reps):
     return statistics.median(times)
 
 
+def paired_ratios(fn, floor, pairs):
+    """time(fn) / time(floor) over `pairs` back-to-back pairs (one warm-up each): the machine's
+    bandwidth drifts between runs, a pair sees one state.  Returns (median, min, max)."""
+    fn(), floor()
+    ratios = []
+    for _ in range(pairs):
+        t0 = time.perf_counter()
+        floor()
+        t1 = time.perf_counter()
+        fn()
+        ratios.append((time.perf_counter() - t1) / (t1 - t0))
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def copy_bandwidth(numel, reps):
     """GB/s of `dst.copy_(src)` on a `[numel]` fp32 buffer (bytes read + written)."""
     src = torch.randn(numel)
@@ -314,6 +328,11 @@ def main():
             lines.append(f"- vs {other}: forward {r['fwd'] / ours['fwd']:.1f}x, backward "
                          f"{r['bwd'] / ours['bwd']:.1f}x, fwd+bwd {r['both'] / ours['both']:.1f}x faster")
     lines.append(f"- ours forward / read-once floor: {ours['fwd'] / read_s:.2f}x")
+    with torch.no_grad():
+        med, lo, hi = paired_ratios(lambda: at.depth_attention(xs, q, g),
+                                    lambda: [x.sum() for x in xs], 4 * reps)
+    lines.append(f"- ours forward / read-once floor, {4 * reps} back-to-back pairs: median "
+                 f"{med:.2f}x (min {lo:.2f}x, max {hi:.2f}x)")
     if "ours+thp" in rows:
         r = rows["ours+thp"]
         lines.append(f"- ours+thp forward / read-once floor: {r['fwd'] / read_s:.2f}x; ours / ours+thp: "

@@ -251,6 +251,16 @@ def test_builds_into_the_cache_dir(tmp_path):
     assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # one library, no temp files left
 
 
+def test_openmp_build_shares_torchs_libgomp():
+    """Built with -fopenmp, the kernel's threads come from the libgomp torch already loaded: one
+    OpenMP runtime in the process, not a second team competing for the cores."""
+    assert cpu_c.build_flags()[-1] == "-fopenmp"
+    at.depth_attention([torch.randn(64, 8) for _ in range(2)], torch.randn(8))
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
 def test_portable_build_without_march_native(tmp_path):
     """The second flag set (no -march=native: SSE2 on x86-64, no F16C) builds a correct kernel."""
     code = """

@@ -6,7 +6,7 @@ from cache; backward: one sweep for three row sums, the gradients from cache), o
 for the tiling and the numerics.
 
 The library is built at first use with the system C compiler (`$CC`, else `cc`) as
-`-O3 -march=native`, cached under `$ATTNRES_CACHE_DIR` (default `$XDG_CACHE_HOME/attnres` or
+`-O3 -march=native -fopenmp` (see FLAG_SETS for the fallbacks), cached under `$ATTNRES_CACHE_DIR` (default `$XDG_CACHE_HOME/attnres` or
 `~/.cache/attnres`) by a hash of the source, the flags, the compiler's version and this CPU's
 feature flags, and loaded with ctypes (calls release the GIL).  `ATTNRES_TORCH_CPU_C=0` turns it
 off.  Without a compiler the dispatch falls back to the chunked torch kernel (`cpu_kernel.py`);
@@ -37,7 +37,9 @@ from typing import List, Optional
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "depth_cpu.c"
-FLAG_SETS = (("-O3", "-march=native"), ("-O3",))  # the second when the compiler lacks -march=native
+#: Tried in order: OpenMP (to share torch's libgomp thread pool, see the C file's run_blocks),
+#: then pthreads, then without -march=native for compilers that lack it.
+FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
@@ -73,6 +75,7 @@ def _build(compiler: str) -> Path:
                                           _cpu_flags().encode(), platform.machine().encode()]))
         directory = cache_dir()
         target = directory / f"depth_cpu-{key.hexdigest()[:20]}.so"
+        _state["flags"] = flags
         if target.exists():
             return target
         directory.mkdir(parents=True, exist_ok=True)
@@ -134,6 +137,11 @@ def set_hugepages(on: bool) -> None:
     """Advise fresh outputs of >= 8 MiB to use transparent huge pages (off by default)."""
     lib = _library_or_raise()
     lib.attnres_set_hugepages(int(bool(on)))
+
+
+def build_flags() -> Optional[tuple]:
+    """The compiler flags of the loaded library (None when unavailable)."""
+    return _state.get("flags") if library() is not None else None
 
 
 def unavailable_reason() -> Optional[str]:

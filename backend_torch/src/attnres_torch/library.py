@@ -135,6 +135,18 @@ def depth_attention_multi_op(sources: List[Tensor], queries: Tensor, norm_weight
     return out, lse
 
 
+def merge_cpu_c(out1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
+                norm_weight: Optional[Tensor], eps: float, scale: float) -> tuple[Tensor, Tensor]:
+    """`merge_partial` (no gradient) on the C kernel: out `[..., D]` in partial's dtype and lse
+    `[...]` fp32.  Not a custom op: callers keep it out of torch.compile traces."""
+    out = torch.empty(partial.shape, dtype=partial.dtype)
+    lse = torch.empty(partial.shape[:-1], dtype=torch.float32)
+    cpu_c.merge_forward_into(_flat(out1), lse1.float().reshape(-1).contiguous(), _flat(partial),
+                             _qg(query, norm_weight).contiguous(), eps, scale, _flat(out),
+                             lse.view(-1))
+    return out, lse
+
+
 @depth_attention_multi_op.register_fake
 def _(sources, queries, norm_weights, eps, scale, impl):
     x0 = sources[0]

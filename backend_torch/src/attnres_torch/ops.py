@@ -168,23 +168,10 @@ def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor,
                                                            eps, scale)
     elif use_c:
         dispatch.record("cpu_c")
-        out, lse = _merge_c(out1, lse1, partial, query, norm_weight, eps, scale)
+        out, lse = library.merge_cpu_c(out1, lse1, partial, query, norm_weight, eps, scale)
     else:
         dispatch.record("composite")
         out, lse = composite.merge_partial(out1, lse1, partial, query, norm_weight, eps=eps,
                                            scale=scale)
     return (out, lse) if return_lse else out
 
-
-def _merge_c(out1, lse1, partial, query, norm_weight, eps, scale):
-    """merge_partial on the C kernel: `[..., D]` flattened to `[T, D]` views (copies only where
-    the strides do not allow a view)."""
-    dim = partial.shape[-1]
-    flat = lambda t: t.reshape(-1, dim)  # noqa: E731
-    qg = query.float() if norm_weight is None else query.float() * norm_weight.float()
-    qg = (qg if qg.dim() == 1 else flat(qg)).contiguous()
-    out = torch.empty(partial.shape, dtype=partial.dtype)
-    lse = torch.empty(partial.shape[:-1], dtype=torch.float32)
-    cpu_c.merge_forward_into(flat(out1), lse1.float().reshape(-1).contiguous(), flat(partial), qg,
-                             eps, scale, flat(out), lse.view(-1))
-    return out, lse

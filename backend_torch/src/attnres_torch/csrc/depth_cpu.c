@@ -1,6 +1,9 @@
 /* Fused CPU kernels of the default depth-attention op (softmax, key norm, one head;
- * spec 2.1-2.3 and 3.1-3.2, numerics C10).  Built at first use by attnres_torch/cpu_c.py with the system C
- * compiler (-O3 -march=native) and called through ctypes on tensor data pointers.
+ * spec 2.1-2.3 and 3.1-3.2, numerics C10).  Built at first use by attnres_torch/cpu_c.py with the
+ * system C compiler (-O3 -march=native -fopenmp, falling back to pthreads) and called through
+ * ctypes on tensor data pointers.
+ *
+
  *
  * Layout: every 2-D operand is rows x D with unit stride along D and its own row stride (in
  * elements; 0 broadcasts one row, used for a shared pseudo-query).  Sources, out and d_sources
@@ -388,24 +391,32 @@ static int64_t num_blocks(int64_t rows) {
     return nb < 1 ? 1 : (nb > MAX_BLOCKS ? MAX_BLOCKS : nb);
 }
 
-/* Runs `work` over `proto`'s blocks on `threads` threads (the caller's thread takes the first
- * run).  Returns 0, or -1 when a thread or its scratch could not be had. */
+/* Runs `work` over `proto`'s blocks on `threads` threads, each taking a contiguous run of blocks
+ * (the bits do not depend on the split).  Built with -fopenmp, the threads are the OpenMP team of
+ * the libgomp that torch already loaded (the same soname resolves to the loaded library), so the
+ * kernel shares torch's intra-op pool: with a private pthread team, torch's OpenMP workers, still
+ * spinning after the previous torch op, took the cores from it (1.3x slower back to back).
+ * Without OpenMP, pthreads.  Returns 0, or -1 when a thread or its scratch could not be had. */
 static int run_blocks(job_t *proto, int threads, void *(*work)(void *)) {
     const int64_t nblk = proto->nblk;
     if (threads < 1) threads = 1;
     if (threads > nblk) threads = (int)nblk;
     job_t *jobs = (job_t *)calloc((size_t)threads, sizeof(job_t));
-    pthread_t *tids = (pthread_t *)calloc((size_t)threads, sizeof(pthread_t));
-    int *started = (int *)calloc((size_t)threads, sizeof(int));
-    int rc = 0;
-    if (!jobs || !tids || !started) {
-        free(jobs), free(tids), free(started);
-        return -1;
-    }
+    if (!jobs) return -1;
     for (int k = 0; k < threads; k++) {
         jobs[k] = *proto;
         jobs[k].blk0 = k * nblk / threads;
         jobs[k].blk1 = (k + 1) * nblk / threads;
+    }
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int k = 0; k < threads; k++) work(&jobs[k]);
+#else
+    pthread_t *tids = (pthread_t *)calloc((size_t)threads, sizeof(pthread_t));
+    int *started = (int *)calloc((size_t)threads, sizeof(int));
+    if (!tids || !started) {
+        free(jobs), free(tids), free(started);
+        return -1;
     }
     for (int k = 1; k < threads; k++) started[k] = pthread_create(&tids[k], NULL, work, &jobs[k]) == 0;
     work(&jobs[0]);
@@ -413,8 +424,11 @@ static int run_blocks(job_t *proto, int threads, void *(*work)(void *)) {
         if (started[k]) pthread_join(tids[k], NULL);
         else work(&jobs[k]); /* no thread: run its blocks here */
     }
+    free(tids), free(started);
+#endif
+    int rc = 0;
     for (int k = 0; k < threads; k++) rc |= jobs[k].failed ? -1 : 0;
-    free(jobs), free(tids), free(started);
+    free(jobs);
     return rc;
 }
 

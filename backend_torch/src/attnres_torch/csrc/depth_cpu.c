@@ -3,8 +3,6 @@
  * system C compiler (-O3 -march=native -fopenmp, falling back to pthreads) and called through
  * ctypes on tensor data pointers.
  *
-
- *
  * Layout: every 2-D operand is rows x D with unit stride along D and its own row stride (in
  * elements; 0 broadcasts one row, used for a shared pseudo-query).  Sources, out and d_sources
  * share one storage dtype (DT_F32, DT_BF16 or DT_F16); qg = query * gain, lse, d_lse and d_qg

@@ -285,6 +285,7 @@ def main():
     extra_sections = dtype_section(n, t, d, reps)
     if all(args.block):
         extra_sections += block_section(*args.block, reps, copy_gbs)
+        torch._dynamo.reset()  # the block section compiled `naive` without grad; start afresh
 
     rows = {}
     fwd_bytes = (n + 1) * buf_bytes  # each source read once + out written once

@@ -103,10 +103,15 @@ def _setup(ctx, inputs, output):
     ctx.eps, ctx.scale, ctx.impl = eps, scale, impl
 
 
+def _saved(ctx):
+    """What `_setup` saved: (sources list, query(ies), norm weight(s) or None, out, lse)."""
+    saved, n = ctx.saved_tensors, ctx.num_sources
+    return list(saved[:n]), saved[n], saved[n + 1], saved[n + 2], saved[n + 3]
+
+
 def _backward(ctx, d_out, d_lse):
-    saved = ctx.saved_tensors
     n = ctx.num_sources
-    sources, query, norm_weight, out, lse = list(saved[:n]), saved[n], saved[n + 1], saved[n + 2], saved[n + 3]
+    sources, query, norm_weight, out, lse = _saved(ctx)
     if d_out is None:
         d_out = torch.zeros_like(out)
     grads = depth_attention_backward_op(sources, query, norm_weight, out, lse, d_out, d_lse,
@@ -157,9 +162,8 @@ def _(sources, queries, norm_weights, eps, scale, impl):
 
 def _backward_multi(ctx, d_out, d_lse):
     """Sum over the S queries of the single-query backward (phase 1 is the inference path)."""
-    saved = ctx.saved_tensors
     n = ctx.num_sources
-    sources, queries, norm_weights, out, lse = list(saved[:n]), saved[n], saved[n + 1], saved[n + 2], saved[n + 3]
+    sources, queries, norm_weights, out, lse = _saved(ctx)
     if d_out is None:
         d_out = torch.zeros_like(out)
     d_src, d_q, d_g = None, [], []

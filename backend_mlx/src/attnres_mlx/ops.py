@@ -35,6 +35,11 @@ def dtype_name(dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).rsplit(".", 1)[-1])
 
 
+#: The logistic function with the precision rule of the ops (float64 stays float64): the gated
+#: residual scheme's gate uses it.
+sigmoid = _twin.sigmoid
+
+
 def compute_dtype(source_dtype) -> mx.Dtype:
     """C10: float64 for float64 sources, else float32."""
     return mx.float64 if source_dtype == mx.float64 else mx.float32

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from attnres_numpy.config import ResidualConfig
 
-from . import _twin, ops
+from . import ops
 
 Sublayer = Callable[[mx.array], mx.array]
 
@@ -130,7 +130,7 @@ class DepthRouter(nn.Module):
                 v = self["alphas"][l] * v
             elif kind == "gated":
                 gate = _project(h, self["gate_weights"][l], eps)
-                gate = _twin.sigmoid(gate + self["gate_biases"][l].astype(gate.dtype))
+                gate = ops.sigmoid(gate + self["gate_biases"][l].astype(gate.dtype))
                 v = (gate * v.astype(gate.dtype)).astype(v.dtype)
             h = h + v
         return h

@@ -14,8 +14,9 @@ from unittest import mock
 import numpy as np
 from attnres_conformance.numerics import DTYPES, round_to
 from attnres_conformance.reference_backend import ReferenceBackend
-from attnres_numpy import model, ops
+from attnres_numpy import ops
 from attnres_numpy.config import VARIANT_KINDS
+from attnres_numpy.tape import Tape
 
 
 class Rounding:
@@ -122,12 +123,13 @@ class BrokenEmbedding(ReferenceBackend):
     name = "broken_embedding"
 
     def call_probe(self, call):
-        real = model._Tape.depth_attention
+        real = Tape.depth_attention
 
-        def without_v0(tape, sources, query, norm_weight, config):
-            return real(tape, sources[1:] if len(sources) > 1 else sources, query, norm_weight, config)
+        def without_v0(tape, sources, stats, query, norm_weight, config, **kw):
+            keep = slice(1, None) if len(sources) > 1 else slice(None)
+            return real(tape, sources[keep], stats[keep], query, norm_weight, config, **kw)
 
-        with mock.patch.object(model._Tape, "depth_attention", without_v0):
+        with mock.patch.object(Tape, "depth_attention", without_v0):
             return super().call_probe(call)
 
 

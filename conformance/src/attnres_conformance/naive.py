@@ -103,35 +103,28 @@ def depth_attention_multi(sources, queries, norm_weights, d_out, d_lse, *, dtype
 def probe(golden, *, backward: bool) -> dict:
     """The probe network of a golden case (op "probe") with every primitive's result, forward
     and backward, rounded to the case dtype: the reference's own schedule
-    (`attnres_numpy.model`) on a tape that rounds.  Returns {"out", and with `backward` one
-    entry per gradient name of the golden case}."""
-    from attnres_numpy import model
+    (`attnres_numpy.schedule`) on a float64 tape whose every step rounds.  Returns {"out", and
+    with `backward` one entry per gradient name of the golden case}."""
     from attnres_numpy.config import ResidualConfig
+    from attnres_numpy.model import probe_tape_sublayers
+    from attnres_numpy.schedule import run_schedule
+    from attnres_numpy.tape import Tape
 
     dtype = golden.dtype
-
-    class RoundingTape(model._Tape):
-        def _op(self, inputs, values, vjp):
-            rounded_vjp = lambda *cots: [round_to(g, dtype) for g in vjp(*cots)]
-            return super()._op(inputs, [round_to(v, dtype) for v in values], rounded_vjp)
-
     a = golden.arrays
     config = ResidualConfig.from_dict(golden.attrs["config"])
     params = {k[len("input."):]: v for k, v in a.items()
               if k.startswith("input.") and k not in ("input.embedding", "input.sublayer_weights")}
-    tape = RoundingTape(record=backward)
-    leaves = model._leaves(tape, params)
+    tape = Tape(params, record=backward, transform=lambda v: round_to(v, dtype))
     emb, w = tape.var(a["input.embedding"]), tape.var(a["input.sublayer_weights"])
-
-    def sublayer(l, h):
-        return tape.tanh(tape.matmul(tape.rmsnorm(h, config.eps), tape.index(w, l - 1)))
+    num_layers = a["input.sublayer_weights"].shape[0]
+    sublayers = probe_tape_sublayers(tape, w, num_layers, config.eps)
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        out = model._schedule(config, tape, leaves, emb, sublayer, a["input.sublayer_weights"].shape[0],
-                              golden.attrs["schedule"], [])
+        out = run_schedule(config, tape, emb, sublayers, schedule=golden.attrs["schedule"])
         result = {"out": out.value}
         if backward:
-            wrt = [emb, w, *leaves.values()]
+            wrt = [emb, w, *tape.leaves.values()]
             grads = tape.gradients(out, a["cotangent.out"], wrt)
-            result.update(zip(["embedding", "sublayer_weights", *leaves], grads))
+            result.update(zip(["embedding", "sublayer_weights", *tape.leaves], grads))
     return result

@@ -1,11 +1,19 @@
-"""attnres-numpy: the float64 NumPy reference of Attention Residuals (AttnRes).
+"""attnres-numpy: the spec core every backend imports, and the float64 reference of AttnRes.
 
-`ops` holds the depth-attention operators and their hand-written VJPs (spec sections 2-3),
-`model` the residual schemes over a stack of sublayers (sections 4-6), `config` the serializable
-`ResidualConfig`, and `validation` the argument checks every backend shares.
+The spec core (numpy only, shared by every backend):
+  `config`      the serializable `ResidualConfig` (spec section 5, M1-M9).
+  `validation`  the argument checks (same messages everywhere; spec "Errors").
+  `numerics`    the compute-dtype rule (C10) and exact rounding to fp32/fp16/bf16.
+  `schedule`    the residual schedule of every scheme, written once, over a backend's ops object.
+
+The float64 oracle beside it:
+  `ops`      the depth-attention operators and their hand-written VJPs (spec sections 2-3).
+  `tape`     the float64 reverse-mode tape: the reference's ops object for the schedule.
+  `model`    the residual schemes over user sublayers and the spec's probe network (sections 4-6).
+  `vectors`  the golden-vector generator and reader.
 """
 
-from . import validation
+from . import numerics, schedule, validation
 from .config import VARIANT_KINDS, ResidualConfig
 from .model import (
     probe_forward,
@@ -40,6 +48,8 @@ __all__ = [
     "probe_vjp",
     "rmsnorm",
     "rmsnorm_vjp",
+    "numerics",
+    "schedule",
     "stack_forward",
     "validation",
 ]

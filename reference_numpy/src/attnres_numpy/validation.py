@@ -16,6 +16,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from .numerics import compute_dtype_for  # noqa: F401  (C10; re-exported for the backends)
+
 FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
 ACTIVATIONS = ("softmax", "sigmoid")
 
@@ -39,11 +41,6 @@ class DepthAttentionGeometry:
     per_token_query: bool
     source_dtype: str
     compute_dtype: str
-
-
-def compute_dtype_for(source_dtype: str) -> str:
-    """C10: every intermediate is float32, or float64 when the sources are float64."""
-    return "float64" if source_dtype == "float64" else "float32"
 
 
 def check_floating(name: str, dtype: str) -> None:

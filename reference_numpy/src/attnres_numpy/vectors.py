@@ -34,22 +34,15 @@ import numpy as np
 
 from . import __version__, model, ops
 from .config import ResidualConfig
-from .validation import compute_dtype_for
+from .numerics import DTYPES, compute_dtype_for, round_to_dtype  # noqa: F401  (public here too)
 
 SCHEMA_VERSION = 1
 GENERATOR = "attnres_numpy.vectors"
 OPS = ("depth_attention", "depth_attention_multi", "merge_partial", "probe")
-DTYPES = ("float64", "float32", "float16", "bfloat16")
 SHORT_DTYPE = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 MANIFEST = "manifest.json"
 ENV_VAR = "ATTNRES_VECTORS"
 
-#: IEEE-style binary formats: (significand bits incl. the implicit one, min normal exponent, max finite).
-_FORMATS = {
-    "float16": (11, -14, 65504.0),
-    "bfloat16": (8, -126, float.fromhex("0x1.fep127")),
-    "float32": (24, -126, float.fromhex("0x1.fffffep127")),
-}
 #: Keys whose values live in the compute dtype rather than the case dtype (C10).
 _COMPUTE_DTYPE_KEYS = ("input.lse1", "cotangent.lse")
 
@@ -76,28 +69,6 @@ class GoldenCase:
     seed: int
     tolerance_class: str
     arrays: Dict[str, np.ndarray]
-
-
-def round_to_dtype(x, dtype: str) -> np.ndarray:
-    """A float64 copy of `x` rounded to the nearest `dtype` value, ties to even.
-
-    dtype: "float64" (copy), "float32", "float16" or "bfloat16".  Rounds once, directly from
-    float64 (no double rounding), with subnormals; beyond the largest finite value -> +-inf;
-    NaN and +-inf pass through.  Ports and the conformance suite use this to build inputs.
-    """
-    x = np.array(x, dtype=np.float64)
-    if dtype == "float64":
-        return x
-    if dtype not in _FORMATS:
-        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
-    bits, min_exp, max_finite = _FORMATS[dtype]
-    finite = np.isfinite(x)
-    safe = np.where(finite, x, 0.0)
-    _, e = np.frexp(safe)  # safe = m * 2**e with 0.5 <= |m| < 1: leading bit 2**(e-1)
-    ulp_exp = np.maximum(e - 1, min_exp) - (bits - 1)  # subnormals share the min exponent's ulp
-    y = np.ldexp(np.rint(np.ldexp(safe, -ulp_exp)), ulp_exp)  # both scalings are exact
-    y = np.where(np.abs(y) > max_finite, np.copysign(np.inf, safe), y)
-    return np.where(finite, y, x)
 
 
 def value_dtypes(case: GoldenCase) -> Dict[str, str]:

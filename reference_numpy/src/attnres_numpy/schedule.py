@@ -1,0 +1,308 @@
+"""The residual schedule of every scheme, written once (spec section 4-5, M1-M9).
+
+A stack has sublayers l = 1..L (every attention and every MLP sublayer is one layer, M1).  The
+embedding is v_0 `[..., D]`; sublayer l maps its input h_l to its output v_l = f_l(h_l), and the
+residual scheme (`ResidualConfig`) decides how each h_l and the stack's output h_{L+1} are formed
+from v_0..v_{l-1}.  Row r = l - 1 of every parameter belongs to sublayer l, row L to the output
+aggregation (M4).
+
+`ResidualStream` is that schedule as a small state machine, driven step by step::
+
+    stream = ResidualStream(config, ops, embedding, num_layers=L)
+    for f in sublayers:
+        stream.push(f(stream.input()))     # h_l = input(), v_l = f_l(h_l)
+    out = stream.output()                  # h_{L+1}, before any final norm
+
+and `run_schedule` is exactly that loop.  The stream never touches an array itself: every step
+goes through `ops`, a `ResidualOps` object a framework supplies (a few dozen lines: NumPy's
+float64 tape, torch, JAX, MLX).  The reference model, the conformance probe, the routers of every
+backend and the torch/JAX sequence- and pipeline-parallel wiring all run this one class; a new
+residual scheme is added here (and in the spec and the ops it needs), nowhere else.
+
+An optional `ScheduleObserver` sees every depth-attention read (its row, source labels, sources
+and depth weights) and every sublayer (its input and output): diagnostics hook in there.
+
+This module is framework-neutral: it imports no array library.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+from .config import ResidualConfig
+
+Array = Any  # an array of the framework the ops belong to
+
+ADDITIVE_KINDS = ("standard", "scalar", "gated")
+
+
+class ResidualOps:
+    """The primitives the schedule needs; a backend subclasses this and fills them in.
+
+    Shapes: h, v, sources `[..., D]`; queries `[D]` (static) or `[..., D]` (input-dependent).
+    Dtypes are the backend's business; the rule all shipped backends follow (C10): the stream
+    stays in the embedding's dtype, the scheme's own parameters are cast to it
+    (`param(..., like=h)`), the depth-attention ops compute in float32 (float64 for float64) and
+    round once.
+    """
+
+    def param(self, name: str, index, *, like: Optional[Array] = None) -> Array:
+        """Row(s) `index` (an int, a tuple of ints or a slice) of parameter `name` (M6); with
+        `like`, cast to `like`'s dtype.  None when the backend has no such parameter (e.g. a
+        gainless "norm_weights")."""
+        raise NotImplementedError
+
+    def add(self, a: Array, b: Array) -> Array:
+        return a + b
+
+    def mul(self, a: Array, b: Array) -> Array:
+        """Elementwise product (a scalar weight or a gate `[..., D]` times a value `[..., D]`)."""
+        return a * b
+
+    def take(self, x: Array, i: int) -> Array:
+        """`x[i]`: one query's row of phase-1 results `[S, ...]`."""
+        return x[i]
+
+    def rmsnorm(self, x: Array, eps: float) -> Array:
+        """Gainless RMSNorm over the last axis."""
+        raise NotImplementedError
+
+    def matmul(self, x: Array, w: Array) -> Array:
+        """Right-multiplication `x [..., D_in] @ w [D_in, D_out]`."""
+        raise NotImplementedError
+
+    def sigmoid(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def source_stats(self, value: Array, config: ResidualConfig) -> Any:
+        """Per-source statistics kept beside a sealed source and handed back to every later
+        depth-attention read of it (MLX: its inverse RMS, computed once).  Default: None."""
+        return None
+
+    def depth_attention(self, sources: List[Array], stats: List[Any], query: Array,
+                        norm_weight: Optional[Array], config: ResidualConfig, *,
+                        return_weights: bool) -> tuple:
+        """Spec section 2 with config's options: (out `[..., D]`, weights `[N, ...]` (`[N, ...,
+        H]` with heads) when return_weights, else None).  stats[i] is `source_stats` of
+        sources[i] or None (the running partial sum)."""
+        raise NotImplementedError
+
+    def depth_attention_multi(self, sources: List[Array], stats: List[Any], queries: Array,
+                              norm_weights: Optional[Array], config: ResidualConfig) -> tuple:
+        """Phase 1 (spec 3.1): (out `[S, ..., D]`, lse `[S, ...]`)."""
+        raise NotImplementedError
+
+    def merge_partial(self, out1: Array, lse1: Array, partial: Array, query: Array,
+                      norm_weight: Optional[Array], config: ResidualConfig) -> Array:
+        """Phase 2 (spec 3.2): merge one query's phase-1 result with the partial sum."""
+        raise NotImplementedError
+
+
+class ScheduleObserver:
+    """Receives what a stream computes; every method is optional (default: ignore).
+
+    `wants_weights`: ask the depth-attention ops for the weights (direct schedule only; the
+    two-phase schedule never forms them).
+    """
+
+    wants_weights = False
+
+    def depth_attention(self, row: int, labels: List[str], sources: List[Array],
+                        weights: Optional[Array]) -> None:
+        """Row r's read: labels per source ("v3" layer output v_3, "b2" completed block b_2,
+        "partial" the running intra-block sum); weights `[N, ...]` or None."""
+
+    def sublayer(self, layer: int, h: Array, v: Array) -> None:
+        """Sublayer l = layer took h_l and returned v_l."""
+
+
+class ResidualStream:
+    """One forward pass of the residual scheme `config` over `num_layers` sublayers.
+
+    Args:
+      config: the scheme.
+      ops: the framework's `ResidualOps`.
+      embedding: v_0 `[..., D]`.
+      num_layers: L.
+      schedule: "direct", or "two_phase" (M9: block, softmax, key norm, one head, static query).
+      observer: an optional `ScheduleObserver`.
+
+    State (read-only for callers): `layer` (the next sublayer l), `values` (v_0..v_{l-1}; full,
+    window, static), `blocks` (b_0..; block), `partial` (the running block sum or None), `h`
+    (the running state of the additive kinds).
+    """
+
+    def __init__(self, config: ResidualConfig, ops: ResidualOps, embedding: Array, *,
+                 num_layers: int, schedule: str = "direct",
+                 observer: Optional[ScheduleObserver] = None):
+        if not isinstance(config, ResidualConfig):
+            raise TypeError(f"config: expected a ResidualConfig, got {type(config).__name__}")
+        config.check_schedule(schedule)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
+        if observer is not None and observer.wants_weights and schedule != "direct":
+            raise ValueError("observer: depth weights exist only under schedule='direct'")
+        self.config, self.ops, self.num_layers = config, ops, num_layers
+        self.two_phase = schedule == "two_phase"
+        self.observer = observer
+        self.layer = 1
+        self.h = embedding  # additive kinds: h_l
+        stats = self._stats(embedding)
+        self.values: List[Array] = [embedding]  # static / full / window: v_0..v_{l-1}
+        self.value_stats: List[Any] = [stats]
+        self.blocks: List[Array] = [embedding]  # block: b_0..b_{n-1}
+        self.block_stats: List[Any] = [stats]
+        self.partial: Optional[Array] = None
+        self._phase1 = None  # (out1 [S, ..., D], lse1 [S, ...], first row) of the current block
+        self._last_input: Optional[Array] = None
+
+    @classmethod
+    def resume(cls, config: ResidualConfig, ops: ResidualOps, *, num_layers: int, layer: int,
+               blocks: Sequence[Array], partial: Optional[Array]) -> "ResidualStream":
+        """A block stream that starts at sublayer `layer` (direct schedule) holding the completed
+        blocks b_0..b_{n-1} and the running partial sum (None at a block boundary): how a
+        pipeline stage picks up what its predecessor sent."""
+        if config.kind != "block":
+            raise ValueError(f"config: resume is for kind='block', got kind={config.kind!r}")
+        S = config.block_size
+        if not 1 <= layer <= num_layers:
+            raise ValueError(f"layer: expected 1 <= layer <= {num_layers}, got {layer}")
+        if len(blocks) != (layer - 1) // S + 1 or (partial is None) != ((layer - 1) % S == 0):
+            raise ValueError(f"blocks/partial: sublayer {layer} with block size {S} needs "
+                             f"{(layer - 1) // S + 1} completed blocks and "
+                             f"{'no' if (layer - 1) % S == 0 else 'a'} partial sum; got "
+                             f"{len(blocks)} blocks and partial={'None' if partial is None else 'a tensor'}")
+        stream = cls(config, ops, blocks[0], num_layers=num_layers)
+        stream.layer = layer
+        stream.blocks = list(blocks)
+        stream.block_stats = [stream._stats(b) for b in blocks]
+        stream.partial = partial
+        return stream
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _stats(self, value: Array) -> Any:
+        return self.ops.source_stats(value, self.config) if self.config.is_attention else None
+
+    def _sources(self, layer: int):
+        """(sources, stats, labels) of sublayer `layer` (L + 1: the output aggregation)."""
+        cfg = self.config
+        if cfg.kind == "block":  # M3: [b_0..b_{n-1}] (+ the partial sum inside a block)
+            n = len(self.blocks)
+            labels = [f"b{j}" for j in range(n)]
+            if self.partial is None:
+                return list(self.blocks), list(self.block_stats), labels
+            return self.blocks + [self.partial], self.block_stats + [None], labels + ["partial"]
+        idx = list(range(layer))  # M2 full: [v_0..v_{l-1}]
+        if cfg.kind == "window":  # M5: [v_0] + [v_j : max(1, l - W) <= j <= l - 1]
+            idx = [0] + list(range(max(1, layer - cfg.window), layer))
+        return ([self.values[j] for j in idx], [self.value_stats[j] for j in idx],
+                [f"v{j}" for j in idx])
+
+    def _attend(self, row: int, layer: int) -> Array:
+        """Depth attention of row r over the sources of `layer` (direct schedule)."""
+        cfg, ops = self.config, self.ops
+        sources, stats, labels = self._sources(layer)
+        if cfg.query == "static":  # M6: the pseudo-query w_l
+            q = ops.param("queries", row)
+        else:  # M6: q_l = rmsnorm(most recent source) @ W_l, per token
+            q = ops.matmul(ops.rmsnorm(sources[-1], cfg.eps),
+                           ops.param("query_weights", row, like=sources[-1]))
+        want = self.observer is not None and self.observer.wants_weights
+        out, weights = ops.depth_attention(sources, stats, q, ops.param("norm_weights", row), cfg,
+                                           return_weights=want)
+        if self.observer is not None:
+            self.observer.depth_attention(row, labels, sources, weights)
+        return out
+
+    def _mix(self, row: int) -> Array:
+        """M7 static: h = sum_{i <= r} depth_weights[r, i] v_i (DenseFormer-style)."""
+        ops = self.ops
+        h = None
+        for i, v in enumerate(self.values[:row + 1]):
+            term = ops.mul(ops.param("depth_weights", (row, i), like=v), v)
+            h = term if h is None else ops.add(h, term)
+        return h
+
+    def _two_phase_input(self, row: int) -> Array:
+        """M9: phase 1 once per block for all its sublayers, phase 2 merged per sublayer."""
+        cfg, ops = self.config, self.ops
+        if self.partial is None:  # the block's first sublayer: run phase 1
+            last = min(row + cfg.block_size, self.num_layers)
+            rows = slice(row, last)
+            out1, lse1 = ops.depth_attention_multi(list(self.blocks), list(self.block_stats),
+                                                   ops.param("queries", rows),
+                                                   ops.param("norm_weights", rows), cfg)
+            self._phase1 = (out1, lse1, row)
+            return ops.take(out1, 0)
+        out1, lse1, first = self._phase1
+        i = row - first
+        return ops.merge_partial(ops.take(out1, i), ops.take(lse1, i), self.partial,
+                                 ops.param("queries", row), ops.param("norm_weights", row), cfg)
+
+    # -- the protocol --------------------------------------------------------------------------
+    def input(self) -> Array:
+        """h_l `[..., D]` for the next sublayer l."""
+        if self.layer > self.num_layers:
+            raise ValueError(f"input: all {self.num_layers} sublayers were already pushed")
+        kind, row = self.config.kind, self.layer - 1
+        if kind in ADDITIVE_KINDS:
+            h = self.h
+        elif kind == "static":
+            h = self._mix(row)
+        elif kind == "block" and self.two_phase:
+            h = self._two_phase_input(row)
+        else:
+            h = self._attend(row, self.layer)
+        self._last_input = h
+        return h
+
+    def push(self, v: Array) -> None:
+        """Record v_l `[..., D]`, the output of sublayer l."""
+        cfg, ops, l = self.config, self.ops, self.layer
+        if l > self.num_layers:
+            raise ValueError(f"push: all {self.num_layers} sublayers were already pushed")
+        row = l - 1
+        if self.observer is not None:
+            self.observer.sublayer(l, self._last_input, v)
+        if cfg.kind == "standard":  # M7: h_{l+1} = h_l + v_l
+            self.h = ops.add(self.h, v)
+        elif cfg.kind == "scalar":  # M7: h_{l+1} = h_l + alpha_l v_l
+            self.h = ops.add(self.h, ops.mul(ops.param("alphas", row, like=v), v))
+        elif cfg.kind == "gated":  # M7: h_{l+1} = h_l + sigmoid(rmsnorm(h_l) @ W_l + b_l) * v_l
+            h = self.h
+            logits = ops.matmul(ops.rmsnorm(h, cfg.eps), ops.param("gate_weights", row, like=h))
+            gate = ops.sigmoid(ops.add(logits, ops.param("gate_biases", row, like=h)))
+            self.h = ops.add(h, ops.mul(gate, v))
+        elif cfg.kind == "block":  # M3: the partial sum; sealed at the block's last sublayer
+            self.partial = v if self.partial is None else ops.add(self.partial, v)
+            if l % cfg.block_size == 0 or l == self.num_layers:
+                self.blocks = self.blocks + [self.partial]
+                self.block_stats = self.block_stats + [self._stats(self.partial)]
+                self.partial = None
+        else:
+            self.values = self.values + [v]
+            self.value_stats = self.value_stats + [self._stats(v)]
+        self._last_input = None
+        self.layer += 1
+
+    def output(self) -> Array:
+        """h_{L+1} `[..., D]` after all L sublayers (before any final norm); M4: row L."""
+        if self.layer != self.num_layers + 1:
+            raise ValueError(f"output: {self.layer - 1} of {self.num_layers} sublayers pushed")
+        kind, L = self.config.kind, self.num_layers
+        if kind in ADDITIVE_KINDS:
+            return self.h
+        if kind == "static":
+            return self._mix(L)
+        return self._attend(L, L + 1)
+
+
+def run_schedule(config: ResidualConfig, ops: ResidualOps, embedding: Array,
+                 sublayers: Sequence[Callable[[Array], Array]], *, schedule: str = "direct",
+                 observer: Optional[ScheduleObserver] = None) -> Array:
+    """Run the scheme over sublayers f_1..f_L (callables h -> v); returns h_{L+1} `[..., D]`."""
+    stream = ResidualStream(config, ops, embedding, num_layers=len(sublayers), schedule=schedule,
+                            observer=observer)
+    for f in sublayers:
+        stream.push(f(stream.input()))
+    return stream.output()

@@ -2,7 +2,7 @@
 the single-query op and phase 1 of the two-phase schedule) and of `merge_partial`.
 
 Used only where `mx.metal.is_available()`; everywhere else `ops.py` runs the compiled twin
-(`_twin.py`).  NOT VERIFIED: this file was written on Linux, where Metal does not exist; its
+(`compiled.py`).  NOT VERIFIED: this file was written on Linux, where Metal does not exist; its
 source has never been compiled or run (see backend_mlx/README.md).  The Python wrappers only
 build and launch the kernels; the results go through the same shaping/reduction code in
 `ops.py` as the twin's.

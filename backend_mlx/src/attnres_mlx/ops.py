@@ -3,7 +3,7 @@
 `depth_attention`, `depth_attention_multi` and `merge_partial` validate with the shared
 `attnres_numpy.validation` checks, then run one `mx.custom_function` per static configuration
 whose forward and backward are either the Metal kernels (`metal.py`, only where
-`mx.metal.is_available()`) or the `mx.compile`d twin (`_twin.py`, everywhere else).  They work
+`mx.metal.is_available()`) or the `mx.compile`d twin (`compiled.py`, everywhere else).  They work
 under `mx.compile`, `mx.grad`/`mx.vjp` and `mx.vmap`.
 
 Dtypes (C10): sources float16/bfloat16/float32, and float64 on the CPU device; every
@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 from attnres_numpy import validation
 
-from . import _twin, metal
+from . import compiled, metal
 
 Sources = Union[mx.array, Sequence[mx.array]]
 
@@ -37,7 +37,7 @@ def dtype_name(dtype) -> str:
 
 #: The logistic function with the precision rule of the ops (float64 stays float64): the gated
 #: residual scheme's gate uses it.
-sigmoid = _twin.sigmoid
+sigmoid = compiled.sigmoid
 
 
 def compute_dtype(source_dtype) -> mx.Dtype:
@@ -98,20 +98,20 @@ def _split(xs, static: Static) -> List[mx.array]:
 
 
 def _broadcast_inputs(st: Static, xs, q, g, rs):
-    """Compute-dtype broadcast forms (see `_twin`): sources, qg, per-source r, q, g."""
+    """Compute-dtype broadcast forms (see `compiled`): sources, qg, per-source r, q, g."""
     srcs = _split(xs, st)
     c = compute_dtype(srcs[0].dtype)
     batch = srcs[0].shape[:-1]
     if st.mode == "multi":
         lead = (q.shape[0],) + (1,) * len(batch) + (1,)
-        xb = [_twin.heads(x.astype(c)[None], 1) for x in srcs]
+        xb = [compiled.heads(x.astype(c)[None], 1) for x in srcs]
         qb = q.astype(c).reshape(*lead, q.shape[-1])
         gb = g.astype(c).reshape(*lead, g.shape[-1])
         rb_given = [r.astype(c)[None] for r in rs]
     else:
-        xb = [_twin.heads(x.astype(c), st.num_heads) for x in srcs]
-        qb = _twin.heads(q.astype(c), st.num_heads)
-        gb = _twin.heads(g.astype(c), st.num_heads)
+        xb = [compiled.heads(x.astype(c), st.num_heads) for x in srcs]
+        qb = compiled.heads(q.astype(c), st.num_heads)
+        gb = compiled.heads(g.astype(c), st.num_heads)
         rb_given = [r.astype(c) for r in rs]
     it = iter(rb_given)
     rb = [next(it) if cached else None for cached in st.cached]
@@ -124,17 +124,17 @@ def _squeeze_heads(a: mx.array, st: Static) -> mx.array:
 
 def _twin_forward_core(st: Static, srcs, xb, qg, rb, q, g, rs):
     """(out `[..(S).., H, Dh]`, p `[N, ..., H]`, lse `[..., H]` | None) in broadcast form."""
-    return _twin.attend_forward(xb, qg, rb, eps=st.eps, scale=st.scale,
+    return compiled.attend_forward(xb, qg, rb, eps=st.eps, scale=st.scale,
                                 activation=st.activation, key_norm=st.key_norm)
 
 
 def _twin_backward_core(st: Static, srcs, xb, qg, rb, q, g, rs, d_out, d_lse):
-    """(dxs, dqg, drs) in broadcast form (see `_twin.attend_backward`)."""
-    g_out = _twin.heads(d_out.astype(qg.dtype), 1 if st.mode == "multi" else st.num_heads)
+    """(dxs, dqg, drs) in broadcast form (see `compiled.attend_backward`)."""
+    g_out = compiled.heads(d_out.astype(qg.dtype), 1 if st.mode == "multi" else st.num_heads)
     if d_lse is not None:
         d_lse = d_lse.astype(qg.dtype)
         d_lse = d_lse[..., None] if st.mode == "multi" or st.num_heads == 1 else d_lse
-    return _twin.attend_backward(xb, qg, rb, g_out, d_lse, eps=st.eps, scale=st.scale,
+    return compiled.attend_backward(xb, qg, rb, g_out, d_lse, eps=st.eps, scale=st.scale,
                                  activation=st.activation, key_norm=st.key_norm)
 
 
@@ -156,12 +156,12 @@ def _backward(core, st: Static, xs, q, g, rs, d_out, d_lse):
     forms, each summed back to its input's shape and cast to its dtype."""
     srcs, xb, qg, rb, qb, gb = _broadcast_inputs(st, xs, q, g, rs)
     dxs, dqg, drs = core(st, srcs, xb, qg, rb, q, g, rs, d_out, d_lse)
-    dxs = [_twin.sum_to(dx, x.shape).reshape(s.shape).astype(s.dtype)
+    dxs = [compiled.sum_to(dx, x.shape).reshape(s.shape).astype(s.dtype)
            for dx, x, s in zip(dxs, xb, srcs)]
     d_sources = mx.stack(dxs) if st.stacked else dxs
-    dq = _twin.sum_to(dqg * gb, qb.shape).reshape(q.shape).astype(q.dtype)
-    dg = _twin.sum_to(dqg * qb, gb.shape).reshape(g.shape).astype(g.dtype)
-    d_rs = [_twin.sum_to(dr, r.shape).reshape(given.shape).astype(given.dtype)
+    dq = compiled.sum_to(dqg * gb, qb.shape).reshape(q.shape).astype(q.dtype)
+    dg = compiled.sum_to(dqg * qb, gb.shape).reshape(g.shape).astype(g.dtype)
+    d_rs = [compiled.sum_to(dr, r.shape).reshape(given.shape).astype(given.dtype)
             for dr, r, given in zip((d for d in drs if d is not None),
                                     (r for r in rb if r is not None), rs)]
     return d_sources, dq, dg, d_rs
@@ -277,14 +277,14 @@ def depth_attention_multi(sources: Sources, queries: mx.array,
 
 def _twin_merge_forward_core(eps, scale, o1, l1, x, q, g):
     c = compute_dtype(x.dtype)
-    out, lse = _twin.merge_forward(o1.astype(c), l1.astype(c), x.astype(c),
+    out, lse = compiled.merge_forward(o1.astype(c), l1.astype(c), x.astype(c),
                                    q.astype(c) * g.astype(c), eps=eps, scale=scale)
     return out.astype(x.dtype), lse
 
 
 def _twin_merge_backward_core(eps, scale, o1, l1, x, q, g, d_out, d_lse):
     c = compute_dtype(x.dtype)
-    return _twin.merge_backward(o1.astype(c), l1.astype(c), x.astype(c),
+    return compiled.merge_backward(o1.astype(c), l1.astype(c), x.astype(c),
                                 q.astype(c) * g.astype(c), d_out.astype(c), d_lse.astype(c),
                                 eps=eps, scale=scale)
 
@@ -294,8 +294,8 @@ def _merge_backward(core, eps, scale, o1, l1, x, q, g, d_out, d_lse):
     d_o1, d_l1, d_x, dqg = core(eps, scale, o1, l1, x, q, g, d_out, d_lse)
     qc, gc = q.astype(dqg.dtype), g.astype(dqg.dtype)
     return (d_o1.astype(o1.dtype), d_l1.astype(l1.dtype), d_x.astype(x.dtype),
-            _twin.sum_to(dqg * gc, q.shape).astype(q.dtype),
-            _twin.sum_to(dqg * qc, g.shape).astype(g.dtype))
+            compiled.sum_to(dqg * gc, q.shape).astype(q.dtype),
+            compiled.sum_to(dqg * qc, g.shape).astype(g.dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -343,4 +343,4 @@ def inverse_rms(x: mx.array, *, eps: float = 1e-6, num_heads: int = 1) -> mx.arr
     """
     x = _require_array("x", x)
     c = compute_dtype(x.dtype)
-    return _twin.inverse_rms(_twin.heads(x.astype(c), num_heads), eps)
+    return compiled.inverse_rms(compiled.heads(x.astype(c), num_heads), eps)

@@ -1,6 +1,7 @@
 """Training diagnostics for `DepthRouter` models: what the depth attention does while a model trains.
 
-`DepthMonitor` hooks a router (and, optionally, its sublayer modules) and records, inside
+`DepthMonitor` observes a router (`DepthRouter.observer`, the shared schedule's observer hook) and
+records, inside
 `with monitor.record(step):` (one training step: forward and backward):
 
 * per depth-attention row r (sublayer l = r + 1; row L is the output aggregation): the depth
@@ -13,13 +14,15 @@
 
 Weights are normalized per token before the statistics (softmax weights already sum to 1; sigmoid
 weights are divided by their sum).  Entropy is in nats (a uniform row over N sources has log N).
-Outside `record` the hooks do nothing; `close()` removes them.  `history` is a list of plain,
+Outside `record` the observer does nothing; `close()` detaches it.  `history` is a list of plain,
 JSON-serializable dicts, one per record, from which `attnres_torch.examples.report` draws plots.
 
 While recording, a Block router runs its direct schedule (equal to two-phase, spec 3) so that every
-row's weights are observable; the weights are recomputed under `torch.no_grad()` with
-`depth_attention(..., return_weights=True)`, so the model's computation and gradients are exactly
-those of an unmonitored step.
+row's weights are observable; each read asks its op for the weights with the output
+(`depth_attention(..., return_weights=True)`: the same implementation, the weights from its own
+lse, detached), so the model's computation and gradients are exactly those of an unmonitored
+step and no depth attention runs twice.  The sublayer magnitudes are the inputs and outputs the
+schedule hands out and receives; gradient norms come from the given sublayer modules.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ import warnings
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
+from attnres_numpy.schedule import ScheduleObserver
 from torch import nn
 
-from .modules import DepthRouter, RouterStream
-from .ops import depth_attention
+from .modules import DepthRouter
 
 
 class DepthCollapseWarning(UserWarning):
@@ -63,41 +66,27 @@ def _rms(x: torch.Tensor) -> float:
     return float(x.detach().to(torch.float64).square().mean().sqrt())
 
 
-class _RecordingStream(RouterStream):
-    """A `RouterStream` that reports every depth-attention call to its monitor.
+class _MonitorObserver(ScheduleObserver):
+    """The monitor's `ScheduleObserver`: the router's stream reports each depth-attention row
+    (labels and the weights the op computed with the output) and each sublayer (input, output);
+    it asks for weights only while its monitor records."""
 
-    `modules.py` has no public observer hook, so this relies on RouterStream internals: every
-    depth attention goes through `_attend(row, sources)`, `_query(row, sources)` gives the row's
-    query, `two_phase` selects the schedule, and `values` / `blocks` / `partial` hold the sources
-    (matched by identity for the labels).  `test_diagnostics.py` checks the result against the
-    float64 reference, so a change there fails loudly.
-    """
-
-    def __init__(self, router: DepthRouter, embedding: torch.Tensor, monitor: "DepthMonitor"):
-        super().__init__(router, embedding)
-        self.two_phase = False
+    def __init__(self, monitor: "DepthMonitor"):
         self.monitor = monitor
 
-    def _labels(self, sources: Sequence[torch.Tensor]) -> List[str]:
-        pool, prefix = (self.blocks, "b") if self.cfg.kind == "block" else (self.values, "v")
-        labels = []
-        for s in sources:
-            if s is self.partial:
-                labels.append("partial")
-            else:
-                labels.append(next(f"{prefix}{j}" for j, t in enumerate(pool) if t is s))
-        return labels
+    @property
+    def wants_weights(self) -> bool:
+        return self.monitor._current is not None
 
-    def _attend(self, row: int, sources: List[torch.Tensor]) -> torch.Tensor:
-        out = super()._attend(row, sources)
-        c = self.cfg
-        with torch.no_grad():
-            _, weights = depth_attention(sources, self._query(row, sources),
-                                         self.router.norm_weights[row], eps=c.eps, scale=c.scale,
-                                         num_heads=c.num_heads, activation=c.activation,
-                                         key_norm=c.key_norm, return_weights=True)
-        self.monitor._observe_row(row, self._labels(sources), weights)
-        return out
+    def depth_attention(self, row, labels, sources, weights) -> None:
+        if self.monitor._current is not None and weights is not None:
+            self.monitor._observe_row(row, labels, weights)
+
+    def sublayer(self, layer, h, v) -> None:
+        cur = self.monitor._current
+        if cur is not None and self.monitor.sublayers:
+            cur["input_rms"][layer - 1].append(_rms(h))
+            cur["output_rms"][layer - 1].append(_rms(v))
 
 
 class DepthMonitor:
@@ -109,8 +98,9 @@ class DepthMonitor:
         RMS and gradient norms; empty to record depth weights only.
       collapse_threshold: warn when a row's token-averaged maximum weight exceeds it.
 
-    While attached, the router carries an instance attribute `stream` (the recording switch):
-    `close()` before pickling or deep-copying the whole module (`state_dict` is unaffected).
+    While attached, the monitor is the router's `observer` (`DepthRouter.observer`, a
+    `ScheduleObserver` of the shared schedule): `close()` before pickling or deep-copying the
+    whole module (`state_dict` is unaffected).
     """
 
     def __init__(self, router: DepthRouter, sublayers: Sequence[nn.Module] = (), *,
@@ -120,27 +110,20 @@ class DepthMonitor:
                              f"got {len(sublayers)}")
         if not 0.0 < collapse_threshold < 1.0:
             raise ValueError(f"collapse_threshold: expected a value in (0, 1), got {collapse_threshold!r}")
-        if "stream" in vars(router):
+        if router.observer is not None:
             raise ValueError("router: already watched by another DepthMonitor (close() it first)")
         self.router, self.sublayers = router, list(sublayers)
         self.collapse_threshold = collapse_threshold
         self.history: List[dict] = []
         self._current: Optional[dict] = None
         self._warned: set = set()
-        self._handles = [m.register_forward_hook(self._sublayer_hook(l))
-                         for l, m in enumerate(self.sublayers)]
-        self._plain_stream = router.stream
-        router.stream = lambda embedding: (_RecordingStream(router, embedding, self)
-                                           if self._current is not None
-                                           else self._plain_stream(embedding))
+        self._observer = _MonitorObserver(self)
+        router.observer = self._observer
 
     def close(self) -> None:
-        """Remove every hook; the router and sublayers behave as if never monitored."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        if "stream" in vars(self.router):
-            del self.router.stream
+        """Detach from the router; it behaves as if never monitored."""
+        if self.router.observer is self._observer:
+            self.router.observer = None
 
     # -- recording ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -161,13 +144,6 @@ class DepthMonitor:
             self._current = None
         self.history.append(entry)
         self._check_collapse(entry)
-
-    def _sublayer_hook(self, index: int):
-        def hook(module, args, output):
-            if self._current is not None:
-                self._current["input_rms"][index].append(_rms(args[0]))
-                self._current["output_rms"][index].append(_rms(output))
-        return hook
 
     def _observe_row(self, row: int, labels: List[str], weights: torch.Tensor) -> None:
         stats = weight_stats(weights)

@@ -19,14 +19,16 @@ Parameters are named and shaped as `ResidualConfig.param_shapes(L, D)` ("queries
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from attnres_numpy.config import ResidualConfig
+from attnres_numpy.schedule import ResidualStream, ScheduleObserver
 from torch import nn
 
-from .ops import depth_attention, depth_attention_multi, merge_partial
+from .ops import depth_attention
+from .residual_ops import TorchOps
 
 
 class DepthAttention(nn.Module):
@@ -66,14 +68,25 @@ class DepthRouter(nn.Module):
         for name, value in config.init_params(num_layers, dim).items():
             self.register_parameter(name, nn.Parameter(torch.tensor(value, dtype=torch.float32)))
 
+    #: An optional `attnres_numpy.schedule.ScheduleObserver` that every pass reports to (set by
+    #: `DepthMonitor`); while it wants depth weights the router runs its direct schedule.
+    observer: Optional[ScheduleObserver] = None
+
     def active_schedule(self) -> str:
         if self.schedule is not None:
             return self.schedule
         return "two_phase" if not self.training and self.config.supports_two_phase else "direct"
 
-    def stream(self, embedding: torch.Tensor) -> "RouterStream":
-        """Start a pass: embedding `[..., D]` is v_0."""
-        return RouterStream(self, embedding)
+    def stream(self, embedding: torch.Tensor) -> ResidualStream:
+        """Start a pass: embedding `[..., D]` is v_0.  The stream (`attnres_numpy.schedule`) gives
+        `input()` (h_l for the next sublayer), `push(v_l)` and `output()` (h_{L+1})."""
+        observer = self.observer
+        schedule = self.active_schedule()
+        if observer is not None and observer.wants_weights:
+            schedule = "direct"  # two-phase never forms the weights (spec 3: same result)
+        params = {name: getattr(self, name) for name in self.config.param_shapes(self.num_layers, self.dim)}
+        return ResidualStream(self.config, TorchOps(params), embedding, num_layers=self.num_layers,
+                              schedule=schedule, observer=observer)
 
     def forward(self, embedding: torch.Tensor, sublayers: Sequence[Callable]) -> torch.Tensor:
         """Run L sublayers (callables `[..., D]` -> `[..., D]`); returns the output `[..., D]`
@@ -84,112 +97,6 @@ class DepthRouter(nn.Module):
         for f in sublayers:
             stream.push(f(stream.input()))
         return stream.output()
-
-
-def _rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without gain (query input norm, gate input norm)."""
-    return F.rms_norm(x, (x.shape[-1],), eps=eps)
-
-
-class RouterStream:
-    """The state one forward pass threads (spec 4-5): the current h (standard/scalar/gated), the
-    layer outputs v_0.. (static/full/window), or the completed blocks b_0.. and the partial sum
-    (block); `input()` gives h_l for the next sublayer l, `push(v_l)` records its output."""
-
-    def __init__(self, router: DepthRouter, embedding: torch.Tensor):
-        self.router, self.cfg = router, router.config
-        self.layer = 1
-        self.h = embedding
-        self.values: List[torch.Tensor] = [embedding]  # v_0..v_{l-1} (static/full/window)
-        self.blocks: List[torch.Tensor] = [embedding]  # b_0..     (block)
-        self.partial: Optional[torch.Tensor] = None
-        self.phase1 = None  # (out1 [S, ..., D], lse1 [S, ...], first row) of the current block
-        self.two_phase = router.active_schedule() == "two_phase"
-
-    # -- helpers -----------------------------------------------------------------------------
-    def _query(self, row: int, sources: List[torch.Tensor]) -> torch.Tensor:
-        if self.cfg.query == "static":
-            return self.router.queries[row]
-        return _rmsnorm(sources[-1], self.cfg.eps) @ self.router.query_weights[row].to(sources[-1].dtype)
-
-    def _attend(self, row: int, sources: List[torch.Tensor]) -> torch.Tensor:
-        c = self.cfg
-        return depth_attention(sources, self._query(row, sources), self.router.norm_weights[row],
-                               eps=c.eps, scale=c.scale, num_heads=c.num_heads,
-                               activation=c.activation, key_norm=c.key_norm)
-
-    def _sources(self, layer: int) -> List[torch.Tensor]:
-        """Sources of sublayer `layer` (L + 1 = the output aggregation)."""
-        if self.cfg.kind == "full":
-            return self.values
-        if self.cfg.kind == "window":
-            lo = max(1, layer - self.cfg.window)
-            return [self.values[0]] + self.values[lo:layer]
-        return self.blocks if self.partial is None else self.blocks + [self.partial]
-
-    def _block_end(self, layer: int) -> bool:
-        return layer % self.cfg.block_size == 0 or layer == self.router.num_layers
-
-    # -- the protocol ------------------------------------------------------------------------
-    def input(self) -> torch.Tensor:
-        """h_l `[..., D]` for the next sublayer l."""
-        kind, row = self.cfg.kind, self.layer - 1
-        if kind in ("standard", "scalar", "gated"):
-            return self.h
-        if kind == "static":
-            w = self.router.depth_weights[row]
-            return sum(w[i] * v for i, v in enumerate(self.values))
-        if kind == "block" and self.two_phase:
-            return self._two_phase_input(row)
-        return self._attend(row, self._sources(self.layer))
-
-    def _two_phase_input(self, row: int) -> torch.Tensor:
-        """Spec 3: phase 1 once per block for all its sublayers, phase 2 merged per sublayer."""
-        r = self.router
-        if self.partial is None:
-            last = min(self.layer + self.cfg.block_size - 1, r.num_layers)
-            out1, lse1 = depth_attention_multi(self.blocks, r.queries[row:last],
-                                               r.norm_weights[row:last], eps=self.cfg.eps,
-                                               scale=self.cfg.scale)
-            self.phase1 = (out1, lse1, row)
-            return out1[0]
-        out1, lse1, first = self.phase1
-        return merge_partial(out1[row - first], lse1[row - first], self.partial, r.queries[row],
-                             r.norm_weights[row], eps=self.cfg.eps, scale=self.cfg.scale)
-
-    def push(self, v: torch.Tensor) -> None:
-        """Record v_l `[..., D]`, the output of sublayer l."""
-        kind, row, l = self.cfg.kind, self.layer - 1, self.layer
-        if l > self.router.num_layers:
-            raise ValueError(f"push: all {self.router.num_layers} sublayers were already pushed")
-        if kind == "standard":
-            self.h = self.h + v
-        elif kind == "scalar":
-            self.h = self.h + self.router.alphas[row] * v
-        elif kind == "gated":
-            r, dtype = self.router, self.h.dtype
-            gate = _rmsnorm(self.h, self.cfg.eps) @ r.gate_weights[row].to(dtype) + r.gate_biases[row].to(dtype)
-            self.h = self.h + torch.sigmoid(gate) * v
-        elif kind == "block":
-            self.partial = v if self.partial is None else self.partial + v
-            if self._block_end(l):
-                self.blocks = self.blocks + [self.partial]
-                self.partial = None
-        else:
-            self.values = self.values + [v]
-        self.layer += 1
-
-    def output(self) -> torch.Tensor:
-        """The output `[..., D]` after all L sublayers (before any final norm)."""
-        if self.layer != self.router.num_layers + 1:
-            raise ValueError(f"output: {self.layer - 1} of {self.router.num_layers} sublayers pushed")
-        kind, row = self.cfg.kind, self.router.num_layers
-        if kind in ("standard", "scalar", "gated"):
-            return self.h
-        if kind == "static":
-            w = self.router.depth_weights[row]
-            return sum(w[i] * v for i, v in enumerate(self.values))
-        return self._attend(row, self._sources(self.layer))
 
 
 class PreNorm(nn.Module):

@@ -24,8 +24,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from attnres_numpy.config import ResidualConfig
+from attnres_numpy.schedule import ResidualStream
 
-from .. import ops
+from ..residual_ops import TorchOps
 from .comm import CommCounter, recv, send
 from .pipeline_plan import PipelinePlan
 
@@ -45,26 +47,22 @@ class _ChunkState:
 
 def _run_chunk(plan: PipelinePlan, chunk: int, blocks: Dict[int, torch.Tensor], partial, sublayers,
                queries, norm_weights, eps, scale):
-    """Sublayers of `chunk` (spec M3).  blocks: index -> tensor for b_0..b_{n-1}; partial: the
-    running sum of the current block or None.  Returns (produced blocks, partial, out or None)."""
-    s = plan.block_size
+    """Sublayers of `chunk` on the shared schedule (spec M3, direct).  blocks: index -> tensor
+    for b_0..b_{n-1}; partial: the running sum of the current block or None.  Returns (produced
+    blocks, partial, out or None)."""
+    config = ResidualConfig(kind="block", block_size=plan.block_size, eps=eps, scale=scale)
+    ops = TorchOps({"queries": queries, "norm_weights": norm_weights})
+    layers = list(plan.layers(chunk))
+    stream = ResidualStream.resume(config, ops, num_layers=plan.num_layers, layer=layers[0] + 1,
+                                   blocks=[blocks[j] for j in range(len(blocks))], partial=partial)
+    first_new = len(stream.blocks)
+    for layer in layers:
+        stream.push(sublayers[layer](stream.input()))
     produced = {}
-    for layer in plan.layers(chunk):
-        n = layer // s + 1  # 1-based block of this sublayer
-        srcs = [blocks[j] for j in range(n)] + ([] if partial is None else [partial])
-        h = ops.depth_attention(srcs, queries[layer], None if norm_weights is None else norm_weights[layer],
-                                eps=eps, scale=scale)
-        v = sublayers[layer](h)
-        partial = v if partial is None else partial + v
-        if (layer + 1) % s == 0 or layer + 1 == plan.num_layers:
-            produced[n] = blocks[n] = partial
-            partial = None
-    out = None
-    if chunk == plan.num_chunks - 1:
-        last = plan.num_layers
-        out = ops.depth_attention([blocks[j] for j in range(len(blocks))], queries[last],
-                                  None if norm_weights is None else norm_weights[last], eps=eps, scale=scale)
-    return produced, partial, out
+    for j in range(first_new, len(stream.blocks)):
+        produced[j] = blocks[j] = stream.blocks[j]
+    out = stream.output() if chunk == plan.num_chunks - 1 else None
+    return produced, stream.partial, out
 
 
 def run_pipeline(plan: PipelinePlan, embeddings: Sequence[Optional[torch.Tensor]], sublayers: Sequence[Callable],

@@ -22,8 +22,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from attnres_numpy.config import ResidualConfig
+from attnres_numpy.schedule import ResidualStream
 
-from .. import ops
+from ..residual_ops import TorchOps
 from .comm import CommCounter, all_gather_dim0, all_reduce_sum, reduce_scatter_dim0
 
 
@@ -86,26 +88,15 @@ def sequence_sharded_prefill(embedding: torch.Tensor, sublayers: Sequence[Callab
     if queries.dim() != 2 or queries.shape[0] != num_layers + 1:
         raise ValueError(f"queries: expected shape [L + 1, D] = [{num_layers + 1}, D] for "
                          f"{num_layers} sublayers, got shape {tuple(queries.shape)}")
-    nw = (lambda rows: None) if norm_weights is None else (lambda rows: norm_weights[rows])
-    blocks = [embedding]
-    for first in range(0, num_layers, block_size):
-        rows = slice(first, min(first + block_size, num_layers))
-        # Phase 1: every query of the block over the local shards of b_0..b_{n-1} (no comm).
-        out1, lse1 = ops.depth_attention_multi(blocks, queries[rows], nw(rows), eps=eps, scale=scale)
-        partial = None
-        for i, layer in enumerate(range(rows.start, rows.stop)):
-            if partial is None:
-                h = out1[0]
-            else:  # Phase 2 on the local tokens.
-                h = ops.merge_partial(out1[i], lse1[i], partial, queries[layer], nw(layer),
-                                      eps=eps, scale=scale)
-            h_full = gather_sequence(h, group=group, seq_dim=seq_dim, counter=counter)
-            y = scatter_sequence(sublayers[layer](h_full), group=group, seq_dim=seq_dim,
-                                 counter=counter)
-            partial = y if partial is None else partial + y
-        blocks.append(partial)
-    out = ops.depth_attention(blocks, queries[num_layers], nw(num_layers), eps=eps, scale=scale)
-    return out, blocks
+    config = ResidualConfig(kind="block", block_size=block_size, eps=eps, scale=scale)
+    ops = TorchOps({"queries": queries, "norm_weights": norm_weights})
+    # Phase 1 runs on the local shards of b_0..b_{n-1} (no comm), phase 2 on the local tokens;
+    # each sublayer sees the gathered sequence and its partial output is reduce-scattered.
+    stream = ResidualStream(config, ops, embedding, num_layers=num_layers, schedule="two_phase")
+    for f in sublayers:
+        h_full = gather_sequence(stream.input(), group=group, seq_dim=seq_dim, counter=counter)
+        stream.push(scatter_sequence(f(h_full), group=group, seq_dim=seq_dim, counter=counter))
+    return stream.output(), stream.blocks
 
 
 def all_reduce_grads(params: Sequence[torch.Tensor], *, group=None,

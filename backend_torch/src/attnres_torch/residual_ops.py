@@ -1,0 +1,57 @@
+"""torch's `ResidualOps`: the primitives the shared residual schedule (`attnres_numpy.schedule`)
+runs on.  `DepthRouter`, `stream()`, `DepthMonitor` and the sequence- and pipeline-parallel
+wiring all drive `ResidualStream` with this object; nothing in torch re-derives the schedule.
+
+Dtypes (C10): the stream keeps the embedding's dtype; the scheme's own parameters (alphas, gate,
+static depth weights, query projections) are cast to it; the depth-attention query and gain go
+to the ops as they are (the ops compute in float32, float64 for float64, and round once).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from attnres_numpy.schedule import ResidualOps
+
+from . import ops
+
+
+class TorchOps(ResidualOps):
+    """params: name -> tensor of `ResidualConfig.param_shapes(L, D)` (a missing or None
+    "norm_weights" means a gainless key norm)."""
+
+    def __init__(self, params: Mapping[str, Optional[torch.Tensor]]):
+        self.params = params
+
+    def param(self, name, index, *, like=None):
+        p = self.params.get(name)
+        if p is None:
+            return None
+        p = p[index]
+        return p if like is None else p.to(like.dtype)
+
+    def rmsnorm(self, x, eps):
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+    def matmul(self, x, w):
+        return x @ w
+
+    def sigmoid(self, x):
+        return torch.sigmoid(x)
+
+    def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights):
+        result = ops.depth_attention(sources, query, norm_weight, eps=config.eps,
+                                     scale=config.scale, num_heads=config.num_heads,
+                                     activation=config.activation, key_norm=config.key_norm,
+                                     return_weights=return_weights)
+        return result if return_weights else (result, None)
+
+    def depth_attention_multi(self, sources, stats, queries, norm_weights, config):
+        return ops.depth_attention_multi(sources, queries, norm_weights, eps=config.eps,
+                                         scale=config.scale)
+
+    def merge_partial(self, out1, lse1, partial, query, norm_weight, config):
+        return ops.merge_partial(out1, lse1, partial, query, norm_weight, eps=config.eps,
+                                 scale=config.scale)

@@ -201,25 +201,6 @@ def test_merge_matches_reference_and_direct(kernels, per_token, dtype):
         assert_close(lse, direct_lse, name, "merge(multi) vs direct lse")
 
 
-@pytest.mark.parametrize("kernels", ["one_tile", "d_tiles"], indirect=True)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_update_fuses_the_partial_sum(kernels, dtype):
-    gen = torch.Generator().manual_seed(17)
-    shape = (4, 33)
-    out1 = rand(gen, shape, dtype)
-    lse1 = rand(gen, shape[:-1], torch.float32)
-    partial, update = rand(gen, shape, dtype), rand(gen, shape, dtype)
-    q, g = rand(gen, (33,), torch.float32), rand(gen, (33,), torch.float32)
-    out, lse, new_partial = td.merge_update_forward(out1, lse1, partial, update, q, g, EPS, SCALE)
-    assert kernels == ["_merge_kernel"]
-    _no_nan(out, lse, new_partial)
-    assert torch.equal(new_partial, (partial.float() + update.float()).to(dtype))
-    ref_out, ref_lse = td.merge_forward(out1, lse1, new_partial, q, g, EPS, SCALE)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    assert_close(out, ops.merge_partial(f64(out1), f64(lse1), f64(new_partial), f64(q), f64(g),
-                                        eps=EPS, scale=SCALE), str(dtype).replace("torch.", ""))
-
-
 def test_supports():
     xs = [torch.randn(3, 8), torch.randn(3, 8)]
     q, g = torch.randn(8), torch.randn(8)

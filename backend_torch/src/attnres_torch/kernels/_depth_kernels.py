@@ -343,18 +343,9 @@ def _depth_bwd_kernel(
 
 
 @triton.jit
-def _merge_source(part_ptr, part_stride, upd_ptr, upd_stride, newp_ptr, row2, col2, mask2, D,
-                  ELT: tl.constexpr, HAS_UPDATE: tl.constexpr, STORE: tl.constexpr):
-    """The merged source tile b `[BLOCK_T, BLOCK_D]` in fp32: partial, or with HAS_UPDATE the
-    new partial cast(partial + update) (stored to newp_ptr when STORE)."""
-    b = tl.load(part_ptr + row2 * part_stride + col2, mask=mask2, other=0.0).to(tl.float32)
-    if HAS_UPDATE:
-        u = tl.load(upd_ptr + row2 * upd_stride + col2, mask=mask2, other=0.0).to(tl.float32)
-        b = _to_elt(b + u, ELT)
-        if STORE:
-            tl.store(newp_ptr + row2 * D + col2, b, mask=mask2)
-        b = b.to(tl.float32)
-    return b
+def _merge_source(part_ptr, part_stride, row2, col2, mask2):
+    """The partial-sum tile b `[BLOCK_T, BLOCK_D]` in fp32."""
+    return tl.load(part_ptr + row2 * part_stride + col2, mask=mask2, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -368,19 +359,16 @@ def _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, row2, col2, mask2, D, ELT: tl.
 @triton.jit
 def _merge_kernel(
     o1_ptr, o1_stride, lse1_ptr,        # phase-1 out [T, D] (rows strided) and lse [T] fp32
-    part_ptr, part_stride,              # partial [T, D]
-    upd_ptr, upd_stride, newp_ptr,      # HAS_UPDATE: new sublayer output [T, D] -> new partial [T, D]
+    part_ptr, part_stride,              # partial b [T, D]
     q_ptr, q_stride, g_ptr,             # query [D] (q_stride 0) or [T, D]; gain [D] (HAS_GAIN)
     out_ptr, lse_ptr,                   # out [T, D] source dtype (contiguous), lse [T] fp32
     T, D, eps, scale,
-    ELT: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_UPDATE: tl.constexpr,
+    ELT: tl.constexpr, HAS_GAIN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """Phase-2 merge (spec 3.2, Algorithm 1), tiles [BLOCK_T, BLOCK_D]:
         z2 = scale r(b) <qg, b>,  w1 = sigmoid(lse1 - z2),  out = w1 out1 + (1 - w1) b,
         lse = logaddexp(lse1, z2)
-    where b = partial, or with HAS_UPDATE b = cast(partial + update) (Algorithm 1's
-    b_n^i = b_n^{i-1} + f_l(h_l), stored to newp_ptr, rounded exactly as an unfused add would).
     """
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)     # [BLOCK_T]
     rmask = rows < T
@@ -389,8 +377,7 @@ def _merge_kernel(
     if ONE_TILE:
         col2 = tl.arange(0, BLOCK_D)[None, :]                      # [1, BLOCK_D]
         mask2 = (row2 < T) & (col2 < D)                            # [BLOCK_T, BLOCK_D]
-        b = _merge_source(part_ptr, part_stride, upd_ptr, upd_stride, newp_ptr, row2, col2, mask2,
-                          D, ELT, HAS_UPDATE, True)
+        b = _merge_source(part_ptr, part_stride, row2, col2, mask2)
         qg = tl.load(q_ptr + row2 * q_stride + col2, mask=mask2, other=0.0).to(tl.float32)
         if HAS_GAIN:
             qg = qg * tl.load(g_ptr + col2, mask=col2 < D, other=0.0).to(tl.float32)
@@ -403,8 +390,7 @@ def _merge_kernel(
         for d0 in range(0, D, BLOCK_D):                            # walk 1: sum(b^2), <qg, b>
             col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
             mask2 = (row2 < T) & (col2 < D)
-            b = _merge_source(part_ptr, part_stride, upd_ptr, upd_stride, newp_ptr, row2, col2,
-                              mask2, D, ELT, HAS_UPDATE, True)
+            b = _merge_source(part_ptr, part_stride, row2, col2, mask2)
             qg = tl.load(q_ptr + row2 * q_stride + col2, mask=mask2, other=0.0).to(tl.float32)
             if HAS_GAIN:
                 qg = qg * tl.load(g_ptr + col2, mask=col2 < D, other=0.0).to(tl.float32)
@@ -415,8 +401,7 @@ def _merge_kernel(
         for d0 in range(0, D, BLOCK_D):                            # walk 2: the merged output
             col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
             mask2 = (row2 < T) & (col2 < D)
-            b = _merge_source(part_ptr, part_stride, upd_ptr, upd_stride, newp_ptr, row2, col2,
-                              mask2, D, ELT, HAS_UPDATE, False)
+            b = _merge_source(part_ptr, part_stride, row2, col2, mask2)
             _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, row2, col2, mask2, D, ELT)
     mx = tl.maximum(lse1, z2)
     tl.store(lse_ptr + rows, mx + tl.log(tl.exp(lse1 - mx) + tl.exp(z2 - mx)), mask=rmask)

@@ -235,7 +235,10 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor,
     return d_src, d_query, d_gain
 
 
-def _merge(out1, lse1, partial, update, query, norm_weight, eps, scale):
+def merge_forward(out1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
+                  norm_weight: Optional[Tensor], eps: float, scale: float) -> Tuple[Tensor, Tensor]:
+    """Phase 2 (spec 3.2): merge phase-1 out1 `[..., D]` / lse1 `[...]` with partial `[..., D]`
+    -> out `[..., D]` (partial's dtype), lse `[...]` fp32."""
     dim = partial.shape[-1]
     shape = partial.shape
     dev = partial.device
@@ -243,35 +246,14 @@ def _merge(out1, lse1, partial, update, query, norm_weight, eps, scale):
     q = _rows(query, dim) if per_token else query.contiguous()
     g = _vec(norm_weight)
     o1, b = _rows(out1, dim), _rows(partial, dim)
-    u = None if update is None else _rows(update, dim)
     l1 = lse1.reshape(-1).float().contiguous()
     num_rows = b.shape[0]
     out = _alloc(tuple(shape), partial.dtype, dev)
     lse = _alloc(tuple(shape[:-1]), torch.float32, dev)
-    newp = None if u is None else _alloc(tuple(shape), partial.dtype, dev)
     if num_rows:
         bt, _, bd, one_tile, warps = _tiles(num_rows, dim)
         _launch(_k._merge_kernel, (triton.cdiv(num_rows, bt),), o1, o1.stride(0), l1, b,
-                b.stride(0), b if u is None else u, 0 if u is None else u.stride(0),
-                out if newp is None else newp, q, q.stride(0) if per_token else 0,
-                q if g is None else g, out, lse, num_rows, dim, float(eps), float(scale), ELT=_elt(partial.dtype),
-                HAS_GAIN=g is not None, HAS_UPDATE=u is not None, BLOCK_T=bt, BLOCK_D=bd,
-                ONE_TILE=one_tile, num_warps=warps)
-    return out, lse, newp
-
-
-def merge_forward(out1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
-                  norm_weight: Optional[Tensor], eps: float, scale: float) -> Tuple[Tensor, Tensor]:
-    """Phase 2 (spec 3.2): merge phase-1 out1 `[..., D]` / lse1 `[...]` with partial `[..., D]`
-    -> out `[..., D]` (partial's dtype), lse `[...]` fp32."""
-    out, lse, _ = _merge(out1, lse1, partial, None, query, norm_weight, eps, scale)
+                b.stride(0), q, q.stride(0) if per_token else 0, q if g is None else g, out, lse,
+                num_rows, dim, float(eps), float(scale), ELT=_elt(partial.dtype),
+                HAS_GAIN=g is not None, BLOCK_T=bt, BLOCK_D=bd, ONE_TILE=one_tile, num_warps=warps)
     return out, lse
-
-
-def merge_update_forward(out1: Tensor, lse1: Tensor, partial: Tensor, update: Tensor, query: Tensor,
-                         norm_weight: Optional[Tensor], eps: float,
-                         scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """Phase 2 fused with the partial-sum update (Algorithm 1): new_partial = partial + update
-    (rounded to partial's dtype once), then `merge_forward(out1, lse1, new_partial, ...)`.
-    Returns (out, lse, new_partial)."""
-    return _merge(out1, lse1, partial, update, query, norm_weight, eps, scale)

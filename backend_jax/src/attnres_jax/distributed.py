@@ -17,17 +17,17 @@ Numerics follow C10: compute in float32 (float64 for float64 sources), one final
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from attnres_numpy import validation
+from attnres_numpy.config import ResidualConfig
+from attnres_numpy.numerics import compute_dtype_for
+from attnres_numpy.schedule import ResidualStream
 
 from . import ops
-
-
-def _compute_dtype(dtype):
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+from .stack import JaxOps
 
 
 def _head_map(axis_name: str, local_dim: int, dim: int, num_heads: int, dtype):
@@ -65,7 +65,7 @@ def depth_attention_tp(sources, query, norm_weight=None, *, axis_name: str, eps:
         stacked=not isinstance(sources, (list, tuple)), eps=eps, scale=scale, num_heads=num_heads,
         activation=activation, key_norm=key_norm, return_lse=return_lse)
     h = geo.num_heads
-    cd = _compute_dtype(xs[0].dtype)
+    cd = jnp.dtype(compute_dtype_for(ops.dtype_name(xs[0])))  # C10
     m = _head_map(axis_name, local_dim, dim, h, cd)  # [D_r, H]
     x = jnp.stack([s.astype(cd) for s in xs])  # [N, ..., D_r]
     qg = query.astype(cd) if norm_weight is None else query.astype(cd) * norm_weight.astype(cd)
@@ -104,21 +104,13 @@ def sequence_sharded_prefill(embedding, sublayers: Sequence[Callable], queries, 
         raise ValueError(f"queries: expected shape [L + 1, D] = [{num_layers + 1}, D] for "
                          f"{num_layers} sublayers, got shape {tuple(queries.shape)}")
 
-    def nw(rows):
-        return None if norm_weights is None else norm_weights[rows]
-
-    blocks = [embedding]
-    for first in range(0, num_layers, block_size):
-        rows = slice(first, min(first + block_size, num_layers))
-        out1, lse1 = ops.depth_attention_multi(blocks, queries[rows], nw(rows), eps=eps, scale=scale)
-        partial: Optional[jax.Array] = None
-        for i, layer in enumerate(range(rows.start, rows.stop)):
-            h = out1[0] if partial is None else ops.merge_partial(
-                out1[i], lse1[i], partial, queries[layer], nw(layer), eps=eps, scale=scale)
-            h_full = jax.lax.all_gather(h, axis_name, axis=seq_dim, tiled=True)
-            y = jax.lax.psum_scatter(sublayers[layer](h_full), axis_name,
-                                     scatter_dimension=seq_dim, tiled=True)
-            partial = y if partial is None else partial + y
-        blocks.append(partial)
-    out = ops.depth_attention(blocks, queries[num_layers], nw(num_layers), eps=eps, scale=scale)
-    return out, blocks
+    config = ResidualConfig(kind="block", block_size=block_size, eps=eps, scale=scale)
+    ops_ = JaxOps({"queries": queries, "norm_weights": norm_weights})
+    # Phase 1 on the local shards (no collective), phase 2 on the local tokens; each sublayer
+    # sees the gathered sequence, its partial output is reduce-scattered.
+    stream = ResidualStream(config, ops_, embedding, num_layers=num_layers, schedule="two_phase")
+    for f in sublayers:
+        h_full = jax.lax.all_gather(stream.input(), axis_name, axis=seq_dim, tiled=True)
+        stream.push(jax.lax.psum_scatter(f(h_full), axis_name, scatter_dimension=seq_dim,
+                                         tiled=True))
+    return stream.output(), stream.blocks

@@ -1,11 +1,12 @@
-"""Residual schemes over a stack of sublayers, as pure JAX functions (spec sections 4-6, M1-M9).
+"""Residual schemes around the user's sublayers, as pure JAX functions (spec sections 4-6, M1-M9).
 
 `stack_apply(config, params, embedding, sublayers)` drives user-supplied sublayers (callables
 `h [..., D] -> v [..., D]`, from any JAX library: Flax, Equinox, Haiku or plain functions over
 pytrees) with the residual scheme `config` (`attnres_numpy.config.ResidualConfig`).  params is a
 dict name -> array shaped exactly as `config.param_shapes(L, D)`; row r = l - 1 belongs to
-sublayer l and row L to the output aggregation (M4).  Everything here is differentiable and works
-under `jit`, `grad`, `vmap` and `checkpoint`.
+sublayer l and row L to the output aggregation (M4).  The schedule itself is the shared
+`attnres_numpy.schedule.ResidualStream`, run on `JaxOps`.  Everything here is differentiable and
+works under `jit`, `grad`, `vmap` and `checkpoint`.
 
 `probe_forward` is the spec's probe network (`f_l(h) = tanh(rmsnorm(h) @ W[l-1])`).
 """
@@ -13,12 +14,14 @@ under `jit`, `grad`, `vmap` and `checkpoint`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from attnres_numpy import validation
 from attnres_numpy.config import ResidualConfig
+from attnres_numpy.numerics import compute_dtype_for
+from attnres_numpy.schedule import ResidualOps, ScheduleObserver, run_schedule
 
 from .ops import depth_attention, depth_attention_multi, dtype_name, merge_partial
 
@@ -27,9 +30,9 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def rmsnorm(x, eps: float):
-    """Gainless RMSNorm over the last axis, statistics in float32 (float64 for float64 x).
-    x `[..., D]` -> `[..., D]` in x's dtype."""
-    ct = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    """Gainless RMSNorm over the last axis, statistics in the compute dtype (C10: float32, float64
+    for float64 x).  x `[..., D]` -> `[..., D]` in x's dtype."""
+    ct = jnp.dtype(compute_dtype_for(dtype_name(x)))
     xc = x.astype(ct)
     return (xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
@@ -37,6 +40,49 @@ def rmsnorm(x, eps: float):
 def matmul(x, w):
     """Right-multiplication `x [..., D_in] @ w [D_in, D_out]` at full precision."""
     return jnp.matmul(x, w.astype(x.dtype), precision=HIGHEST)
+
+
+class JaxOps(ResidualOps):
+    """JAX's `ResidualOps` for the shared schedule (`attnres_numpy.schedule`).
+
+    params: name -> array of `ResidualConfig.param_shapes(L, D)` (a missing or None
+    "norm_weights" means a gainless key norm).  The stream keeps the embedding's dtype, the
+    scheme's own parameters are cast to it, the depth-attention query and gain pass as they are.
+    """
+
+    def __init__(self, params: Mapping):
+        self.params = params
+
+    def param(self, name, index, *, like=None):
+        p = self.params.get(name)
+        if p is None:
+            return None
+        p = p[index]
+        return p if like is None else p.astype(like.dtype)
+
+    def rmsnorm(self, x, eps):
+        return rmsnorm(x, eps)
+
+    def matmul(self, x, w):
+        return matmul(x, w)
+
+    def sigmoid(self, x):
+        return jax.nn.sigmoid(x)
+
+    def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights):
+        result = depth_attention(list(sources), query, norm_weight, eps=config.eps,
+                                 scale=config.scale, num_heads=config.num_heads,
+                                 activation=config.activation, key_norm=config.key_norm,
+                                 return_weights=return_weights)
+        return result if return_weights else (result, None)
+
+    def depth_attention_multi(self, sources, stats, queries, norm_weights, config):
+        return depth_attention_multi(list(sources), queries, norm_weights, eps=config.eps,
+                                     scale=config.scale)
+
+    def merge_partial(self, out1, lse1, partial, query, norm_weight, config):
+        return merge_partial(out1, lse1, partial, query, norm_weight, eps=config.eps,
+                             scale=config.scale)
 
 
 def _check(config, params, embedding, num_layers: int, schedule: str) -> None:
@@ -51,13 +97,16 @@ def _check(config, params, embedding, num_layers: int, schedule: str) -> None:
 
 
 def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Sequence[Sublayer], *,
-                schedule: str = "direct"):
-    """Run the residual scheme `config` over L user-supplied sublayers (spec section 4).
+                schedule: str = "direct", observer: Optional[ScheduleObserver] = None):
+    """Run the residual scheme `config` over L user-supplied sublayers (spec section 4), on the
+    shared schedule (`attnres_numpy.schedule.run_schedule`).
 
     Args:
       config: the residual scheme.  params: name -> array of `config.param_shapes(L, D)`.
       embedding: v_0 `[..., D]`.  sublayers: L callables `h [..., D] -> v [..., D]`.
       schedule: "direct" or "two_phase" (M9, see `ResidualConfig.supports_two_phase`); both give the same out.
+      observer: an optional `ScheduleObserver` (sees every depth-attention row and sublayer;
+        traced values under `jit`).
 
     Returns: out `[..., D]` (h_{L+1}, before any final norm) in the embedding's dtype.
     """
@@ -68,89 +117,8 @@ def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: S
     embedding = jnp.asarray(embedding)
     params = {k: jnp.asarray(v) for k, v in params.items()} if isinstance(params, Mapping) else params
     _check(config, params, embedding, len(sublayers), schedule)
-    L, kind, eps = len(sublayers), config.kind, config.eps
-    dt = embedding.dtype
-
-    def row(name, r):
-        return params[name][r].astype(dt)
-
-    if kind in ("standard", "scalar", "gated"):
-        # M7: h_{l+1} = h_l + c_l v_l, c_l = 1, alphas[l-1] or sigmoid(rmsnorm(h_l) @ W + b).
-        h = embedding
-        for l in range(1, L + 1):
-            v = sublayers[l - 1](h)
-            if kind == "scalar":
-                v = row("alphas", l - 1) * v
-            elif kind == "gated":
-                gate = matmul(rmsnorm(h, eps), row("gate_weights", l - 1)) + row("gate_biases", l - 1)
-                v = jax.nn.sigmoid(gate) * v
-            h = h + v
-        return h
-
-    outputs = [embedding]  # v_0..v_{l-1}
-
-    if kind == "static":
-        # M7: h_l = sum_{i<l} depth_weights[l-1, i] v_i (upper triangle unused).
-        def mix(r):
-            return sum(row("depth_weights", (r, i)) * outputs[i] for i in range(r + 1))
-
-        for l in range(1, L + 1):
-            outputs.append(sublayers[l - 1](mix(l - 1)))
-        return mix(L)
-
-    def attend(sources, r):
-        # M6: static pseudo-query row r, or q = rmsnorm(last source) @ query_weights[r] (per token).
-        if config.query == "static":
-            q = params["queries"][r]
-        else:
-            q = matmul(rmsnorm(sources[-1], eps), row("query_weights", r))
-        return depth_attention(list(sources), q, params["norm_weights"][r], eps=eps, scale=config.scale,
-                               num_heads=config.num_heads, activation=config.activation,
-                               key_norm=config.key_norm)
-
-    if kind == "block":
-        return _block(config, params, embedding, sublayers, schedule, attend)
-
-    for l in range(1, L + 1):
-        if kind == "window":  # M5: [v_0] + [v_j : max(1, l-W) <= j <= l-1]
-            sources = [outputs[0]] + outputs[max(1, l - config.window):l]
-        else:  # M2 full: [v_0..v_{l-1}]
-            sources = outputs[:l]
-        outputs.append(sublayers[l - 1](attend(sources, l - 1)))
-    last = [outputs[0]] + outputs[max(1, L + 1 - config.window):] if kind == "window" else outputs
-    return attend(last, L)  # M4: the output aggregation is row L.
-
-
-def _block(config, params, embedding, sublayers, schedule, attend):
-    """M3 block: b_0 = v_0; block n holds sublayers (n-1)S+1 .. min(nS, L); its first sublayer
-    attends over [b_0..b_{n-1}], later ones over [b_0..b_{n-1}, partial]; b_n = partial.
-
-    M9 two-phase: per block, phase 1 runs all the block's queries over [b_0..b_{n-1}] at once
-    (`depth_attention_multi`); the first sublayer takes its phase-1 output directly and later
-    ones merge the partial sum (`merge_partial`).
-    """
-    L, S = len(sublayers), config.block_size
-    kw = dict(eps=config.eps, scale=config.scale)
-    blocks = [embedding]
-    for first in range(1, L + 1, S):
-        layers = range(first, min(first + S - 1, L) + 1)
-        if schedule == "two_phase":
-            rows = slice(first - 1, layers[-1])
-            out1, lse1 = depth_attention_multi(blocks, params["queries"][rows],
-                                               params["norm_weights"][rows], **kw)
-        partial = None
-        for i, l in enumerate(layers):
-            if schedule == "direct":
-                h = attend(blocks if partial is None else blocks + [partial], l - 1)
-            elif partial is None:
-                h = out1[0]
-            else:
-                h = merge_partial(out1[i], lse1[i], partial, params["queries"][l - 1],
-                                  params["norm_weights"][l - 1], **kw)
-            v = sublayers[l - 1](h)
-            partial = v if partial is None else partial + v
-        blocks.append(partial)
-    return attend(blocks, L)  # M4: aggregate [b_0..b_N] with row L.
+    return run_schedule(config, JaxOps(params), embedding, list(sublayers), schedule=schedule,
+                        observer=observer)
 
 
 def probe_sublayers(sublayer_weights, eps: float) -> list:

@@ -2,7 +2,7 @@
 
 Every call runs under `dispatch.use("interpret", tile=4, poison=True)`: T = 10 tokens give two
 full tiles and a partial one, and every output buffer starts NaN (aliased), so an element a
-kernel never writes fails the comparison.  `dispatch.CALLS` proves which kernels ran.
+kernel never writes fails the comparison.  `kernels.CALLS` proves which kernels ran.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ TOKENS, D = (2, 5), 8
 
 
 def _interpret():
-    dispatch.CALLS.clear()
+    kernels.CALLS.clear()
     return dispatch.use("interpret", tile=4, poison=True)
 
 
@@ -48,7 +48,7 @@ def test_forward_and_backward_kernels(rng, dtype, activation, key_norm, per_toke
             d_out, d_out64 = rounded(rng, TOKENS + (D,), dtype)
             d_lse = jnp.asarray(rng.standard_normal(TOKENS), got[1].dtype) if lse else None
             grads = vjp((d_out,) + ((d_lse,) if lse else ()) + (jnp.zeros_like(got[-1]),))
-        assert set(dispatch.CALLS) == {"attnres_forward", "attnres_backward"}
+        assert set(kernels.CALLS) == {"attnres_forward", "attnres_backward"}
         assert _finite(got) and _finite(grads)
         src64 = [x for _, x in xs]
         want = ref.depth_attention(src64, q64, g64, return_lse=lse, return_weights=True, **kw)
@@ -73,7 +73,7 @@ def test_phase1_and_merge_kernels(rng, dtype):
             out1, lse1 = jax.jit(depth_attention_multi)([x for x, _ in xs], qs, gs)
             merged = [jax.jit(lambda o, l, p, q, g: merge_partial(o, l, p, q, g, return_lse=True))(
                 out1[k], lse1[k], partial, qs[k], gs[k]) for k in range(3)]
-        assert set(dispatch.CALLS) == {"attnres_phase1", "attnres_merge"}
+        assert set(kernels.CALLS) == {"attnres_phase1", "attnres_merge"}
         assert _finite((out1, lse1, merged))
         src64 = [x for _, x in xs]
         want_out, want_lse = ref.depth_attention_multi(src64, qs64, gs64)
@@ -92,7 +92,7 @@ def test_merge_kernel_gradients_and_per_token_query(rng):
             (out, lse), vjp = jax.vjp(lambda *a: merge_partial(*a, return_lse=True), o1, l1, p, q)
             d_out, d_lse = jnp.asarray(rng.standard_normal((10, D))), jnp.asarray(rng.standard_normal(10))
             grads = vjp((d_out, d_lse))
-        assert set(dispatch.CALLS) == {"attnres_merge"}
+        assert set(kernels.CALLS) == {"attnres_merge"}
         np.testing.assert_allclose(out, ref.merge_partial(*map(np.asarray, (o1, l1, p, q))), atol=1e-12)
         want = ref.merge_partial_vjp(*map(np.asarray, (o1, l1, p, q)), None, np.asarray(d_out), np.asarray(d_lse))
         for name, value in zip(("out1", "lse1", "partial", "query"), grads):
@@ -105,7 +105,7 @@ def test_two_phase_probe_on_kernels(rng):
     emb, w = rng.standard_normal((10, D)), rng.standard_normal((4, D, D)) / 3
     with precision("float64"), _interpret():
         out = jax.jit(lambda p, e, w: probe_forward(config, p, e, w, schedule="two_phase"))(params, emb, w)
-    assert dispatch.CALLS["attnres_phase1"] >= 1 and dispatch.CALLS["attnres_merge"] >= 1
+    assert kernels.CALLS["attnres_phase1"] >= 1 and kernels.CALLS["attnres_merge"] >= 1
     np.testing.assert_allclose(out, ref_model.probe_forward(config, params, emb, w), atol=1e-11)
 
 
@@ -130,14 +130,14 @@ def test_kernels_under_the_tpu_interpreter(rng, per_token):
         g, g64 = rounded(rng, (dim,), "float32")
         qs, qs64 = rounded(rng, (2, dim), "float32")
         d_out, d_out64 = rounded(rng, tokens + (dim,), "float32")
-        dispatch.CALLS.clear()
+        kernels.CALLS.clear()
         with dispatch.use("interpret_tpu", tile=8, poison=True):
             (out, lse), vjp = jax.vjp(lambda s, q, g: depth_attention(s, q, g, return_lse=True),
                                       [x for x, _ in xs], q, g)
             d_src, d_q, d_g = vjp((d_out, jnp.zeros_like(lse)))
             out1, lse1 = depth_attention_multi([x for x, _ in xs[:2]], qs, None)
             merged = merge_partial(out1[0], lse1[0], xs[2][0], qs[0], None)
-    assert set(dispatch.CALLS) == {"attnres_forward", "attnres_backward", "attnres_phase1", "attnres_merge"}
+    assert set(kernels.CALLS) == {"attnres_forward", "attnres_backward", "attnres_phase1", "attnres_merge"}
     src64 = [x for _, x in xs]
     assert_close(out, ref.depth_attention(src64, q64, g64), "float32", "out")
     want = ref.depth_attention_vjp(src64, q64, g64, d_out64)
@@ -162,10 +162,10 @@ def test_poison_catches_an_unwritten_tile():
 
 
 def test_cpu_auto_mode_uses_xla(rng):
-    dispatch.CALLS.clear()
+    kernels.CALLS.clear()
     xs = [jnp.asarray(rng.standard_normal((4, D)), jnp.float32) for _ in range(3)]
     jax.grad(lambda q: jnp.sum(depth_attention(xs, q)))(jnp.ones(D))
-    assert jax.default_backend() != "cpu" or not dispatch.CALLS
+    assert jax.default_backend() != "cpu" or not kernels.CALLS
     with dispatch.use("interpret"):  # multi-head calls stay on XLA even when kernels are forced
         depth_attention(xs, jnp.ones(D), num_heads=2)
-    assert not dispatch.CALLS
+    assert not kernels.CALLS

@@ -1,1 +1,2 @@
-"""Pallas kernels (`kernels`) and their platform dispatch (`dispatch`)."""
+"""Pallas kernels (`kernels`), the Pallas implementation around them (`impl`), and the choice
+between it and XLA (`dispatch`)."""

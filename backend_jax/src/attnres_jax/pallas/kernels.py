@@ -4,8 +4,9 @@ Layout: every source is a `[T, D]` array (tokens flattened, never stacked); the 
 token tiles of TB rows, each program holding full rows `[TB, D]` (one tile of every source).
 Per-token statistics travel as one `[T, 1]` array per source (block `(TB, 1)`), so every block
 shape is (TB or 1) x (D or 1): legal for Mosaic (full last dim) and for Triton (powers of two
-where the dispatcher checks D).  Compute is float32 (float64 for float64 sources in interpret
-mode); outputs are written in their final dtype (one cast).
+where `Pallas.supports` checks D).  Every kernel computes in `ct`, the compute dtype its caller
+derives with `_args.compute_dtype` (C10: float32; float64 for float64 sources, interpreters
+only); outputs are written in their final dtype (one cast).
 
 Poisoning: with `poison=True` each output is aliased to a NaN-filled input
 (`input_output_aliases`), so an element the kernel never writes reads back as NaN.
@@ -22,6 +23,7 @@ Kernels:
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Sequence
 
@@ -29,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .dispatch import CALLS
+#: Spy: kernel name -> number of `pallas_call`s built (counted when traced, in `_call`).
+CALLS: collections.Counter = collections.Counter()
 
 
 def _rows(tb: int, width: int):

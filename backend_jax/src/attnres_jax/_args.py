@@ -1,0 +1,109 @@
+"""Argument handling and call metadata of the ops: canonical inputs, the compute dtype (C10), the
+static options of one call and the `Request` an implementation is chosen from.
+
+Nothing here computes the op; `_xla` holds the formulas, `pallas.impl` the kernel glue,
+`pallas.dispatch` the choice between them, `_vjp` the custom VJPs and `ops` the public functions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from attnres_numpy.numerics import compute_dtype_for
+
+
+def dtype_name(x) -> str:
+    """Canonical dtype name of an array ("float32", "bfloat16", ...)."""
+    return jnp.dtype(x.dtype).name
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """C10: the compute dtype (kappa) of sources of `dtype`: float64 stays float64, every other
+    dtype computes in float32.  The one place this package reads the rule
+    (`attnres_numpy.numerics.compute_dtype_for`, shared by every backend)."""
+    return jnp.dtype(compute_dtype_for(jnp.dtype(dtype).name))
+
+
+def as_array(x):
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def optional(x):
+    return None if x is None else as_array(x)
+
+
+def meta(x):
+    """(shape, dtype name) of an optional array, for the shared checks."""
+    return (None, None) if x is None else (x.shape, dtype_name(x))
+
+
+def canonical_sources(sources):
+    """A list/tuple stays a list/tuple of arrays `[..., D]`; any array is a stacked `[N, ..., D]`.
+
+    Returns (sources, shapes, dtype names, stacked) for `validation.check_sources`.
+    """
+    if isinstance(sources, (list, tuple)):
+        arrays = type(sources)(as_array(s) for s in sources)
+        return arrays, [a.shape for a in arrays], [dtype_name(a) for a in arrays], False
+    if not hasattr(sources, "shape") or not hasattr(sources, "dtype"):
+        raise TypeError(
+            "sources: expected a sequence of arrays [..., D] or one stacked array [N, ..., D], "
+            f"got {type(sources).__name__}"
+        )
+    stack = as_array(sources)
+    n = stack.shape[0] if stack.ndim else 0
+    return stack, [stack.shape[1:]] * n, [dtype_name(stack)] * n, True
+
+
+def unstack(sources) -> list:
+    """The N sources as a list of `[..., D]` arrays (slices of a stacked array, never a copy)."""
+    if isinstance(sources, (list, tuple)):
+        return list(sources)
+    return [sources[i] for i in range(sources.shape[0])]
+
+
+def restack(grads: list, like):
+    """Source gradients N x `[..., D]` in the form the sources were given (list, tuple or stacked)."""
+    if isinstance(like, (list, tuple)):
+        return type(like)(grads)
+    return jnp.stack(grads)
+
+
+def sum_to(x, shape):
+    """Sum the broadcast axes of x `[...]` down to `shape` (same rank)."""
+    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
+    return jnp.sum(x, axis=axes, keepdims=True)
+
+
+class Options(NamedTuple):
+    """Static options of one `depth_attention` / `depth_attention_multi` call (hashable: a
+    nondiff argument of the custom VJP)."""
+
+    eps: float
+    scale: float
+    num_heads: int
+    activation: str
+    key_norm: bool
+    multi: bool  # query is a set of S pseudo-queries [S, D] (depth_attention_multi)
+
+
+class MergeOptions(NamedTuple):
+    """Static options of one `merge_partial` call."""
+
+    eps: float
+    scale: float
+
+
+class Request(NamedTuple):
+    """What the choice of an implementation depends on, fixed once per public call."""
+
+    op: str  # "depth_attention", "depth_attention_multi" or "merge_partial"
+    platform: str  # jax.default_backend() when the public op is called
+    dtype: str  # the sources' (partial's) dtype name
+    dim: int  # D
+    num_heads: int  # H
+    num_sources: int  # N (2 for merge_partial: phase 1's result and the partial sum)
+    num_sets: int  # S query sets (1 unless depth_attention_multi)
+    per_token: bool  # per-token query `[..., D]`

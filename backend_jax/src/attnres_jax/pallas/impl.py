@@ -1,0 +1,143 @@
+"""The Pallas implementation: `Pallas`, the entry points that lay the op's arrays out for the
+kernels of `kernels` (tokens flattened to `[T, D]`, per-token statistics as `[T, 1]` columns)
+and back.
+
+One head only (the kernels have no head axis); phase 1's backward and merge's backward are the XLA
+rules of `_xla` (the kernels save the same residuals as the XLA forward).  Compiled kernels run
+on GPU (Triton-lowered Pallas, D a power of two) and TPU (Mosaic) in float32 compute (C10: not for
+float64 sources); the interpreters (`interpret="generic"`: `pallas_call(interpret=True)`,
+`"tpu"`: JAX's TPU interpreter `pltpu.InterpretParams`) run anywhere, float64 included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .. import _xla
+from .._args import MergeOptions, Options, Request, compute_dtype
+from . import kernels
+
+INTERPRETERS = ("off", "generic", "tpu")
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << max(0, int(x).bit_length() - 1)
+
+
+def _auto_tile(request: Request) -> int:
+    """Token rows per program: a tile of every source (plus S accumulators) within ~4 MiB of fp32."""
+    rows = (1 << 20) // max(1, request.dim * (request.num_sources + request.num_sets))
+    if request.platform == "tpu":
+        return max(8, min(256, _pow2_floor(rows)))
+    return max(1, min(64, _pow2_floor(rows)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pallas:
+    """The Pallas kernels as an implementation (`pallas.dispatch.Impl`).  Hashable: a static
+    argument of the custom VJPs, so a traced call is keyed by the interpreter, tile and poison."""
+
+    name = "pallas"
+
+    interpret: str = "off"  # one of INTERPRETERS
+    tile: Optional[int] = None  # TB token rows per program (None: chosen by `resolve`)
+    poison: bool = False  # alias every output to a NaN-filled input (tests: unwritten -> NaN)
+
+    def __post_init__(self):
+        if self.interpret not in INTERPRETERS:
+            raise ValueError(f"interpret: expected one of {INTERPRETERS}, got {self.interpret!r}")
+
+    def supports(self, request: Request) -> Optional[str]:
+        """None if the kernels run this call, else why not."""
+        if request.num_heads != 1:
+            return "the kernels have one head (num_heads=1)"
+        if self.interpret != "off":
+            return None
+        if request.platform not in ("gpu", "tpu"):
+            return f"no compiled Pallas kernels on platform {request.platform!r} (GPU and TPU only)"
+        if compute_dtype(request.dtype) != jnp.float32:
+            return f"compiled kernels compute in float32; {request.dtype} sources compute in float64 (C10)"
+        if request.platform == "gpu" and request.dim & (request.dim - 1):
+            return f"Triton blocks must be powers of two (D = {request.dim})"
+        return None
+
+    def resolve(self, request: Request) -> "Pallas":
+        """This implementation with the tile fixed for the call."""
+        if self.tile is not None:
+            return self
+        return dataclasses.replace(self, tile=8 if self.interpret != "off" else _auto_tile(request))
+
+    # -- entry points ------------------------------------------------------------------------
+
+    def _kw(self, ct):
+        interpret = {"off": False, "generic": True}.get(self.interpret)
+        if interpret is None:
+            from jax.experimental.pallas import tpu as pltpu
+
+            interpret = pltpu.InterpretParams()
+        return dict(tb=self.tile, ct=ct, interpret=interpret, poison=self.poison)
+
+    def forward(self, xs: list, qs: _xla.Query, opts: Options, ct):
+        """`_xla.forward` for S = 1 on the forward kernel: out `[1, ..., D]` (sources' dtype),
+        lse `[..., 1]` or None, p, r, s `[N, ..., 1]`."""
+        tokens, dim, n = xs[0].shape[:-1], xs[0].shape[-1], len(xs)
+        out, lse, rs, ss = kernels.forward([x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim),
+                                           per_token=qs.qm is None, eps=opts.eps, scale=opts.scale,
+                                           softmax=opts.activation == "softmax", key_norm=opts.key_norm,
+                                           **self._kw(ct))
+        out = out.reshape((1,) + tokens + (dim,))
+        lse = None if lse is None else lse.reshape(tokens + (1,))
+        s = jnp.stack(ss).reshape((n,) + tokens + (1,))
+        return (out, lse) + self._weights(rs, s, lse, tokens, opts, 1)
+
+    def phase1(self, xs: list, qs: _xla.Query, opts: Options, ct):
+        """`_xla.forward` for S pseudo-queries on the phase-1 kernel (each source tile read once):
+        out `[S, ..., D]`, lse `[..., S]`, p, s `[N, ..., S]`, r `[N, ..., 1]`."""
+        tokens, dim, n, sets = xs[0].shape[:-1], xs[0].shape[-1], len(xs), qs.num_sets
+        outs, lses, rs, ss = kernels.phase1([x.reshape(-1, dim) for x in xs], qs.qg, eps=opts.eps,
+                                            scale=opts.scale, **self._kw(ct))
+        out = jnp.stack(outs).reshape((sets,) + tokens + (dim,))
+        lse = jnp.concatenate(lses, axis=1).reshape(tokens + (sets,))
+        s = jnp.concatenate(ss, axis=1).reshape((-1, n, sets)).transpose(1, 0, 2).reshape((n,) + tokens + (sets,))
+        return (out, lse) + self._weights(rs, s, lse, tokens, opts, sets)
+
+    @staticmethod
+    def _weights(rs, s, lse, tokens, opts: Options, sets: int):
+        """p `[N, ..., K]` from the kernels' statistics (r N x `[T, 1]`, s), and r `[N, ..., 1]`."""
+        r = jnp.stack(rs).reshape((len(rs),) + tokens + (1,))
+        z = opts.scale * _xla.tile_sets(r, sets) * s
+        p = jax.nn.sigmoid(z) if lse is None else jnp.exp(z - lse[None])
+        return p, r, s
+
+    def backward(self, xs: list, qs: _xla.Query, opts: Options, ct, d_out, d_lse, p, r, s):
+        """`_xla.backward` for S = 1 on the backward kernel; d_out `[1, ..., D]`."""
+        dim = xs[0].shape[-1]
+        cols = lambda a: list(a.reshape(a.shape[0], -1, 1))  # [N, ..., 1] -> N x [T, 1]
+        per_token = qs.qm is None
+        dxs, dqg = kernels.backward(
+            [x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim), d_out[0].reshape(-1, dim),
+            None if d_lse is None else d_lse.reshape(-1, 1), cols(p), cols(r), cols(s), per_token=per_token,
+            scale=opts.scale, softmax=opts.activation == "softmax", key_norm=opts.key_norm, **self._kw(ct))
+        d_sources = [dx.reshape(x.shape) for dx, x in zip(dxs, xs)]
+        if per_token:
+            return d_sources, dqg.reshape(qs.q.shape)
+        return d_sources, jnp.sum(dqg, axis=0, keepdims=True)  # per-tile partials, in tile order
+
+    phase1_backward = staticmethod(_xla.backward)  # no phase-1 backward kernel
+
+    def merge(self, opts: MergeOptions, out1, lse1, partial, query, norm_weight, ct):
+        """`_xla.merge` on the merge kernel."""
+        tokens, dim = partial.shape[:-1], partial.shape[-1]
+        qg = query.astype(ct).reshape(-1, dim)
+        if norm_weight is not None:
+            qg = qg * norm_weight.astype(ct)
+        out, lse, r, s, w1 = kernels.merge(out1.reshape(-1, dim), lse1.reshape(-1, 1), partial.reshape(-1, dim),
+                                           qg, per_token=query.ndim > 1, eps=opts.eps, scale=opts.scale,
+                                           **self._kw(ct))
+        return (out.reshape(partial.shape),) + tuple(a.reshape(tokens) for a in (lse, r, s, w1))
+
+    merge_backward = staticmethod(_xla.merge_backward)  # same residuals as the XLA forward

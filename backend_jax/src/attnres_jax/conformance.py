@@ -39,9 +39,12 @@ def _x64_needed(call) -> bool:
 
 
 def _to_numpy(x) -> np.ndarray:
-    """float64 stays float64; every other dtype reads back as float32 (bf16/fp16 exactly)."""
+    """Read back in the compute dtype (C10): float64 stays float64, every other dtype reads back
+    as float32 (bf16/fp16 exactly)."""
+    from ._args import compute_dtype
+
     x = np.asarray(x)
-    return x.astype(np.float64 if x.dtype == np.float64 else np.float32)
+    return x.astype(compute_dtype(x.dtype))
 
 
 def _native(values, dtype: str, strided: bool):
@@ -121,6 +124,7 @@ class JaxBackend:
         import jax.numpy as jnp
 
         from . import ops
+        from ._args import compute_dtype
 
         if call.op not in OPS:
             raise ValueError(f"op: expected one of {OPS}, got {call.op!r}")
@@ -155,9 +159,8 @@ class JaxBackend:
 
         cotangents = None
         if call.cotangents is not None:
-            cotangents = {k: jnp.asarray(np.asarray(v, dtype=np.float64).astype(
-                jnp.dtype("float64" if call.dtype == "float64" else "float32")))
-                for k, v in call.cotangents.items() if v is not None}
+            cotangents = {k: jnp.asarray(np.asarray(v, dtype=np.float64).astype(compute_dtype(call.dtype)))
+                          for k, v in call.cotangents.items() if v is not None}  # C10: in kappa
         outs, grads = jax.jit(run)(native, cotangents)
         result = OpResult(outputs={k: _to_numpy(v) for k, v in outs.items()})
         if grads is not None:

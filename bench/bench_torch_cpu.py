@@ -4,7 +4,7 @@ Compares, in one run on the same inputs (N sources `[T, D]` fp32, pseudo-query `
   ours      attnres_torch.depth_attention as dispatched (the fused C kernel, dispatch "cpu_c")
   ours+thp  the same with the C kernel's opt-in huge-page advice on fresh outputs
             (`attnres_torch.cpu_c.set_hugepages(True)`, as `ATTNRES_TORCH_HUGEPAGES=1`)
-  chunked   the same op forced onto the chunked torch kernel (dispatch "cpu": the fallback
+  chunked   the same op forced onto the chunked torch kernel (dispatch "chunked": the fallback
             without a C compiler)
   naive     the plain eager composition (attnres_torch.composite: stack, fp32 math, autograd)
   compiled  torch.compile (inductor) of that composition
@@ -68,7 +68,7 @@ def make_fn(name):
         return lambda xs, q, g: at.depth_attention(xs, q, g)
     if name == "chunked":
         def chunked(xs, q, g):
-            with at.use_impl("cpu"):
+            with at.use_impl("chunked"):
                 return at.depth_attention(xs, q, g)
         return chunked
     if name == "naive":
@@ -174,7 +174,7 @@ def dtype_section(n, t, d, reps):
         with torch.no_grad():
             floor = median_time(lambda: [x.sum() for x in xs], reps)
             ours = median_time(lambda: at.depth_attention(xs, q, g), reps)
-            with at.use_impl("cpu"):
+            with at.use_impl("chunked"):
                 chunked = median_time(lambda: at.depth_attention(xs, q, g), reps)
         lines.append(f"| {str(dtype).split('.')[-1]} | {floor * 1e3:.1f} | {ours * 1e3:.1f} | "
                      f"{ours / floor:.2f}x | {chunked * 1e3:.1f} | {chunked / floor:.2f}x |")

@@ -13,7 +13,7 @@ def _sources(n=3, shape=(4, 6), dtype=torch.float32, grad=True):
     return [torch.randn(shape, dtype=dtype, requires_grad=grad) for _ in range(n)]
 
 
-@pytest.mark.parametrize("impl", ["cpu_c", "cpu"])
+@pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("gain", [False, True])
 def test_opcheck_depth_attention(impl, per_token, gain):
@@ -23,7 +23,7 @@ def test_opcheck_depth_attention(impl, per_token, gain):
     torch.library.opcheck(library.depth_attention_op, (xs, q, g, 1e-6, 1.0, impl))
 
 
-@pytest.mark.parametrize("impl", ["cpu_c", "cpu"])
+@pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
 def test_opcheck_backward_and_multi(impl):
     xs = _sources(grad=False)
     q, g = torch.randn(6), torch.rand(6) + 0.5
@@ -32,7 +32,7 @@ def test_opcheck_backward_and_multi(impl):
                           (xs, q, g, out, lse, torch.randn(4, 6), torch.randn(4), 1e-6, 1.0, impl))
     qs = torch.randn(2, 6, requires_grad=True)
     gs = torch.rand(2, 6) + 0.5
-    torch.library.opcheck(library.depth_attention_multi_op, (_sources(), qs, gs, 1e-6, 1.0, "cpu"))
+    torch.library.opcheck(library.depth_attention_multi_op, (_sources(), qs, gs, 1e-6, 1.0, "chunked"))
 
 
 def test_compile_fullgraph_router_model():

@@ -1,5 +1,5 @@
 """The ops (values and every gradient with random cotangents) against the float64 NumPy
-reference on upcast inputs, on both CPU fast paths ("cpu_c", "cpu") and the "composite" path."""
+reference on upcast inputs, on both CPU kernels ("cpu_c", "chunked") and the "composite" path."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ CASES = [  # (N, batch, D, per-token query, gain)
     (130, (3,), 7, False, True),
     (4, (3,), 1000, True, False),
 ]
-IMPL_DTYPES = ([(impl, d) for impl in ("cpu_c", "cpu", "composite") for d in FAST]
+IMPL_DTYPES = ([(impl, d) for impl in ("cpu_c", "chunked", "composite") for d in FAST]
                + [("composite", "float64")])
 
 
@@ -74,14 +74,14 @@ def test_depth_attention_matches_reference(impl, dname, case):
 def test_stacked_equals_list_and_reference(dname):
     _, xs, q, g = _inputs(5, 6, (9,), 16, False, True, DTYPES[dname])
     stacked = torch.stack(xs)
-    with at.use_impl("cpu"):
+    with at.use_impl("chunked"):
         a = at.depth_attention(xs, q, g)
         b = at.depth_attention(stacked, q, g)
     assert torch.equal(a, b)
-    _run_vs_reference(stacked, q, g, "cpu", dname)
+    _run_vs_reference(stacked, q, g, "chunked", dname)
 
 
-@pytest.mark.parametrize("impl", ["cpu_c", "cpu", "composite"])
+@pytest.mark.parametrize("impl", ["cpu_c", "chunked", "composite"])
 def test_row_strided_inputs(impl):
     """Sources, query and gain that are slices of wider rows (unit stride along D): every fast
     path reads them in place."""
@@ -92,7 +92,7 @@ def test_row_strided_inputs(impl):
     _run_vs_reference(xs, q, None, impl, "float32")
 
 
-@pytest.mark.parametrize("impl", ["cpu", "composite"])
+@pytest.mark.parametrize("impl", ["chunked", "composite"])
 def test_strided_inputs(impl):
     gen = torch.Generator().manual_seed(3)
     wide = [rand(gen, (7, 2 * 24), torch.float32) for _ in range(4)]
@@ -101,9 +101,9 @@ def test_strided_inputs(impl):
     g = (torch.rand(48, generator=gen) + 0.5)[::2]
     assert not xs[0].is_contiguous() and not q.is_contiguous() and not g.is_contiguous()
     _run_vs_reference(xs, q, g, impl, "float32")
-    if impl == "cpu":  # the C kernel needs unit stride along D: the dispatch passes to "cpu"
+    if impl == "chunked":  # the C kernel needs unit stride along D: the dispatch passes to "chunked"
         at.depth_attention(xs, q, g)
-        assert at.last_impl() == "cpu"
+        assert at.last_impl() == "chunked"
 
 
 @pytest.mark.parametrize("dname", list(DTYPES))
@@ -120,7 +120,7 @@ def test_options_match_reference(dname, opts):
     _run_vs_reference(xs, q, g, impl, dname, **opts)
 
 
-@pytest.mark.parametrize("impl,heads", [("cpu_c", 1), ("cpu", 1), ("composite", 1), ("composite", 2)])
+@pytest.mark.parametrize("impl,heads", [("cpu_c", 1), ("chunked", 1), ("composite", 1), ("composite", 2)])
 def test_return_weights(impl, heads):
     _, xs, q, g = _inputs(4, 5, (6,), 8, False, True, torch.float32)
     with at.use_impl(impl):
@@ -212,7 +212,7 @@ def test_two_phase_ops_equal_direct():
         torch.testing.assert_close(lse, d_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["cpu_c", "cpu", "composite"])
+@pytest.mark.parametrize("impl", ["cpu_c", "chunked", "composite"])
 def test_deterministic_and_inputs_unmodified(impl):
     _, xs, q, g = _inputs(13, 7, (300,), 64, False, True, torch.float32)
     copies = [t.clone() for t in xs + [q, g]]
@@ -259,7 +259,7 @@ def test_errors(call, err, match):
 
 def test_forcing_cpu_on_unsupported_call_raises():
     x, q = torch.randn(4, 8), torch.randn(8)
-    with at.use_impl("cpu"), pytest.raises(ValueError, match="impl: 'cpu'"):
+    with at.use_impl("chunked"), pytest.raises(ValueError, match="impl: 'chunked'"):
         at.depth_attention([x], q, num_heads=2)
     with at.use_impl("cpu_c"), pytest.raises(ValueError, match="impl: 'cpu_c'.*unit stride"):
         at.depth_attention([torch.randn(4, 16)[:, ::2]], q)
@@ -277,3 +277,54 @@ def test_tolerances_are_tight_enough_to_fail():
     r = ref.depth_attention(f64(xs), f64(q), f64(g))
     with pytest.raises(AssertionError):
         assert_close(out, r + 10 * TOL["float32"] * (1 + np.abs(r).max()), "float32")
+
+
+def test_forcing_is_per_thread_and_every_call_is_counted():
+    """`use_impl` is a context variable (one thread's forcing is not another's) and the
+    counters behind `impl_counts` lose no call when threads run the ops at once."""
+    import threading
+
+    xs, q = [torch.randn(4, 8) for _ in range(3)], torch.randn(8)
+    names, calls, seen = ("cpu_c", "chunked", "composite"), 50, {}
+    start = threading.Barrier(len(names))
+
+    def worker(name):
+        with at.use_impl(name):
+            start.wait()
+            for _ in range(calls):
+                at.depth_attention(xs, q)
+                seen.setdefault(name, set()).add(at.dispatch.forced())
+
+    before = at.impl_counts()
+    threads = [threading.Thread(target=worker, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = at.impl_counts()
+    assert seen == {n: {n} for n in names}
+    assert all(after[n] - before[n] == calls for n in names)
+    assert at.dispatch.forced() is None
+
+
+def test_merge_partial_goes_through_the_dispatch_choice():
+    """Forced: a kernel with a merge serves it or raises its refusal; an implementation
+    without one (chunked, composite) and a merge needing gradients get the composition."""
+    xs, q = [torch.randn(4, 8) for _ in range(3)], torch.randn(8)
+    with torch.no_grad():
+        out1, lse1 = at.depth_attention_multi(xs, torch.randn(2, 8))
+        for name, want in (("cpu_c", "cpu_c"), ("chunked", "composite"), ("composite", "composite")):
+            with at.use_impl(name):
+                at.merge_partial(out1[0], lse1[0], xs[0], q)
+            assert at.last_impl() == want
+        with at.use_impl("cpu_c"), pytest.raises(ValueError, match="impl: 'cpu_c'.*unit stride"):
+            at.merge_partial(out1[0], lse1[0], torch.randn(4, 16)[:, ::2], q)
+    with at.use_impl("cpu_c"):
+        at.merge_partial(out1[0], lse1[0], xs[0], q.requires_grad_(True))
+    assert at.last_impl() == "composite"
+
+
+def test_custom_ops_take_only_kernel_names():
+    assert at.dispatch.kernel("chunked") is at.dispatch.IMPLS["chunked"]
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        at.dispatch.kernel("composite")

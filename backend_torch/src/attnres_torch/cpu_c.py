@@ -9,7 +9,7 @@ The library is built at first use with the system C compiler (`$CC`, else `cc`) 
 `-O3 -march=native -fopenmp` (see FLAG_SETS for the fallbacks), cached under `$ATTNRES_CACHE_DIR` (default `$XDG_CACHE_HOME/attnres` or
 `~/.cache/attnres`) by a hash of the source, the flags, the compiler's version and this CPU's
 feature flags, and loaded with ctypes (calls release the GIL).  `ATTNRES_TORCH_CPU_C=0` turns it
-off.  Without a compiler the dispatch falls back to the chunked torch kernel (`cpu_kernel.py`);
+off.  Without a compiler the dispatch falls back to the chunked torch kernel (`chunked.py`);
 `unavailable_reason()` says why.
 
 Opt-in (`ATTNRES_TORCH_HUGEPAGES=1` or `set_hugepages(True)`; Linux): outputs of 8 MiB or more get
@@ -234,7 +234,7 @@ def backward_into(sources: List[torch.Tensor], qg: torch.Tensor, lse: torch.Tens
     """Writes d_sources N x `[T, D]` (sources' dtype); returns d(qg) in fp32 (`[D]` summed over
     tokens, or `[T, D]` for a per-token query).  d_out `[T, D]` in the sources' dtype, d_lse `[T]`
     fp32 contiguous or None.  `lse` is checked but not read (the interface of
-    `cpu_kernel.backward_into`): the kernel recomputes the weights from the logits in float64."""
+    `chunked.backward_into`): the kernel recomputes the weights from the logits in float64."""
     lib = _library_or_raise()
     rows, dim, dtype = _check_common(sources, qg)
     _check("lse", lse, torch.float32, (rows,))

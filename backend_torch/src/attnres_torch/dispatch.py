@@ -1,112 +1,383 @@
-"""Which implementation runs a call: "triton", "cpu_c", "cpu" or "composite".
+"""Which implementation runs a call: the registry of implementation objects and the choice.
 
-* "triton": every tensor on CUDA, Triton importable and `kernels.triton_depth.supports(...)`.
-* "cpu_c": the fused C kernel (`cpu_c.py`, `csrc/depth_cpu.c`) for the default op on the CPU
+`IMPLS` maps a name to its `Impl` object; when nothing is forced, `choose(call)` takes the first
+one, in this order, whose device every tensor of the call is on and that supports the call:
+
+* "triton" (`kernels/triton_depth.py`): every tensor on CUDA, Triton importable and
+  `triton_depth.supports(...)`.
+* "cpu_c" (`cpu_c.py`, `csrc/depth_cpu.c`): the fused C kernel, for the default op on the CPU
   (softmax, key norm, one head, float16/bfloat16/float32 sources with unit stride along D) when
-  it could be built (and `merge_partial` without gradients).
-* "cpu": the chunked torch kernel (`cpu_kernel.py`) for the same calls: the fallback without a
-  C compiler (or with `ATTNRES_TORCH_CPU_C=0`) and for sources strided along D.
-* "composite": the plain differentiable torch composition (`composite.py`): float64, heads,
-  sigmoid, no key norm; also the comparison baseline.
+  it could be built; also `merge_partial` without gradients.
+* "chunked" (`chunked.py`): the chunked torch kernel of the same calls: the fallback without a C
+  compiler (or with `ATTNRES_TORCH_CPU_C=0`) and for sources strided along D.  No merge kernel.
+* "composite" (`composite.py`): the plain differentiable torch composition, every call: float64,
+  heads, sigmoid, no key norm, `merge_partial` with gradients; also the comparison baseline.
 
-`use_impl(name)` forces an implementation (tests; the Triton tests run it on CPU tensors under
-TRITON_INTERPRET=1).  `last_impl()` / `impl_counts()` let tests prove which one ran.
+The first three are kernels: `library.py` wraps their `forward` / `backward` / `multi_forward`
+in `torch.library` custom ops (the op's `impl` string argument is the name, looked up once per
+call with `kernel(name)`); `merge` (no gradient) is called by `ops.merge_partial` directly.
+"composite" has no entry points here: `ops.py` calls `composite.py` so that torch autograd
+records it.
+
+`use_impl(name)` forces an implementation in the current context (a `contextvars.ContextVar`,
+so threads and asyncio tasks do not see each other's forcing); a forced implementation that does
+not take a call raises (`Impl.refusal`), except that `merge_partial` falls back to the composition
+when the forced implementation has no merge kernel (chunked, composite) or the merge needs
+gradients or is float64 (no kernel has a merge backward).  `last_impl()` / `impl_counts()` say
+which implementation served the calls (kept under a lock: threads may call the ops at once).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
+import contextvars
+import threading
 from collections import Counter
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch import Tensor
 
-from . import cpu_c
+from . import chunked, cpu_c
 
-IMPLS = ("triton", "cpu_c", "cpu", "composite")
+#: Source dtypes of the kernels (the compute dtype is fp32 for all three, C10).
+FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-_forced: list = []
-_counts: Counter = Counter()
-_last: list = [None]
+MERGE = "merge_partial"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One op call as the dispatch sees it (arguments already validated).
+
+    op: "depth_attention", "depth_attention_multi" or "merge_partial".
+    sources: N x `[..., D]` (merge_partial: `[out1, partial]`).
+    query: `[D]` or `[..., D]` (depth_attention_multi: the first of the `[S, D]` queries).
+    norm_weight: `[D]` or None (depth_attention_multi: the first of the `[S, D]` gains).
+    tensors: every tensor argument (for the device of the call).
+    needs_grad: a gradient will flow (only merge_partial asks: its kernels have no backward).
+    """
+
+    op: str
+    sources: Sequence[Tensor]
+    query: Tensor
+    norm_weight: Optional[Tensor]
+    tensors: Sequence[Tensor]
+    num_heads: int = 1
+    activation: str = "softmax"
+    key_norm: bool = True
+    needs_grad: bool = False
+
+    @property
+    def default_op(self) -> bool:
+        """Softmax, key norm, one head, float16/bfloat16/float32 sources (merge: partial)."""
+        return (self.activation == "softmax" and self.key_norm and self.num_heads == 1
+                and self.sources[-1].dtype in FAST_DTYPES)
+
+    def on(self, device_type: str) -> bool:
+        return all(t.device.type == device_type for t in self.tensors)
+
+
+# -- shared glue of the kernels -------------------------------------------------------------------
+
+def _qg(query: Tensor, norm_weight: Optional[Tensor]) -> Tensor:
+    """query * gain in fp32, `[D]` or per-token flattened to `[T, D]`."""
+    q = query.float() if norm_weight is None else query.float() * norm_weight.float()
+    return q if q.dim() == 1 else q.reshape(-1, q.shape[-1])
+
+
+def _flat(t: Tensor) -> Tensor:
+    """`[..., D]` -> `[T, D]` (a view when the strides allow it)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _unit_rows(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """`[T, D]` in `dtype` with unit stride along D (a broadcast d_out may arrive with stride 0)."""
+    t = t.to(dtype)
+    return t if t.numel() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous()
+
+
 _triton: list = []
+_triton_lock = threading.Lock()
 
 
 def triton_kernels():
-    """The Triton kernel module, or None when Triton (or the module) is unavailable."""
+    """The Triton kernel module (`kernels.triton_depth`), or None when Triton is unavailable.
+    Imported on first use only: importing Triton takes a while and CPU calls never need it."""
     if not _triton:
-        module = None
-        if importlib.util.find_spec("triton") is not None:
-            try:
-                module = importlib.import_module("attnres_torch.kernels.triton_depth")
-            except ImportError:
-                module = None
-        _triton.append(module)
+        with _triton_lock:
+            if not _triton:
+                from .kernels import triton_depth  # imports without Triton, then has triton None
+
+                _triton.append(triton_depth if triton_depth.triton is not None else None)
     return _triton[0]
+
+
+# -- the implementations --------------------------------------------------------------------------
+
+class Impl:
+    """One implementation.  `device_type`: the device every tensor must be on for the automatic
+    choice to consider it (None: any); `refusal(call)`: None when it takes the call, else the
+    error a call forced onto it raises; `merge`: the no-gradient phase-2 kernel, or None."""
+
+    name: str = ""
+    device_type: Optional[str] = None
+    merge = None
+
+    def refusal(self, call: Call) -> Optional[Exception]:
+        return None
+
+    def supports(self, call: Call) -> bool:
+        return self.refusal(call) is None
+
+    def __repr__(self) -> str:
+        return f"<attnres_torch impl {self.name!r}>"
+
+
+def _merge_refusal(impl: Impl, call: Call) -> Optional[Exception]:
+    """The refusals every merge kernel shares (forced calls never reach them: see `choose`)."""
+    if impl.merge is None:
+        return ValueError(f"impl: {impl.name!r} has no merge_partial kernel")
+    if call.needs_grad or not call.default_op:
+        return ValueError(f"impl: {impl.name!r} merges only without gradients and for "
+                          "float16/bfloat16/float32 sources")
+    return None
+
+
+class TritonImpl(Impl):
+    """The Triton kernels (`kernels/triton_depth.py`) on CUDA (on the CPU only under
+    TRITON_INTERPRET=1, when forced)."""
+
+    name, device_type = "triton", "cuda"
+
+    def refusal(self, call: Call) -> Optional[Exception]:
+        if call.op == MERGE and (err := _merge_refusal(self, call)) is not None:
+            return err
+        kernels = triton_kernels()
+        if kernels is None:
+            return RuntimeError("impl: 'triton' was forced but attnres_torch.kernels.triton_depth "
+                                "cannot be imported")
+        sources = call.sources[-1:] if call.op == MERGE else call.sources  # merge: the partial sum
+        if not kernels.supports(sources, call.query, call.norm_weight, num_heads=call.num_heads,
+                                activation=call.activation, key_norm=call.key_norm):
+            return ValueError("impl: 'triton' was forced but the Triton kernels do not support "
+                              "this call (see kernels.triton_depth.supports)")
+        return None
+
+    @staticmethod
+    def forward(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor], eps: float,
+                scale: float) -> Tuple[Tensor, Tensor]:
+        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1)."""
+        out, lse = triton_kernels().forward(sources, query, norm_weight, eps, scale)
+        return out.contiguous(), lse.contiguous()
+
+    @staticmethod
+    def backward(sources, query, norm_weight, out, lse, d_out, d_lse, eps, scale) -> List[Tensor]:
+        """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
+        d_norm_weight fp32 `[D]`] (spec 2.3)."""
+        d_src, d_q, d_g = triton_kernels().backward(sources, query, norm_weight, out, lse, d_out,
+                                                    d_lse, eps, scale)
+        if d_g is None:
+            d_g = torch.zeros(query.shape[-1], dtype=torch.float32, device=query.device)
+        return [d.contiguous() for d in d_src] + [d_q.float().contiguous(), d_g.float().contiguous()]
+
+    @staticmethod
+    def multi_forward(sources, queries, norm_weights, eps, scale) -> Tuple[Tensor, Tensor]:
+        """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
+        out, lse = triton_kernels().multi_forward(sources, queries, norm_weights, eps, scale)
+        return out.contiguous(), lse.contiguous()
+
+    @staticmethod
+    def merge(out1, lse1, partial, query, norm_weight, eps, scale) -> Tuple[Tensor, Tensor]:
+        """Phase 2 (spec 3.2), no gradient: out `[..., D]` (partial's dtype), lse `[...]` fp32."""
+        return triton_kernels().merge_forward(out1, lse1, partial, query, norm_weight, eps, scale)
+
+
+class CpuKernelImpl(Impl):
+    """A CPU kernel module with the `forward_into` / `backward_into` / `multi_forward_into`
+    interface on `[T, D]` row views (`chunked.py`, `cpu_c.py`): allocates the outputs and flattens
+    the token axes around it."""
+
+    device_type = "cpu"
+
+    def __init__(self, name: str, module):
+        self.name, self.kernels = name, module
+
+    def refusal(self, call: Call) -> Optional[Exception]:
+        if call.op == MERGE and (err := _merge_refusal(self, call)) is not None:
+            return err
+        if not call.default_op:
+            return ValueError(f"impl: {self.name!r} was forced but the CPU kernels cover only "
+                              "softmax, key_norm, num_heads=1 and float16/bfloat16/float32 sources")
+        return None
+
+    def forward(self, sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
+                eps: float, scale: float) -> Tuple[Tensor, Tensor]:
+        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1)."""
+        x0 = sources[0]
+        out = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
+        lse = torch.empty(x0.shape[:-1], dtype=torch.float32, device=x0.device)
+        self.kernels.forward_into([_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
+                                  eps, scale, _flat(out), lse.view(-1))
+        return out, lse
+
+    def backward(self, sources, query, norm_weight, out, lse, d_out, d_lse, eps,
+                 scale) -> List[Tensor]:
+        """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
+        d_norm_weight fp32 `[D]`] (spec 2.3); the kernel returns d(query * gain)."""
+        dim = query.shape[-1]
+        d_src = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
+        d_qg = self.kernels.backward_into(
+            [_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
+            lse.reshape(-1).contiguous(), _unit_rows(_flat(d_out), sources[0].dtype),
+            None if d_lse is None else d_lse.reshape(-1).float().contiguous(), eps, scale,
+            [_flat(d) for d in d_src])
+        gain = torch.ones(dim, device=query.device) if norm_weight is None else norm_weight.float()
+        d_query = (d_qg * gain).reshape(query.shape)
+        d_gain = (d_qg * query.float().reshape(d_qg.shape)).reshape(-1, dim).sum(0)
+        return d_src + [d_query, d_gain]
+
+    def multi_forward(self, sources, queries, norm_weights, eps, scale) -> Tuple[Tensor, Tensor]:
+        """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
+        x0 = sources[0]
+        num_q = queries.shape[0]
+        out = torch.empty((num_q,) + tuple(x0.shape), dtype=x0.dtype, device=x0.device)
+        lse = torch.empty((num_q,) + tuple(x0.shape[:-1]), dtype=torch.float32, device=x0.device)
+        qgs = queries.float() if norm_weights is None else queries.float() * norm_weights.float()
+        self.kernels.multi_forward_into([_flat(s) for s in sources], qgs.contiguous(), eps, scale,
+                                        out.view(num_q, -1, x0.shape[-1]), lse.view(num_q, -1))
+        return out, lse
+
+
+class CpuCImpl(CpuKernelImpl):
+    """The fused C kernel (`cpu_c.py`): also needs the built library and CPU sources with unit
+    stride along D, and has the phase-2 merge."""
+
+    def __init__(self):
+        super().__init__("cpu_c", cpu_c)
+
+    def refusal(self, call: Call) -> Optional[Exception]:
+        err = super().refusal(call)
+        if err is not None:
+            return err
+        sources = call.sources
+        if call.op == MERGE:
+            if torch.compiler.is_compiling():  # a ctypes call: torch.compile traces the composition
+                return ValueError("impl: 'cpu_c' was forced but its merge_partial is a ctypes call "
+                                  "that torch.compile cannot trace")
+            if not call.on("cpu") or sources[0].dtype != sources[1].dtype:
+                sources = []  # reported by the message below
+        if not sources or not cpu_c.supports(sources):
+            return ValueError("impl: 'cpu_c' was forced but the C kernel does not take this call "
+                              f"(library: {cpu_c.unavailable_reason() or 'available'}; it needs "
+                              "CPU sources with unit stride along D)")
+        return None
+
+    def merge(self, out1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
+              norm_weight: Optional[Tensor], eps: float, scale: float) -> Tuple[Tensor, Tensor]:
+        """Phase 2 (spec 3.2), no gradient: out `[..., D]` in partial's dtype and lse `[...]`
+        fp32, one pass over out1 and partial.  Not a custom op: `refusal` keeps it out of
+        torch.compile traces."""
+        out = torch.empty(partial.shape, dtype=partial.dtype)
+        lse = torch.empty(partial.shape[:-1], dtype=torch.float32)
+        cpu_c.merge_forward_into(_flat(out1), lse1.float().reshape(-1).contiguous(), _flat(partial),
+                                 _qg(query, norm_weight).contiguous(), eps, scale, _flat(out),
+                                 lse.view(-1))
+        return out, lse
+
+
+class CompositeImpl(Impl):
+    """The differentiable composition (`composite.py`): takes every call; `ops.py` runs it
+    itself (autograd records it), so it has no kernel entry points."""
+
+    name = "composite"
+
+
+TRITON, CPU_C, CHUNKED, COMPOSITE = (TritonImpl(), CpuCImpl(), CpuKernelImpl("chunked", chunked),
+                                     CompositeImpl())
+#: Every implementation by name, in the order of the automatic choice.
+IMPLS = {impl.name: impl for impl in (TRITON, CPU_C, CHUNKED, COMPOSITE)}
+
+
+def kernel(name: str) -> Impl:
+    """The kernel implementation a custom op's `impl` argument names ("triton", "cpu_c" or
+    "chunked")."""
+    impl = IMPLS.get(name)
+    if impl is None or impl is COMPOSITE:
+        raise ValueError(f"impl: expected one of {tuple(n for n in IMPLS if n != 'composite')} "
+                         f"for a custom op, got {name!r}")
+    return impl
+
+
+# -- forcing and the record -----------------------------------------------------------------------
+
+_forced: contextvars.ContextVar = contextvars.ContextVar("attnres_torch_impl", default=None)
 
 
 @contextlib.contextmanager
 def use_impl(name: str) -> Iterator[None]:
-    """Force every op call inside the block to use implementation `name` (one of IMPLS)."""
+    """Force every op call inside the block (in this thread / task) to use implementation `name`
+    (one of IMPLS; tests, and the Triton tests on CPU tensors under TRITON_INTERPRET=1)."""
     if name not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {name!r}")
-    _forced.append(name)
+        raise ValueError(f"impl: expected one of {tuple(IMPLS)}, got {name!r}")
+    token = _forced.set(name)
     try:
         yield
     finally:
-        _forced.pop()
+        _forced.reset(token)
 
 
+@torch.compiler.assume_constant_result
 def forced() -> Optional[str]:
-    return _forced[-1] if _forced else None
+    """The name forced by the innermost `use_impl`, or None.  A constant to torch.compile (it
+    cannot trace a ContextVar): a trace keeps the forcing in effect while it was traced."""
+    return _forced.get()
 
 
-def record(name: str) -> str:
-    """Note that `name` ran (skipped while torch.compile traces: it is a Python side effect)."""
+_lock = threading.Lock()
+_counts: Counter = Counter()
+_last: List[Optional[str]] = [None]
+
+
+def record(impl: Impl) -> Impl:
+    """Note that `impl` serves a call (skipped while torch.compile traces: a Python side effect)."""
     if not torch.compiler.is_compiling():
-        _counts[name] += 1
-        _last[0] = name
-    return name
+        with _lock:
+            _counts[impl.name] += 1
+            _last[0] = impl.name
+    return impl
 
 
 def last_impl() -> Optional[str]:
-    return _last[0]
+    """The name of the implementation of the last call (any thread)."""
+    with _lock:
+        return _last[0]
 
 
 def impl_counts() -> Counter:
     """A copy of how many calls each implementation served."""
-    return Counter(_counts)
+    with _lock:
+        return Counter(_counts)
 
 
-def choose(tensors, *, default_op: bool, triton_supports, cpu_c_supports=None) -> str:
-    """Pick the implementation for one call.
+def choose(call: Call) -> Impl:
+    """The implementation of `call` (recorded for `last_impl` / `impl_counts`).
 
-    tensors: every tensor argument; default_op: the call is softmax, key-normed, single head with
-    float16/bfloat16/float32 sources; triton_supports / cpu_c_supports: no-argument callables
-    asking that kernel whether it takes this call (cpu_c_supports None: the op has no C kernel).
+    Forced: that implementation, or its refusal raised; merge_partial under a forced
+    implementation without a merge kernel, or with gradients or float64, is the composition's.
+    Otherwise: the first of IMPLS whose device every tensor is on and that supports the call.
     """
     name = forced()
-    if name == "triton":
-        if triton_kernels() is None:
-            raise RuntimeError("impl: 'triton' was forced but attnres_torch.kernels.triton_depth "
-                               "cannot be imported")
-        if not triton_supports():
-            raise ValueError("impl: 'triton' was forced but the Triton kernels do not support "
-                             "this call (see kernels.triton_depth.supports)")
-        return name
-    if name in ("cpu", "cpu_c") and not default_op:
-        raise ValueError(f"impl: {name!r} was forced but the CPU kernels cover only softmax, "
-                         "key_norm, num_heads=1 and float16/bfloat16/float32 sources")
-    if name == "cpu_c" and (cpu_c_supports is None or not cpu_c_supports()):
-        raise ValueError("impl: 'cpu_c' was forced but the C kernel does not take this call "
-                         f"(C kernel for this op: {cpu_c_supports is not None}; "
-                         f"library: {cpu_c.unavailable_reason() or 'available'}; it needs CPU "
-                         "sources with unit stride along D)")
     if name is not None:
-        return name
-    if all(t.is_cuda for t in tensors) and triton_kernels() is not None and triton_supports():
-        return "triton"
-    if default_op and all(t.device.type == "cpu" for t in tensors):
-        return "cpu_c" if cpu_c_supports is not None and cpu_c_supports() else "cpu"
-    return "composite"
+        impl = IMPLS[name]
+        if call.op == MERGE and (impl.merge is None or call.needs_grad or not call.default_op):
+            return record(COMPOSITE)
+        err = impl.refusal(call)
+        if err is not None:
+            raise err
+        return record(impl)
+    for impl in IMPLS.values():
+        if (impl.device_type is None or call.on(impl.device_type)) and impl.supports(call):
+            return record(impl)
+    raise AssertionError("unreachable: the composition takes every call")

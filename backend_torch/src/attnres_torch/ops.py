@@ -2,9 +2,10 @@
 `depth_attention_multi`, `merge_partial`.
 
 Each call is validated with `attnres_numpy.validation` (same messages as every backend), then
-dispatched (`dispatch.py`) to the Triton kernels, the fused C kernel or the chunked CPU kernel (all
-as `torch.library` custom ops with explicit backward, `library.py`) or the differentiable
-composition (`composite.py`).  Inputs are never modified; nothing is capped.
+`dispatch.choose` picks its implementation: a kernel ("triton", "cpu_c", "chunked"; run through
+the `torch.library` custom ops of `library.py`, explicit backward) or the differentiable
+composition (`composite.py`).  `merge_partial` without gradients calls the kernel's merge
+directly.  Inputs are never modified; nothing is capped (C16).
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ from __future__ import annotations
 import torch
 from attnres_numpy import validation
 
-from . import composite, cpu_c, dispatch, library
+from . import composite, dispatch, library
 from ._args import Sources, check_same_device, dtype_name, optional_tensor, require_tensor, split_sources
-
-_FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _name(t):
@@ -52,25 +51,18 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
     tensors = xs + [query] + ([] if norm_weight is None else [norm_weight])
     check_same_device([(f"sources[{i}]", s) for i, s in enumerate(xs)]
                       + [("query", query), ("norm_weight", norm_weight)])
-    default_op = (activation == "softmax" and key_norm and geo.num_heads == 1
-                  and xs[0].dtype in _FAST_DTYPES)
     eps, scale = float(eps), float(scale)
-
-    def triton_supports():
-        return dispatch.triton_kernels().supports(xs, query, norm_weight, num_heads=geo.num_heads,
-                                                  activation=activation, key_norm=key_norm)
-
-    impl = dispatch.record(dispatch.choose(tensors, default_op=default_op,
-                                           triton_supports=triton_supports,
-                                           cpu_c_supports=lambda: cpu_c.supports(xs)))
-    if impl == "composite":
+    impl = dispatch.choose(dispatch.Call("depth_attention", xs, query, norm_weight, tensors,
+                                         num_heads=geo.num_heads, activation=activation,
+                                         key_norm=key_norm))
+    if impl is dispatch.COMPOSITE:
         out, lse, weights = composite.depth_attention(
             xs, query, norm_weight, eps=eps, scale=scale, num_heads=geo.num_heads,
             activation=activation, key_norm=key_norm)
         if lse is not None and geo.num_heads == 1:
             lse = lse[..., 0]
     else:
-        out, lse = library.depth_attention_op(xs, query, norm_weight, eps, scale, impl)
+        out, lse = library.depth_attention_op(xs, query, norm_weight, eps, scale, impl.name)
         weights = None
     extra = []
     if return_lse:
@@ -110,17 +102,10 @@ def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=
                       + [("queries", queries), ("norm_weights", norm_weights)])
     tensors = xs + [queries] + ([] if norm_weights is None else [norm_weights])
     eps, scale = float(eps), float(scale)
-
-    def triton_supports():
-        return dispatch.triton_kernels().supports(xs, queries[0], None if norm_weights is None
-                                                  else norm_weights[0], num_heads=1,
-                                                  activation="softmax", key_norm=True)
-
-    impl = dispatch.record(dispatch.choose(tensors, default_op=xs[0].dtype in _FAST_DTYPES,
-                                           triton_supports=triton_supports,
-                                           cpu_c_supports=lambda: cpu_c.supports(xs)))
-    if impl != "composite":
-        return library.depth_attention_multi_op(xs, queries, norm_weights, eps, scale, impl)
+    impl = dispatch.choose(dispatch.Call("depth_attention_multi", xs, queries[0],
+                                         None if norm_weights is None else norm_weights[0], tensors))
+    if impl is not dispatch.COMPOSITE:
+        return library.depth_attention_multi_op(xs, queries, norm_weights, eps, scale, impl.name)
     outs, lses = [], []
     for s in range(queries.shape[0]):
         out, lse, _ = composite.depth_attention(
@@ -153,25 +138,12 @@ def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor,
     eps, scale = float(eps), float(scale)
     tensors = [out1, lse1, partial, query] + ([] if norm_weight is None else [norm_weight])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    use_triton = (not needs_grad and dispatch.forced() in (None, "triton")
-                  and partial.dtype in _FAST_DTYPES and dispatch.choose(
-                      tensors, default_op=False, triton_supports=lambda: dispatch.triton_kernels()
-                      .supports([partial], query, norm_weight, num_heads=1, activation="softmax",
-                                key_norm=True)) == "triton")
-    use_c = (not use_triton and not needs_grad and dispatch.forced() in (None, "cpu_c")
-             and not torch.compiler.is_compiling()  # a ctypes call: torch.compile traces the composition
-             and partial.dtype in _FAST_DTYPES and out1.dtype == partial.dtype
-             and all(t.device.type == "cpu" for t in tensors) and cpu_c.supports([out1, partial]))
-    if use_triton:
-        dispatch.record("triton")
-        out, lse = dispatch.triton_kernels().merge_forward(out1, lse1, partial, query, norm_weight,
-                                                           eps, scale)
-    elif use_c:
-        dispatch.record("cpu_c")
-        out, lse = library.merge_cpu_c(out1, lse1, partial, query, norm_weight, eps, scale)
-    else:
-        dispatch.record("composite")
+    impl = dispatch.choose(dispatch.Call("merge_partial", [out1, partial], query, norm_weight, tensors,
+                                         needs_grad=needs_grad))
+    if impl is dispatch.COMPOSITE:
         out, lse = composite.merge_partial(out1, lse1, partial, query, norm_weight, eps=eps,
                                            scale=scale)
+    else:
+        out, lse = impl.merge(out1, lse1, partial, query, norm_weight, eps, scale)
     return (out, lse) if return_lse else out
 

@@ -1,5 +1,5 @@
-"""The chunked CPU kernel: chosen by the dispatch, writes every element (NaN-poisoned buffers),
-handles chunk remainders, and matches the float64 reference."""
+"""The chunked torch kernel ("chunked"): chosen by the dispatch, writes every element (NaN-poisoned
+buffers), handles chunk remainders, and matches the float64 reference."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 from _helpers import assert_close, f64, rand
 from attnres_numpy import ops as ref
-from attnres_torch import cpu_kernel
+from attnres_torch import chunked
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 3 rows at D = 20 (so T = 10 leaves a remainder chunk of 1 row)."""
-    monkeypatch.setattr(cpu_kernel, "CHUNK_BYTES", 3 * 4 * 20)
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 3 * 4 * 20)
 
 
 def _case(per_token: bool, dtype=torch.float32):
@@ -27,12 +27,12 @@ def _case(per_token: bool, dtype=torch.float32):
 
 def test_dispatch_picks_chunked_kernel_for_d_strided_sources():
     x = [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)]
-    before = at.impl_counts()["cpu"]
+    before = at.impl_counts()["chunked"]
     strided = [torch.randn(4, 16)[:, ::2] for _ in range(3)]
     at.depth_attention_multi(strided, torch.randn(2, 8))
-    assert at.last_impl() == "cpu" and at.impl_counts()["cpu"] == before + 1
+    assert at.last_impl() == "chunked" and at.impl_counts()["chunked"] == before + 1
     at.depth_attention(strided, torch.randn(8))
-    assert at.last_impl() == "cpu" and at.impl_counts()["cpu"] == before + 2
+    assert at.last_impl() == "chunked" and at.impl_counts()["chunked"] == before + 2
     at.depth_attention([t.double() for t in x], torch.randn(8))
     assert at.last_impl() == "composite"
 
@@ -44,14 +44,14 @@ def test_forward_and_backward_write_every_element(small_chunks, per_token, dtype
     qg = q * g
     out = torch.full((10, 20), float("nan"), dtype=dtype)
     lse = torch.full((10,), float("nan"))
-    cpu_kernel.forward_into(xs, qg, 1e-6, 1.0, out, lse)
+    chunked.forward_into(xs, qg, 1e-6, 1.0, out, lse)
     r_out, r_lse = ref.depth_attention(f64(xs), f64(qg), None, return_lse=True)
     name = "float32" if dtype == torch.float32 else "bfloat16"
     assert_close(out, r_out, name, "out")
     assert_close(lse, r_lse, name, "lse")
     d_out = rand(gen, (10, 20), dtype)
     d_src = [torch.full((10, 20), float("nan"), dtype=dtype) for _ in xs]
-    d_qg = cpu_kernel.backward_into(xs, qg, lse, d_out, None, 1e-6, 1.0, d_src)
+    d_qg = chunked.backward_into(xs, qg, lse, d_out, None, 1e-6, 1.0, d_src)
     v = ref.depth_attention_vjp(f64(xs), f64(qg), None, f64(d_out))
     assert_close(d_src, v["sources"], name, "d_sources")
     assert_close(d_qg, v["query"], name, "d_qg")
@@ -62,7 +62,7 @@ def test_multi_forward_writes_every_element(small_chunks):
     qgs = rand(gen, (3, 20), torch.float32, 0.5)
     out = torch.full((3, 10, 20), float("nan"))
     lse = torch.full((3, 10), float("nan"))
-    cpu_kernel.multi_forward_into(xs, qgs, 1e-6, 1.0, out, lse)
+    chunked.multi_forward_into(xs, qgs, 1e-6, 1.0, out, lse)
     r_out, r_lse = ref.depth_attention_multi(f64(xs), f64(qgs))
     assert_close(out, r_out, "float32", "out")
     assert_close(lse, r_lse, "float32", "lse")
@@ -70,7 +70,7 @@ def test_multi_forward_writes_every_element(small_chunks):
 
 def test_public_op_with_remainder_chunks(small_chunks):
     gen, xs, q, g = _case(True)
-    with at.use_impl("cpu"):
+    with at.use_impl("chunked"):
         out, lse = at.depth_attention(xs, q, g, return_lse=True)
     r_out, r_lse = ref.depth_attention(f64(xs), f64(q), f64(g), return_lse=True)
     assert_close(out, r_out, "float32", "out")

@@ -1,4 +1,5 @@
-"""Chunked CPU kernel of the default op (softmax, key norm, one head; spec 2.1-2.3, C10).
+"""The chunked torch kernel of the default op (softmax, key norm, one head; spec 2.1-2.3, C10):
+implementation "chunked" of `dispatch.py`, the CPU fallback of the fused C kernel (`cpu_c.py`).
 
 Tokens are processed in chunks of C rows so that one chunk of a source (`[C, D]` fp32) plus the
 fp32 accumulator stay in cache: each source is read from memory once per pass, every statistic

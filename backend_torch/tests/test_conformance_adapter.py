@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from attnres_conformance.backend import Backend, OpCall
 from attnres_numpy import ops as ref
+from attnres_torch import cpu_c, dispatch
 from attnres_torch.conformance import backend
 
 
@@ -15,6 +17,13 @@ def test_protocol_and_capabilities():
     assert set(caps.dtypes) == {"float64", "float32", "float16", "bfloat16"}
     assert len(caps.variants) == 11 and "cpu" in caps.devices
     assert "torch" in backend.versions()
+
+
+def test_fused_kernel_declared_where_one_serves():
+    """`fused_kernel`: the C kernel serves the CPU (unless unavailable), Triton serves CUDA."""
+    caps = backend.capabilities()
+    triton = torch.cuda.is_available() and dispatch.triton_kernels() is not None
+    assert caps.fused_kernel == (cpu_c.available() or triton)
 
 
 @pytest.mark.parametrize("stacked", [False, True])

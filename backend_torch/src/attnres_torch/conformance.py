@@ -26,7 +26,7 @@ from attnres_conformance.backend import (
 )
 from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 
-from . import dispatch, ops
+from . import cpu_c, dispatch, ops
 from .modules import DepthRouter
 
 _OPS = {"depth_attention": ops.depth_attention, "depth_attention_multi": ops.depth_attention_multi,
@@ -86,7 +86,11 @@ class TorchBackend:
             options=frozenset(OPTIONS),
             variants=frozenset(VARIANT_KINDS),
             schedules=frozenset(SCHEDULES),
-            fused_kernel=torch.cuda.is_available() and dispatch.triton_kernels() is not None,
+            # A fused kernel serves the default op on a declared device: the C kernel on the CPU
+            # (unless it could not be built or ATTNRES_TORCH_CPU_C=0: then the chunked torch
+            # kernel, not fused), the Triton kernels on CUDA.
+            fused_kernel=cpu_c.available() or (torch.cuda.is_available()
+                                               and dispatch.triton_kernels() is not None),
             deterministic=True,
         )
 

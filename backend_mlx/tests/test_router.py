@@ -9,6 +9,7 @@ import pytest
 from attnres_conformance.numerics import round_to
 from attnres_conformance.tolerances import compare, flash_rule
 from attnres_mlx import ops, probe
+from attnres_mlx.router import MlxOps
 from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 from helpers import assert_close, rand, to_mx, to_np
 
@@ -119,14 +120,19 @@ def test_block_inverse_rms_computed_once_per_block(monkeypatch):
 
 
 def test_router_read_equals_direct_op():
-    """A router read with cached inverse RMS equals the op called directly on the sources."""
+    """A schedule read through `MlxOps` with cached inverse RMS equals the op called directly on
+    the sources."""
     cfg = ResidualConfig.variant("multihead")
     rng, params, emb, w = _probe_inputs(cfg, "float64", 4)
     router = A.DepthRouter(cfg, L, D, dtype=mx.float64)
     router.update({k: to_mx(v, "float64") for k, v in params.items()})
     srcs = [to_mx(rand(rng, BATCH + (D,), "float64"), "float64") for _ in range(3)]
     rms = [ops.inverse_rms(s, eps=cfg.eps, num_heads=2) for s in srcs[:2]] + [None]
-    got = router._read(srcs, rms, 2)
+    mlx_ops = MlxOps({"queries": router["queries"], "norm_weights": router["norm_weights"]})
+    got, weights = mlx_ops.depth_attention(srcs, rms, mlx_ops.param("queries", 2),
+                                           mlx_ops.param("norm_weights", 2), cfg,
+                                           return_weights=False)
+    assert weights is None
     direct = A.depth_attention(srcs, router["queries"][2], router["norm_weights"][2],
                                eps=cfg.eps, num_heads=2)
     np.testing.assert_allclose(to_np(got), to_np(direct), rtol=1e-13, atol=1e-13)

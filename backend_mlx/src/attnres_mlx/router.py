@@ -5,19 +5,21 @@
 (row r = l - 1 belongs to sublayer l, row L to the output aggregation), so the probe's
 parameters load 1:1 with `router.update(params)`.
 
-Every depth-attention source has its inverse RMS computed once, when it is produced (for Block
-AttnRes: once per sealed block), and reused by every later read through
+The schedule is the shared `attnres_numpy.schedule.ResidualStream` on `MlxOps`.  Every
+depth-attention source has its inverse RMS computed once, when it is produced (for Block AttnRes:
+once per sealed block), and reused by every later read through
 `ops.depth_attention(..., inv_rms=...)`; only the running intra-block partial sum is normed
 inside the op.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from attnres_numpy.config import ResidualConfig
+from attnres_numpy.schedule import ResidualOps, ResidualStream, ScheduleObserver
 
 from . import ops
 
@@ -35,6 +37,62 @@ def _project(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """rmsnorm(x) @ weight in the compute dtype: `[..., D] x [D, D] -> [..., D]`."""
     normed = rmsnorm(x, eps)
     return normed @ weight.astype(normed.dtype)
+
+
+class MlxOps(ResidualOps):
+    """MLX's `ResidualOps` for the shared schedule (`attnres_numpy.schedule`).
+
+    Every sealed source (the embedding, each layer output, each completed block) gets its inverse
+    RMS once (`source_stats`), reused by every later read (`inv_rms=`); only the running partial
+    sum is normed inside the op.  Small projections (input queries, gates) stay in the compute
+    dtype (C10); `mul` returns the value's dtype, so the stream keeps the embedding's dtype.
+    """
+
+    def __init__(self, params: Mapping[str, mx.array]):
+        self.params = params
+
+    def param(self, name, index, *, like=None):
+        p = self.params.get(name)
+        if p is None:
+            return None
+        p = p[index]
+        return p if like is None else p.astype(like.dtype)
+
+    def mul(self, a, b):
+        c = ops.compute_dtype(b.dtype)
+        return (a.astype(c) * b.astype(c)).astype(b.dtype)
+
+    def rmsnorm(self, x, eps):
+        return rmsnorm(x, eps)
+
+    def matmul(self, x, w):
+        return x @ w.astype(x.dtype)
+
+    def sigmoid(self, x):
+        return ops.sigmoid(x)
+
+    def source_stats(self, value, config):
+        if not config.key_norm:
+            return None
+        return ops.inverse_rms(value, eps=config.eps, num_heads=config.num_heads)
+
+    def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights):
+        if return_weights:
+            raise ValueError("observer: the MLX depth-attention ops do not return depth weights; "
+                             "observe with wants_weights=False")
+        out = ops.depth_attention(list(sources), query, norm_weight, eps=config.eps,
+                                  scale=config.scale, num_heads=config.num_heads,
+                                  activation=config.activation, key_norm=config.key_norm,
+                                  inv_rms=list(stats) if config.key_norm else None)
+        return out, None
+
+    def depth_attention_multi(self, sources, stats, queries, norm_weights, config):
+        return ops.depth_attention_multi(list(sources), queries, norm_weights, eps=config.eps,
+                                         scale=config.scale, inv_rms=list(stats))
+
+    def merge_partial(self, out1, lse1, partial, query, norm_weight, config):
+        return ops.merge_partial(out1, lse1, partial, query, norm_weight, eps=config.eps,
+                                 scale=config.scale)
 
 
 class DepthAttention(nn.Module):
@@ -85,114 +143,27 @@ class DepthRouter(nn.Module):
         for name, value in config.init_params(num_layers, dim).items():
             setattr(self, name, mx.array(value).astype(dtype))
 
-    # -- reads -------------------------------------------------------------------------------
-    def _inv_rms(self, v: mx.array) -> Optional[mx.array]:
-        cfg = self.config
-        return ops.inverse_rms(v, eps=cfg.eps, num_heads=cfg.num_heads) if cfg.key_norm else None
+    # -- the schedule ------------------------------------------------------------------------
+    def stream(self, embedding: mx.array, *, schedule: str = "direct",
+               observer: Optional[ScheduleObserver] = None) -> ResidualStream:
+        """Start a pass step by step: embedding v_0 `[..., D]`; the stream
+        (`attnres_numpy.schedule`) gives `input()`, `push(v_l)` and `output()`."""
+        if embedding.ndim < 1 or embedding.shape[-1] != self.dim:
+            raise ValueError(f"embedding: expected shape [..., {self.dim}], got {embedding.shape}")
+        params = {name: self[name] for name in self.config.param_shapes(self.num_layers, self.dim)}
+        return ResidualStream(self.config, MlxOps(params), embedding, num_layers=self.num_layers,
+                              schedule=schedule, observer=observer)
 
-    def _read(self, sources: List[mx.array], rms: List[Optional[mx.array]], row: int) -> mx.array:
-        cfg = self.config
-        if cfg.query == "static":
-            q = self["queries"][row]
-        else:
-            q = _project(sources[-1], self["query_weights"][row], cfg.eps)
-        return ops.depth_attention(sources, q, self["norm_weights"][row], eps=cfg.eps,
-                                   scale=cfg.scale, num_heads=cfg.num_heads,
-                                   activation=cfg.activation, key_norm=cfg.key_norm,
-                                   inv_rms=list(rms) if cfg.key_norm else None)
-
-    # -- schedules ---------------------------------------------------------------------------
     def __call__(self, embedding: mx.array, sublayers: Sequence[Sublayer], *,
-                 schedule: str = "direct") -> mx.array:
+                 schedule: str = "direct", observer: Optional[ScheduleObserver] = None) -> mx.array:
         """Run the scheme: embedding v_0 `[..., D]`, sublayers f_1..f_L; returns h_{L+1}
         `[..., D]` (before any final norm).  schedule="two_phase" (M9) needs kind="block",
         softmax, key_norm, one head and static queries."""
-        cfg, L = self.config, self.num_layers
+        L = self.num_layers
         if len(sublayers) != L:
             raise ValueError(f"sublayers: expected L = {L} callables, got {len(sublayers)}")
-        cfg.check_schedule(schedule)
-        if embedding.ndim < 1 or embedding.shape[-1] != self.dim:
-            raise ValueError(f"embedding: expected shape [..., {self.dim}], got {embedding.shape}")
-        if cfg.kind in ("standard", "scalar", "gated"):
-            return self._additive(embedding, sublayers)
-        if cfg.kind == "static":
-            return self._static(embedding, sublayers)
-        if cfg.kind == "block":
-            return self._block(embedding, sublayers, schedule)
-        return self._full_or_window(embedding, sublayers)
-
-    def _additive(self, h, sublayers):
-        """M7: h_{l+1} = h_l + c_l v_l, c_l = 1, alphas[l-1] or sigmoid(rmsnorm(h) @ W + b)."""
-        kind, eps = self.config.kind, self.config.eps
-        for l, f in enumerate(sublayers):
-            v = f(h)
-            if kind == "scalar":
-                v = self["alphas"][l] * v
-            elif kind == "gated":
-                gate = _project(h, self["gate_weights"][l], eps)
-                gate = ops.sigmoid(gate + self["gate_biases"][l].astype(gate.dtype))
-                v = (gate * v.astype(gate.dtype)).astype(v.dtype)
-            h = h + v
-        return h
-
-    def _static(self, embedding, sublayers):
-        """M7: h_l = sum_{i<l} depth_weights[l-1, i] v_i."""
-        w = self["depth_weights"]
-        outputs = [embedding]
-
-        def mix(r):
-            c = ops.compute_dtype(embedding.dtype)
-            h = w[r, 0].astype(c) * outputs[0].astype(c)
-            for i in range(1, r + 1):
-                h = h + w[r, i].astype(c) * outputs[i].astype(c)
-            return h.astype(embedding.dtype)
-
-        for l, f in enumerate(sublayers):
-            outputs.append(f(mix(l)))
-        return mix(self.num_layers)
-
-    def _full_or_window(self, embedding, sublayers):
-        """M2 full: sources [v_0..v_{l-1}]; M5 window: [v_0] + the W most recent (j >= 1)."""
-        cfg = self.config
-        outputs, rms = [embedding], [self._inv_rms(embedding)]
-
-        def pick(seq, l):
-            return [seq[0]] + seq[max(1, l - cfg.window):l] if cfg.kind == "window" else seq[:l]
-
-        for l in range(1, self.num_layers + 1):
-            v = sublayers[l - 1](self._read(pick(outputs, l), pick(rms, l), l - 1))
-            outputs.append(v)
-            rms.append(self._inv_rms(v))
-        L = self.num_layers
-        return self._read(pick(outputs, L + 1), pick(rms, L + 1), L)
-
-    def _block(self, embedding, sublayers, schedule):
-        """M3 block (direct) or M9 two-phase: phase 1 `depth_attention_multi` over the sealed
-        blocks for all of a block's queries, phase 2 `merge_partial` of the partial sum."""
-        cfg, L, S = self.config, self.num_layers, self.config.block_size
-        blocks, rms = [embedding], [self._inv_rms(embedding)]
-        for first in range(1, L + 1, S):
-            layers = range(first, min(first + S - 1, L) + 1)
-            if schedule == "two_phase":
-                rows = slice(first - 1, layers[-1])
-                out1, lse1 = ops.depth_attention_multi(
-                    blocks, self["queries"][rows], self["norm_weights"][rows], eps=cfg.eps,
-                    scale=cfg.scale, inv_rms=rms)
-            partial = None
-            for i, l in enumerate(layers):
-                if schedule == "direct":
-                    if partial is None:
-                        h = self._read(blocks, rms, l - 1)
-                    else:
-                        h = self._read(blocks + [partial], rms + [None], l - 1)
-                elif partial is None:
-                    h = out1[0]
-                else:
-                    h = ops.merge_partial(out1[i], lse1[i], partial, self["queries"][l - 1],
-                                          self["norm_weights"][l - 1], eps=cfg.eps,
-                                          scale=cfg.scale)
-                v = sublayers[l - 1](h)
-                partial = v if partial is None else partial + v
-            blocks.append(partial)
-            rms.append(self._inv_rms(partial))
-        return self._read(blocks, rms, L)
+        self.config.check_schedule(schedule)
+        stream = self.stream(embedding, schedule=schedule, observer=observer)
+        for f in sublayers:
+            stream.push(f(stream.input()))
+        return stream.output()

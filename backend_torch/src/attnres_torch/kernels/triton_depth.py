@@ -1,10 +1,11 @@
 """Host side of the Triton depth-attention kernels (`_depth_kernels.py`): argument layout, tile
 choice, launches.  Imports without Triton; `supports(...)` is then False.
 
-Callers (`attnres_torch.library`) validate arguments with `attnres_numpy.validation` first and ask
-`supports(...)` before calling.  Shapes: N sources `[..., D]` of one shape and dtype (any strides;
-a source is passed as a `[T, D]` row view with unit column stride, copied only when no such view
-exists), query `[D]` or `[..., D]`, norm_weight `[D]` or None.  The token axes flatten to T rows.
+The arguments arrive validated (`attnres_torch.ops`, with `attnres_numpy.validation`); the "triton"
+implementation object of `attnres_torch.dispatch` asks `supports(...)` before calling.  Shapes:
+N sources `[..., D]` of one shape and dtype (any strides; a source is passed as a `[T, D]` row
+view with unit column stride, copied only when no such view exists), query `[D]` or `[..., D]`,
+norm_weight `[D]` or None.  The token axes flatten to T rows.
 
 Test hooks: every output and workspace buffer comes from `_alloc` and every launch goes through
 `_launch`; `_MAX_BLOCK_D`, `_TILE_ELEMS` and `_BWD_PROGRAMS` set the tiling.

@@ -2,17 +2,23 @@
 
 Every call runs under `dispatch.use("interpret", tile=4, poison=True)`: T = 10 tokens give two
 full tiles and a partial one, and every output buffer starts NaN (aliased), so an element a
-kernel never writes fails the comparison.  `kernels.CALLS` proves which kernels ran.
+kernel never writes fails the comparison.  `kernels.CALLS` proves which kernels ran.  The last
+tests check the dispatch (`pallas.dispatch`): the choice per call, the `impl=` keyword, the
+ContextVar of `use`, and the automatic choice for GPU/TPU requests (no device needed).
 """
 
 from __future__ import annotations
+
+import contextvars
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attnres_jax import depth_attention, depth_attention_multi, merge_partial, probe_forward
+from attnres_jax._args import Request
 from attnres_jax.pallas import dispatch, kernels
+from attnres_jax.pallas.impl import Pallas
 from attnres_numpy import model as ref_model
 from attnres_numpy import ops as ref
 from attnres_numpy.config import ResidualConfig
@@ -169,3 +175,96 @@ def test_cpu_auto_mode_uses_xla(rng):
     with dispatch.use("interpret"):  # multi-head calls stay on XLA even when kernels are forced
         depth_attention(xs, jnp.ones(D), num_heads=2)
     assert not kernels.CALLS
+
+
+# -- dispatch: the choice is made per call, kept by the custom VJP, never read from a global -------
+
+
+def test_backward_runs_the_implementation_the_forward_chose(rng):
+    """The implementation is a static argument of the custom VJP: a vjp built inside the block
+    runs the backward kernel even when its backward is traced after the block has closed."""
+    xs = [jnp.asarray(rng.standard_normal((10, D)), jnp.float32) for _ in range(3)]
+    q = jnp.asarray(rng.standard_normal(D), jnp.float32)
+    with _interpret():
+        out, vjp = jax.vjp(lambda xs, q: depth_attention(xs, q), xs, q)
+    assert set(kernels.CALLS) == {"attnres_forward"}
+    d_xs, d_q = vjp(jnp.ones_like(out))
+    assert set(kernels.CALLS) == {"attnres_forward", "attnres_backward"}
+    want = ref.depth_attention_vjp([np.asarray(x, np.float64) for x in xs], np.asarray(q, np.float64), None,
+                                   np.ones((10, D)))
+    assert_close(np.stack(d_xs), np.stack(want["sources"]), "float32", "d_sources")
+    assert_close(d_q, want["query"], "float32", "d_query")
+
+
+def test_impl_keyword_wins_over_the_block_and_keys_the_trace(rng):
+    xs = [jnp.asarray(rng.standard_normal((10, D)), jnp.float32) for _ in range(3)]
+    q = jnp.asarray(rng.standard_normal(D), jnp.float32)
+    f = jax.jit(lambda xs, q, impl: depth_attention(xs, q, impl=impl), static_argnums=2)
+    with _interpret():
+        xla = jax.grad(lambda q: jnp.sum(f(xs, q, "xla")))(q)
+        assert not kernels.CALLS
+        kernel = jax.grad(lambda q: jnp.sum(f(xs, q, None)))(q)
+        assert set(kernels.CALLS) == {"attnres_forward", "attnres_backward"}
+        kernels.CALLS.clear()
+        depth_attention_multi(xs, jnp.stack([q, q]), impl="xla")
+        merge_partial(xs[0], jnp.zeros(10), xs[1], q, impl="xla")
+        assert not kernels.CALLS
+    assert_close(kernel, xla, "float32", "d_query")
+
+
+def test_impl_pallas_where_the_kernels_cannot_run_raises(rng):
+    xs = [jnp.ones((4, D), jnp.float32)] * 2
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="impl='pallas' cannot run this depth_attention call: no compiled"):
+            depth_attention(xs, jnp.ones(D), impl="pallas")
+    with _interpret(), pytest.raises(ValueError, match="one head"):
+        depth_attention(xs, jnp.ones(D), num_heads=2, impl="pallas")
+    with pytest.raises(ValueError, match="impl: expected None or one of"):
+        merge_partial(xs[0], jnp.zeros(4), xs[1], jnp.ones(D), impl="triton")
+    with _interpret():  # the interpreter runs what the block asked for
+        depth_attention(xs, jnp.ones(D), impl="pallas")
+    assert set(kernels.CALLS) == {"attnres_forward"}
+
+
+def test_forced_mode_lives_in_the_callers_context(rng):
+    """`use` sets a ContextVar, not a process global: a call made in another context inside the
+    block (another thread's or asyncio task's) makes its own automatic choice."""
+    xs = [jnp.asarray(rng.standard_normal((4, D)), jnp.float32) for _ in range(2)]
+    with _interpret():
+        contextvars.Context().run(depth_attention, xs, jnp.ones(D))
+        assert not kernels.CALLS or jax.default_backend() != "cpu"
+        depth_attention(xs, jnp.ones(D))
+    assert kernels.CALLS["attnres_forward"] == (1 if jax.default_backend() == "cpu" else 2)
+
+
+def _request(platform, dtype="float32", dim=128, num_heads=1, num_sources=9, num_sets=1):
+    return Request("depth_attention", platform, dtype, dim, num_heads, num_sources, num_sets, False)
+
+
+@pytest.mark.parametrize("request_, want", [
+    (_request("cpu"), None),
+    (_request("gpu"), Pallas(tile=64)),
+    (_request("gpu", dim=96), None),  # Triton blocks: powers of two
+    (_request("gpu", dtype="float64"), None),  # C10: float64 computes in float64
+    (_request("tpu", dtype="bfloat16", dim=4096, num_sources=40), Pallas(tile=8)),
+    (_request("tpu", num_heads=2), None),
+])
+def test_automatic_choice_by_platform_dtype_and_shape(request_, want):
+    got = dispatch.select(None, request_)
+    assert got == (dispatch.REGISTRY["xla"] if want is None else want)
+    with dispatch.use("xla"):
+        assert dispatch.select(None, request_) == dispatch.REGISTRY["xla"]
+    with dispatch.use("interpret_tpu", tile=16, poison=True):
+        forced = dispatch.select(None, request_)
+    assert forced == (dispatch.REGISTRY["xla"] if request_.num_heads > 1 else
+                      Pallas(interpret="tpu", tile=16, poison=True))
+    hash(got), hash(forced)  # static arguments of the custom VJP
+
+
+def test_use_rejects_unknown_modes_and_tiles():
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        with dispatch.use("triton"):
+            pass
+    with pytest.raises(ValueError, match="tile: expected an int >= 1"):
+        with dispatch.use("interpret", tile=0):
+            pass

@@ -25,10 +25,10 @@ def kernels(monkeypatch):
 
     monkeypatch.setattr(metal, "_launch", spy)
     monkeypatch.setattr(metal, "INIT_VALUE", float("nan"))
-    for fn in (ops._attend_fn, ops._merge_fn, metal._attend_kernel, metal._merge_kernel):
+    for fn in (metal._attend_kernel, metal._merge_kernel):
         fn.cache_clear()
     yield calls
-    for fn in (ops._attend_fn, ops._merge_fn, metal._attend_kernel, metal._merge_kernel):
+    for fn in (metal._attend_kernel, metal._merge_kernel):
         fn.cache_clear()
 
 
@@ -51,6 +51,12 @@ def test_two_phase_kernels(kernels, dtype):
 def test_probe_through_kernels(kernels, variant):
     test_router.test_probe_forward_and_vjp(variant, "float32")
     assert sum(kernels.values()) >= 2
+
+
+def test_metal_is_the_automatic_choice_on_the_gpu():
+    assert mx.default_device() == mx.gpu
+    assert ops.implementation_for(mx.float32).name == "metal"
+    assert ops.implementation_for(mx.float64).name == "compiled"  # Metal has no float64
 
 
 def test_kernels_deterministic(kernels):

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (
 
 
 def _clear_caches():
-    for fn in (ops._attend_fn, ops._merge_fn, metal._attend_kernel, metal._merge_kernel):
+    """The kernel caches hold kernels built by whichever `mx.fast.metal_kernel` was installed."""
+    for fn in (metal._attend_kernel, metal._merge_kernel):
         fn.cache_clear()
 
 
@@ -27,14 +28,21 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture
-def emulated(monkeypatch, workdir):
+def emulator(monkeypatch, workdir):
+    """`mx.fast.metal_kernel` replaced by the emulator (the implementation is not forced)."""
     emu = Emulator(workdir)
-    monkeypatch.setattr(metal, "usable", lambda dtype: dtype != mx.float64)
     monkeypatch.setattr(mx.fast, "metal_kernel", emu.metal_kernel)
     monkeypatch.setattr(metal, "INIT_VALUE", float("nan"))
     _clear_caches()
     yield emu
     _clear_caches()
+
+
+@pytest.fixture
+def emulated(emulator):
+    """The emulator, and every call Metal supports (all but float64) forced onto the kernels."""
+    with ops.use_implementation("metal"):
+        yield emulator
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
@@ -101,3 +109,34 @@ def test_probe_through_kernels(emulated, variant):
     """Cached block r, partial sums, per-token queries, sigmoid: every parameter gradient."""
     test_router.test_probe_forward_and_vjp(variant, "float32")
     assert emulated.calls["attnres_attend_bwd"] >= 1
+
+
+def test_backward_runs_where_the_forward_chose(emulator):
+    """The implementation is chosen once per call: a backward computed after the forcing
+    context has closed still runs the kernels its forward ran (and is correct)."""
+    rng = np.random.default_rng(8)
+    sources = [test_ops.rand(rng, (2, 3, 8), "float32") for _ in range(3)]
+    query, cot = test_ops.rand(rng, (8,), "float32"), test_ops.rand(rng, (2, 3, 8), "float32")
+
+    def f(*xs):
+        with ops.use_implementation("metal"):
+            return [ops.depth_attention(list(xs), test_ops.to_mx(query, "float32"))]
+
+    outs, grads = mx.vjp(f, [test_ops.to_mx(s, "float32") for s in sources],
+                         [test_ops.to_mx(cot, "float32")])
+    mx.eval(outs, grads)
+    automatic = "metal" if metal.IMPLEMENTATION.available() else "compiled"
+    assert ops.implementation_for(mx.float32).name == automatic  # the context has closed
+    assert emulator.calls["attnres_attend_fwd"] == 1 and emulator.calls["attnres_attend_bwd"] == 1
+    g = test_ops.ref.depth_attention_vjp(sources, query, None, cot)
+    for i in range(3):
+        test_ops.assert_close(f"d sources[{i}]", grads[i], g["sources"][i], grad=True)
+
+
+def test_forced_metal_leaves_float64_to_the_compiled_path(emulated):
+    assert ops.implementation_for(mx.float64).name == "compiled"
+    assert ops.implementation_for(mx.bfloat16).name == "metal"
+    with mx.stream(mx.cpu):  # float64 exists on the CPU device only
+        x = mx.ones((2, 8), dtype=mx.float64)
+        mx.eval(ops.depth_attention([x, x], mx.zeros((8,), dtype=mx.float64)))
+    assert not emulated.calls

@@ -1,10 +1,13 @@
 """Every op, option and dtype, forward and every gradient, against the float64 reference."""
 
+import threading
+
 import attnres_mlx as A
 import attnres_numpy.ops as ref
 import mlx.core as mx
 import numpy as np
 import pytest
+from attnres_mlx import metal, ops
 from helpers import DTYPES, MX, assert_close, rand, to_mx, to_np
 
 BATCH, D, N = (2, 3), 8, 3
@@ -194,24 +197,82 @@ def test_two_phase_ops_equal_direct():
         np.testing.assert_allclose(to_np(lse), to_np(lse_direct), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("cached", [(True, True, False), (True, False, True)],
+                         ids=["leading", "mixed"])
 @pytest.mark.parametrize("num_heads", [1, 2])
-def test_cached_inverse_rms_equals_direct(num_heads):
+def test_cached_inverse_rms_equals_direct(num_heads, cached, stacked):
     """depth_attention(..., inv_rms=[r, None, ...]) equals the op and the reference, including
-    the gradient that flows into the sources through the cached r."""
+    the gradient that flows into the sources through the cached r (lists and stacked sources,
+    cached r on any subset of them)."""
     rng = np.random.default_rng(6)
     sources = [rand(rng, BATCH + (D,), "float64") for _ in range(N)]
     query, gain = rand(rng, (D,), "float64"), rand(rng, (D,), "float64")
     cot = rng.standard_normal(BATCH + (D,))
 
     def f(*xs):
-        rms = [A.inverse_rms(x, num_heads=num_heads) for x in xs[:-1]] + [None]
-        return [A.depth_attention(list(xs), to_mx(query, "float64"), to_mx(gain, "float64"),
+        x = xs[0] if stacked else list(xs)
+        rms = [A.inverse_rms(x[i], num_heads=num_heads) if c else None
+               for i, c in enumerate(cached)]
+        return [A.depth_attention(x, to_mx(query, "float64"), to_mx(gain, "float64"),
                                   num_heads=num_heads, inv_rms=rms)]
 
-    xs = [to_mx(s, "float64") for s in sources]
+    xs = [to_mx(np.stack(sources), "float64")] if stacked else [to_mx(s, "float64")
+                                                                   for s in sources]
     outs, grads = mx.vjp(f, xs, [to_mx(cot, "float64")])
     np.testing.assert_allclose(to_np(outs[0]), ref.depth_attention(
         sources, query, gain, num_heads=num_heads), rtol=1e-12, atol=1e-12)
     g = ref.depth_attention_vjp(sources, query, gain, cot, num_heads=num_heads)
+    d_sources = grads[0] if stacked else grads
     for i in range(N):
-        np.testing.assert_allclose(to_np(grads[i]), g["sources"][i], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(to_np(d_sources[i]), g["sources"][i], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["plain", "heads_per_token", "sigmoid", "no_key_norm"])
+def test_stacked_and_list_sources_agree_bitwise(case, dtype):
+    """One stacked array and a list of the same sources give the same bits: forward and every
+    gradient (the stacked gradient is one array, never a stack of per-source gradients)."""
+    rng = np.random.default_rng(9)
+    sources, query, gain, opts = _attention_case(rng, dtype, case)
+    cot_out, cot_lse = rand(rng, BATCH + (D,), dtype), None
+    if opts.get("return_lse"):
+        heads = opts.get("num_heads", 1)
+        cot_lse = rand(rng, BATCH + ((heads,) if heads > 1 else ()), "float32")
+    outs_l, grads_l = _run(sources, query, gain, opts, dtype, False, cot_out, cot_lse)
+    outs_s, grads_s = _run(sources, query, gain, opts, dtype, True, cot_out, cot_lse)
+    for a, b in zip(outs_l, outs_s):
+        assert mx.array_equal(a, b).item()
+    assert mx.array_equal(mx.stack(grads_l[:N]), grads_s[0]).item()
+    for a, b in zip(grads_l[N:], grads_s[1:]):
+        assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compute_dtype(dtype):
+    """C10: float64 stays float64, everything else computes in float32."""
+    assert ops.dtype_name(MX[dtype]) == dtype
+    assert ops.compute_dtype(MX[dtype]) == MX[_compute(dtype)]
+
+
+def test_implementation_choice_and_scoped_override():
+    """The automatic choice, and `use_implementation` as a context-local override."""
+    automatic = ops.implementation_for(mx.float32)
+    assert automatic.name == ("metal" if metal.IMPLEMENTATION.available() else "compiled")
+    assert ops.implementation_for(mx.float64).name == "compiled"
+    assert list(ops.IMPLEMENTATIONS) == ["metal", "compiled"]
+    with ops.use_implementation("compiled"):
+        assert ops.implementation_for(mx.float32).name == "compiled"
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(ops.implementation_for(mx.float32)))
+        thread.start()
+        thread.join()
+        assert seen == [automatic]  # another thread's context keeps the automatic choice
+        with ops.use_implementation(None):
+            assert ops.implementation_for(mx.float32) is automatic
+        assert ops.implementation_for(mx.float32).name == "compiled"
+    assert ops.implementation_for(mx.float32) is automatic
+    with pytest.raises(ValueError, match="implementation: expected one of metal, compiled or "
+                                         "None, got 'cuda'"):
+        with ops.use_implementation("cuda"):
+            pass

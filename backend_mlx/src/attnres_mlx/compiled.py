@@ -1,10 +1,14 @@
-"""The compiled ops twin: forward and backward math of the spec's ops in plain `mlx.core`.
+"""The compiled implementation: the spec's ops composed from plain `mlx.core` and run under
+`mx.compile`.  It runs on every device and dtype (float64 included, on the CPU); `metal.py`
+holds the kernels preferred on Apple GPUs.  `ops.py` chooses between them once per call.
 
-This is the path that runs wherever Metal is unavailable (and the oracle-checked twin of the
-Metal kernels).  Every function takes arrays already in the compute dtype (float32, or float64
-for float64 sources, C10) and in *broadcast form*:
+The math functions (`attend_forward`, `attend_backward`, `merge_forward`, `merge_backward`)
+take arrays already in the compute dtype (float32, or float64 for float64 sources, C10) and in
+*broadcast form*:
 
-* sources `xs`: N arrays `[..., H, Dh]` (heads split off the last axis);
+* sources `xs`: a list of N arrays `[..., H, Dh]` (heads split off the last axis), or one
+  stacked array `[N, ..., H, Dh]`; a stacked array is read source by source through views
+  `xs[i]` (never split into a list) and its gradient is computed as one `[N, ..., H, Dh]` array;
 * `qg = query * norm_weight` broadcastable against a source (`[H, Dh]`, `[..., H, Dh]`, or for
   the two-phase op `[S, 1.., H, Dh]` against sources `[1, ..., H, Dh]`);
 * `rs`: per source either None (the inverse RMS is computed here) or a cached inverse RMS
@@ -12,13 +16,23 @@ for float64 sources, C10) and in *broadcast form*:
 
 Math (spec 2.1/2.3): r_i = 1/sqrt(mean(x_i^2) + eps), s_i = <qg, x_i>, z_i = scale r_i s_i,
 p = softmax_i(z) or sigmoid(z), out = sum_i p_i x_i, lse = logsumexp_i z.
+
+`IMPLEMENTATION` wraps them into the entry points `ops.py` calls: they take the op's own
+arrays (sources as given, query, gain, cached inverse RMS), build the broadcast forms, and
+return the op's outputs and gradients in their final shapes and dtypes.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import functools
+from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
+
+from .common import compute_dtype, query_grads, sum_to
+
+#: N sources in broadcast form: a list of `[..., H, Dh]` or one stacked `[N, ..., H, Dh]`.
+Sources = Union[mx.array, List[mx.array]]
 
 _E = 2.718281828459045
 
@@ -39,22 +53,13 @@ def heads(x: mx.array, num_heads: int) -> mx.array:
     return x.reshape(*x.shape[:-1], num_heads, x.shape[-1] // num_heads)
 
 
-def sum_to(a: mx.array, shape: Sequence[int]) -> mx.array:
-    """Sum a broadcast result back to `shape` (the inverse of broadcasting)."""
-    lead = a.ndim - len(shape)
-    if lead:
-        a = a.sum(axis=tuple(range(lead)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and a.shape[i] != 1)
-    return a.sum(axis=axes, keepdims=True) if axes else a
-
-
 def inverse_rms(x: mx.array, eps: float) -> mx.array:
     """r = 1 / sqrt(mean(x^2) + eps) over the last axis: `[..., Dh]` -> `[...]`."""
     return mx.rsqrt(mx.mean(x * x, axis=-1) + eps)
 
 
 def _stats(x, qg, r, *, eps, scale, key_norm):
-    """(r, s, z) of one source; r is None when key_norm=False (r = 1)."""
+    """(r, s, z) of one source; r is None when key_norm=False (r = 1, C9)."""
     s = mx.sum(qg * x, axis=-1)
     if not key_norm:
         return None, s, scale * s
@@ -63,14 +68,37 @@ def _stats(x, qg, r, *, eps, scale, key_norm):
     return r, s, scale * r * s
 
 
-def _key_grad(x, qg, r, s, *, scale, with_rms_path):
-    """dz/dx `[..., H, Dh]`: scale (r qg - s r^3 x / Dh); the r-path is dropped for a cached r
-    (its gradient leaves through d r instead) and r = 1 without key norm."""
+def _logits(xs: Sources, qg, rs, *, eps, scale, key_norm):
+    """(r, s, z), each `[N, ...]` (r None without key norm), one source at a time."""
+    stats = [_stats(xs[i], qg, rs[i], eps=eps, scale=scale, key_norm=key_norm)
+             for i in range(len(xs))]
+    r, s, z = (None if t[0] is None else mx.stack(t) for t in zip(*stats))
+    return r, s, z
+
+
+def _combine(w: mx.array, xs: Sources) -> mx.array:
+    """sum_i w_i x_i for weights `[N, ...]` (in source order, whatever the layout)."""
+    out = w[0][..., None] * xs[0]
+    for i in range(1, len(xs)):
+        out = out + w[i][..., None] * xs[i]
+    return out
+
+
+def _key_grad(x, qg, r, s, *, scale, rms_path):
+    """dz/dx: scale (r qg - s r^3 x / Dh), `[..., H, Dh]`.
+
+    r = 1 without key norm (r None).  The r-path (the second term) is dropped for a cached r:
+    its gradient leaves through d r instead.  `rms_path` is a bool, or for stacked sources with
+    some cached r a 0/1 mask `[N, 1, ...]`.
+    """
     if r is None:
         return scale * qg
-    if not with_rms_path:
+    if rms_path is False:
         return scale * r[..., None] * qg
-    return scale * (r[..., None] * qg - (s * r ** 3)[..., None] * x / x.shape[-1])
+    rms = (s * r ** 3)[..., None] * x / x.shape[-1]
+    if rms_path is not True:
+        rms = rms_path * rms
+    return scale * (r[..., None] * qg - rms)
 
 
 def _weights_lse(z: mx.array, activation: str):
@@ -83,46 +111,46 @@ def _weights_lse(z: mx.array, activation: str):
     return e / den, m + mx.log(den)
 
 
-def attend_forward(xs: List[mx.array], qg: mx.array, rs: Sequence[Optional[mx.array]], *,
+def attend_forward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]], *,
                    eps: float, scale: float, activation: str, key_norm: bool):
     """Returns out `[..., H, Dh]`, p `[N, ..., H]`, lse `[..., H]` (None for sigmoid)."""
-    z = mx.stack([_stats(x, qg, r, eps=eps, scale=scale, key_norm=key_norm)[2]
-                  for x, r in zip(xs, rs)])
+    _, _, z = _logits(xs, qg, rs, eps=eps, scale=scale, key_norm=key_norm)
     p, lse = _weights_lse(z, activation)
-    out = p[0][..., None] * xs[0]
-    for i in range(1, len(xs)):
-        out = out + p[i][..., None] * xs[i]
-    return out, p, lse
+    return _combine(p, xs), p, lse
 
 
-def attend_backward(xs: List[mx.array], qg: mx.array, rs: Sequence[Optional[mx.array]],
+def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
                     g_out: mx.array, d_lse: Optional[mx.array], *, eps: float, scale: float,
                     activation: str, key_norm: bool):
     """VJP of `attend_forward` (spec 2.3).  g_out `[..., H, Dh]`, d_lse `[..., H]` or None.
 
-    Returns (dxs: N broadcast-shaped `[..., H, Dh]`, dqg (broadcast shape), drs: per source
+    Returns (dxs: per source, broadcast-shaped `[..., H, Dh]` (a list for a list, one
+    `[N, ..., H, Dh]` array for stacked sources), dqg (broadcast shape), drs: per source
     d r `[..., H]` for a cached r, else None).
     """
-    stats = [_stats(x, qg, r, eps=eps, scale=scale, key_norm=key_norm) for x, r in zip(xs, rs)]
-    p, _ = _weights_lse(mx.stack([z for _, _, z in stats]), activation)
-    dp = mx.stack([mx.sum(g_out * x, axis=-1) for x in xs])
+    r, s, z = _logits(xs, qg, rs, eps=eps, scale=scale, key_norm=key_norm)
+    p, _ = _weights_lse(z, activation)
+    dp = mx.stack([mx.sum(g_out * xs[i], axis=-1) for i in range(len(xs))])
     if activation == "softmax":
-        out = p[0][..., None] * xs[0]
-        for i in range(1, len(xs)):
-            out = out + p[i][..., None] * xs[i]
-        dz = p * (dp - mx.sum(g_out * out, axis=-1))
+        dz = p * (dp - mx.sum(g_out * _combine(p, xs), axis=-1))
         if d_lse is not None:
             dz = dz + p * d_lse
     else:
         dz = dp * p * (1.0 - p)
-    dxs, drs, dqg = [], [], None
-    for i, (x, cached, (r, s, _)) in enumerate(zip(xs, rs, stats)):
-        dkey = _key_grad(x, qg, r, s, scale=scale, with_rms_path=cached is None)
-        dxs.append(p[i][..., None] * g_out + dz[i][..., None] * dkey)
-        drs.append(None if cached is None else dz[i] * scale * s)
-        w = dz[i] * scale if r is None else dz[i] * scale * r
-        term = w[..., None] * x
-        dqg = term if dqg is None else dqg + term
+    rms_path = [cached is None for cached in rs]
+    if isinstance(xs, mx.array):
+        if all(rms_path) or not any(rms_path):
+            mask = all(rms_path)
+        else:
+            mask = mx.array(rms_path, dtype=qg.dtype).reshape((len(rs),) + (1,) * (xs.ndim - 1))
+        dxs = p[..., None] * g_out + dz[..., None] * _key_grad(xs, qg, r, s, scale=scale,
+                                                               rms_path=mask)
+    else:
+        dxs = [p[i][..., None] * g_out + dz[i][..., None] * _key_grad(
+            x, qg, None if r is None else r[i], s[i], scale=scale, rms_path=rms_path[i])
+            for i, x in enumerate(xs)]
+    drs = [None if cached is None else dz[i] * scale * s[i] for i, cached in enumerate(rs)]
+    dqg = _combine(dz * scale if r is None else dz * scale * r, xs)
     return dxs, dqg, drs
 
 
@@ -148,7 +176,133 @@ def merge_backward(o1, l1, x, qg, d_out, d_lse, *, eps: float, scale: float):
     if d_lse is not None:
         d_l1 = d_l1 + d_lse * w1
         d_z2 = d_z2 + d_lse * w2
-    dkey = _key_grad(x, qg, r, s, scale=scale, with_rms_path=True)
+    dkey = _key_grad(x, qg, r, s, scale=scale, rms_path=True)
     d_x = w2[..., None] * d_out + d_z2[..., None] * dkey
     dqg = (d_z2 * scale * r)[..., None] * x
     return w1[..., None] * d_out, d_l1, d_x, dqg
+
+
+# -- the implementation ops.py dispatches to -------------------------------------------------
+
+def _broadcast(st, xs, q, g, rs):
+    """The broadcast forms (module docstring) of one call, in the compute dtype.
+
+    xs: list of N `[..., D]` or stacked `[N, ..., D]`; q `[D]`, `[..., D]` or (multi) `[S, D]`;
+    g like q's last axes; rs: the cached inverse RMS given, `[..., H]`, in source order.
+    Returns (xb, qg, rb) with rb: per source None or its cached r.
+    """
+    stacked = isinstance(xs, mx.array)
+    c = compute_dtype(xs.dtype if stacked else xs[0].dtype)
+    if st.mode == "multi":  # sources [1, ..., 1, D] against S queries [S, 1.., 1, D]
+        batch_ndim = xs.ndim - 2 if stacked else xs[0].ndim - 1
+        lead = (q.shape[0],) + (1,) * batch_ndim + (1, q.shape[-1])
+        xb = (heads(xs.astype(c)[:, None], 1) if stacked
+              else [heads(x.astype(c)[None], 1) for x in xs])
+        qg = q.astype(c).reshape(lead) * g.astype(c).reshape(lead)
+        given = iter(r.astype(c)[None] for r in rs)
+    else:
+        H = st.num_heads
+        xb = heads(xs.astype(c), H) if stacked else [heads(x.astype(c), H) for x in xs]
+        qg = heads(q.astype(c), H) * heads(g.astype(c), H)
+        given = iter(r.astype(c) for r in rs)
+    return xb, qg, [next(given) if cached else None for cached in st.cached]
+
+
+def _squeeze_heads(st, a: mx.array) -> mx.array:
+    """`[..., H]` -> `[...]` where the op has one head (and always for phase 1)."""
+    return a[..., 0] if st.mode == "multi" or st.num_heads == 1 else a
+
+
+def _attend_forward(st, xs, q, g, rs):
+    """The op's outputs: out (sources' dtype), lse (softmax), weights (single-query op)."""
+    xb, qg, rb = _broadcast(st, xs, q, g, rs)
+    out, p, lse = attend_forward(xb, qg, rb, eps=st.eps, scale=st.scale,
+                                 activation=st.activation, key_norm=st.key_norm)
+    source = xs[0]  # a view for stacked sources: only its shape and dtype are read
+    shape = source.shape if st.mode == "single" else (q.shape[0], *source.shape)
+    outs = [out.reshape(shape).astype(source.dtype)]
+    if lse is not None:
+        outs.append(_squeeze_heads(st, lse))
+    if st.mode == "single":
+        outs.append(_squeeze_heads(st, p))
+    return tuple(outs)
+
+
+def _attend_backward(st, xs, q, g, rs, d_out, d_lse):
+    """Gradients (sources as given, query, gain, cached rs), each in its input's shape/dtype."""
+    xb, qg, rb = _broadcast(st, xs, q, g, rs)
+    c = qg.dtype
+    g_out = heads(d_out.astype(c), 1 if st.mode == "multi" else st.num_heads)
+    if d_lse is not None:
+        d_lse = d_lse.astype(c)
+        d_lse = d_lse[..., None] if st.mode == "multi" or st.num_heads == 1 else d_lse
+    dxs, dqg, drs = attend_backward(xb, qg, rb, g_out, d_lse, eps=st.eps, scale=st.scale,
+                                    activation=st.activation, key_norm=st.key_norm)
+    if isinstance(xs, mx.array):
+        d_sources = sum_to(dxs, xb.shape).reshape(xs.shape).astype(xs.dtype)
+    else:
+        d_sources = [sum_to(dx, x.shape).reshape(s.shape).astype(s.dtype)
+                     for dx, x, s in zip(dxs, xb, xs)]
+    dq, dg = query_grads(dqg.reshape(*dqg.shape[:-2], -1), q, g, multi=st.mode == "multi")
+    d_rs = [sum_to(dr, r.shape).reshape(given.shape).astype(given.dtype)
+            for dr, r, given in zip((d for d in drs if d is not None),
+                                    (r for r in rb if r is not None), rs)]
+    return d_sources, dq, dg, d_rs
+
+
+def _merge_forward(eps, scale, o1, l1, x, q, g):
+    """(out in partial's dtype `[..., D]`, lse `[...]` in the compute dtype)."""
+    c = compute_dtype(x.dtype)
+    out, lse = merge_forward(o1.astype(c), l1.astype(c), x.astype(c),
+                             q.astype(c) * g.astype(c), eps=eps, scale=scale)
+    return out.astype(x.dtype), lse
+
+
+def _merge_backward(eps, scale, o1, l1, x, q, g, d_out, d_lse):
+    """Gradients of (out1, lse1, partial, query, gain) in their own dtypes and shapes."""
+    c = compute_dtype(x.dtype)
+    d_o1, d_l1, d_x, dqg = merge_backward(
+        o1.astype(c), l1.astype(c), x.astype(c), q.astype(c) * g.astype(c), d_out.astype(c),
+        d_lse.astype(c), eps=eps, scale=scale)
+    return (d_o1.astype(o1.dtype), d_l1.astype(l1.dtype), d_x.astype(x.dtype),
+            *query_grads(dqg, q, g, multi=False))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_attend(st):
+    return (mx.compile(functools.partial(_attend_forward, st)),
+            mx.compile(functools.partial(_attend_backward, st)))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_merge(eps: float, scale: float):
+    return (mx.compile(functools.partial(_merge_forward, eps, scale)),
+            mx.compile(functools.partial(_merge_backward, eps, scale)))
+
+
+class Compiled:
+    """The `mx.compile`d composition: available everywhere, every dtype (see `ops.Implementation`
+    for the entry points' contract)."""
+
+    name = "compiled"
+
+    def available(self) -> bool:
+        return True
+
+    def supports(self, dtype) -> bool:
+        return True
+
+    def attend_forward(self, st, xs, q, g, rs):
+        return _compiled_attend(st)[0](xs, q, g, rs)
+
+    def attend_backward(self, st, xs, q, g, rs, d_out, d_lse):
+        return _compiled_attend(st)[1](xs, q, g, rs, d_out, d_lse)
+
+    def merge_forward(self, eps, scale, o1, l1, x, q, g):
+        return _compiled_merge(eps, scale)[0](o1, l1, x, q, g)
+
+    def merge_backward(self, eps, scale, o1, l1, x, q, g, d_out, d_lse):
+        return _compiled_merge(eps, scale)[1](o1, l1, x, q, g, d_out, d_lse)
+
+
+IMPLEMENTATION = Compiled()

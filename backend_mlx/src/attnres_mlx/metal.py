@@ -1,11 +1,14 @@
-"""Metal kernels (`mx.fast.metal_kernel`) for the forward and backward of depth attention (both
-the single-query op and phase 1 of the two-phase schedule) and of `merge_partial`.
+"""The Metal implementation: `mx.fast.metal_kernel` kernels for the forward and backward of
+depth attention (both the single-query op and phase 1 of the two-phase schedule) and of
+`merge_partial`, and `IMPLEMENTATION`, the entry points `ops.py` calls.
 
-Used only where `mx.metal.is_available()`; everywhere else `ops.py` runs the compiled twin
-(`compiled.py`).  NOT VERIFIED: this file was written on Linux, where Metal does not exist; its
-source has never been compiled or run (see backend_mlx/README.md).  The Python wrappers only
-build and launch the kernels; the results go through the same shaping/reduction code in
-`ops.py` as the twin's.
+Preferred where Metal is present and the default device is the GPU, for every dtype but float64
+(Metal has none); everything else runs the compiled composition (`compiled.py`).  NOT VERIFIED:
+this file was written on Linux, where Metal does not exist; its source has never been compiled
+or run on a GPU (see backend_mlx/README.md; `tests/test_metal_emulated.py` runs the kernel
+bodies as C++).  The entry points take the op's own arrays (sources as given: a list, or one
+stacked array passed to the kernel as it is), launch the kernels, and return the op's outputs
+and gradients in their final shapes and dtypes.
 
 Thread layout (every kernel): one threadgroup = one SIMD group of 32 lanes per (token, head)
 pair `th = token * H + head`; lane `l` owns the channels `c = l + 32 k` (k < K = ceil(Dh / 32))
@@ -13,7 +16,8 @@ of that head and keeps them in registers; reductions over channels are `simd_sum
 tree, so results are deterministic; no atomics anywhere).  All arithmetic is float32 (C10);
 inputs are read through `float(...)` whatever their dtype, and `out`/`dx` are cast once to the
 template type `T` (the sources' dtype).  Sources stay separate buffers (a list is never
-stacked): the kernel indexes a thread-local array of device pointers `src[N]`.
+stacked): the kernel indexes a thread-local array of device pointers `src[N]`; a stacked array
+is one buffer indexed by offsets.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import math
 
 import mlx.core as mx
 
+from .common import query_grads
+
 SIMD = 32
 
 #: Output fill value before a kernel runs (tests set NaN to prove every element is written).
@@ -30,13 +36,8 @@ INIT_VALUE = None
 
 
 def is_available() -> bool:
+    """Whether this machine has Metal (Apple silicon)."""
     return mx.metal.is_available()
-
-
-def usable(dtype) -> bool:
-    """Whether a call with sources of `dtype` runs the kernels: Metal present, the default
-    device is the GPU, and the dtype is not float64 (Metal has none; the twin handles it)."""
-    return is_available() and mx.default_device() == mx.gpu and dtype != mx.float64
 
 
 def _common(st, num_queries: int, head_dim: int, per_token: bool) -> str:
@@ -243,57 +244,69 @@ def _launch(kernel, inputs, outputs, num_pairs: int, dtype):
                   output_dtypes=list(dtypes), init_value=INIT_VALUE)
 
 
-def _geometry(st, srcs, q):
-    batch = srcs[0].shape[:-1]
-    tokens = math.prod(batch)
+def _geometry(st, xs, q):
+    """(one source's shape `[..., D]`, its dtype, tokens, queries per token, per-token query)."""
+    source = xs[0]  # for a stacked array a view: only shape and dtype are read
     nq = q.shape[0] if st.mode == "multi" else 1
     per_token = st.mode == "single" and q.ndim > 1
-    return batch, tokens, nq, per_token
+    return source.shape, source.dtype, math.prod(source.shape[:-1]), nq, per_token
 
 
-def _raw_inputs(st, srcs, q, g, rs, tokens):
-    xs = [mx.stack(srcs)] if st.stacked else list(srcs)
-    return xs + [q, g, mx.array([tokens], dtype=mx.uint32)] + [r.astype(mx.float32) for r in rs]
+def _inputs(st, xs, q, g, rs, tokens: int):
+    """Kernel inputs: the sources as given (a stacked array is one buffer), q, g, meta, rs."""
+    sources = [xs] if st.stacked else list(xs)
+    return sources + [q, g, mx.array([tokens], dtype=mx.uint32)] + [
+        r.astype(mx.float32) for r in rs]
 
 
-def attend_forward_core(st, srcs, xb, qg, rb, q, g, rs):
-    """Kernel forward; returns ops' broadcast forms (out, p, lse)."""
-    batch, tokens, nq, per_token = _geometry(st, srcs, q)
-    H, D = st.num_heads, srcs[0].shape[-1]
+def _heads_shape(st, batch) -> tuple:
+    """Shape of a per-(token, head) result: `[..., H]`, or `[...]` with one head."""
+    return (*batch, st.num_heads) if st.num_heads > 1 else tuple(batch)
+
+
+def attend_forward(st, xs, q, g, rs):
+    """Forward kernel; returns the op's outputs: out `[..., D]` (`[S, ..., D]` for phase 1) in
+    the sources' dtype, then lse `[..., H?]` (`[S, ...]`; softmax only) and, for the
+    single-query op, weights `[N, ..., H?]`, both float32."""
+    shape, dtype, tokens, nq, per_token = _geometry(st, xs, q)
+    batch, D, H = shape[:-1], shape[-1], st.num_heads
     kernel = _attend_kernel(st, per_token, nq, D // H, False)
-    out, p, lse = _launch(kernel, _raw_inputs(st, srcs, q, g, rs, tokens),
-                          [((nq * tokens * D,), srcs[0].dtype),
+    out, p, lse = _launch(kernel, _inputs(st, xs, q, g, rs, tokens),
+                          [((nq * tokens * D,), dtype),
                            ((nq * st.num_sources * tokens * H,), mx.float32),
-                           ((nq * tokens * H,), mx.float32)], tokens * H, srcs[0].dtype)
+                           ((nq * tokens * H,), mx.float32)], tokens * H, dtype)
     if st.mode == "multi":
-        return (out.reshape(nq, *batch, 1, D), p.reshape(nq, st.num_sources, *batch, 1)
-                .swapaxes(0, 1), lse.reshape(nq, *batch, 1))
-    return (out.reshape(*batch, H, D // H), p.reshape(st.num_sources, *batch, H),
-            None if st.activation == "sigmoid" else lse.reshape(*batch, H))
+        return out.reshape(nq, *shape), lse.reshape(nq, *batch)
+    outs = [out.reshape(shape)]
+    if st.activation == "softmax":
+        outs.append(lse.reshape(_heads_shape(st, batch)))
+    outs.append(p.reshape(st.num_sources, *_heads_shape(st, batch)))
+    return tuple(outs)
 
 
-def attend_backward_core(st, srcs, xb, qg, rb, q, g, rs, d_out, d_lse):
-    """Kernel backward; returns ops' broadcast forms (dxs, dqg, drs)."""
-    batch, tokens, nq, per_token = _geometry(st, srcs, q)
-    H, D = st.num_heads, srcs[0].shape[-1]
-    n_cached = sum(st.cached)
+def attend_backward(st, xs, q, g, rs, d_out, d_lse):
+    """Backward kernel; returns the gradients (sources as given, query, gain, cached rs), each
+    in its input's shape and dtype.  d_out like out; d_lse like lse, or None (sigmoid)."""
+    shape, dtype, tokens, nq, per_token = _geometry(st, xs, q)
+    D, H = shape[-1], st.num_heads
+    n_cached = len(rs)
     kernel = _attend_kernel(st, per_token, nq, D // H, True)
     if d_lse is None:
         d_lse = mx.zeros((nq * tokens * H,), dtype=mx.float32)
-    inputs = _raw_inputs(st, srcs, q, g, rs, tokens) + [d_out, d_lse.astype(mx.float32)]
-    dx_outputs = ([((st.num_sources * tokens * D,), srcs[0].dtype)] if st.stacked else
-                  [((tokens * D,), srcs[0].dtype)] * st.num_sources)
+    inputs = _inputs(st, xs, q, g, rs, tokens) + [d_out, d_lse.astype(mx.float32)]
+    dx_outputs = ([((st.num_sources * tokens * D,), dtype)] if st.stacked else
+                  [((tokens * D,), dtype)] * st.num_sources)
     results = _launch(kernel, inputs, dx_outputs + [((nq * tokens * D,), mx.float32),
                                                     ((max(n_cached, 1) * tokens * H,),
-                                                     mx.float32)], tokens * H, srcs[0].dtype)
-    dxs = (list(results[0].reshape(st.num_sources, -1)) if st.stacked
-           else list(results[:st.num_sources]))
-    dxs = [dx.reshape(x.shape) for dx, x in zip(dxs, xb)]
-    dqg = results[-2].reshape(xb[0].shape if st.mode == "single" else (nq, *batch, 1, D))
+                                                     mx.float32)], tokens * H, dtype)
+    d_sources = (results[0].reshape(xs.shape) if st.stacked
+                 else [dx.reshape(shape) for dx in results[:st.num_sources]])
+    multi = st.mode == "multi"
+    dq, dg = query_grads(results[-2].reshape(*((nq,) if multi else ()), *shape), q, g,
+                         multi=multi)
     dr_all = results[-1].reshape(max(n_cached, 1), -1)
-    slots = iter(range(n_cached))
-    drs = [dr_all[next(slots)].reshape(r.shape) if r is not None else None for r in rb]
-    return dxs, dqg, drs
+    d_rs = [dr_all[j].reshape(r.shape).astype(r.dtype) for j, r in enumerate(rs)]
+    return d_sources, dq, dg, d_rs
 
 
 _MERGE = """
@@ -376,8 +389,8 @@ def _merge_kernel(dim: int, eps: float, scale: float, per_token: bool, backward:
                                 ensure_row_contiguous=True)
 
 
-def merge_forward_core(eps: float, scale: float, o1, l1, x, q, g):
-    """Kernel phase 2: (out in partial's dtype, lse float32), shaped like partial / lse1."""
+def merge_forward(eps: float, scale: float, o1, l1, x, q, g):
+    """Phase-2 kernel: (out `[..., D]` in partial's dtype, lse float32 shaped like lse1)."""
     D, tokens = x.shape[-1], math.prod(x.shape[:-1])
     kernel = _merge_kernel(D, eps, scale, q.ndim > 1, False)
     out, lse = _launch(kernel, [o1, l1, x, q, g], [((tokens * D,), x.dtype),
@@ -385,13 +398,43 @@ def merge_forward_core(eps: float, scale: float, o1, l1, x, q, g):
     return out.reshape(x.shape), lse.reshape(l1.shape)
 
 
-def merge_backward_core(eps: float, scale: float, o1, l1, x, q, g, d_out, d_lse):
-    """Kernel VJP of phase 2: (d_o1, d_l1 float32, d_x, dqg float32 `[..., D]`)."""
+def merge_backward(eps: float, scale: float, o1, l1, x, q, g, d_out, d_lse):
+    """Phase-2 VJP kernel: gradients of (out1, lse1, partial, query, gain), each in its input's
+    shape and dtype."""
     D, tokens = x.shape[-1], math.prod(x.shape[:-1])
     kernel = _merge_kernel(D, eps, scale, q.ndim > 1, True)
     d_o1, d_l1, d_x, dqg = _launch(
         kernel, [o1, l1, x, q, g, d_out, d_lse.astype(mx.float32)],
         [((tokens * D,), x.dtype), ((tokens,), mx.float32), ((tokens * D,), x.dtype),
          ((tokens * D,), mx.float32)], tokens, x.dtype)
-    return d_o1.reshape(x.shape), d_l1.reshape(l1.shape), d_x.reshape(x.shape), dqg.reshape(
-        x.shape)
+    return (d_o1.reshape(o1.shape).astype(o1.dtype), d_l1.reshape(l1.shape).astype(l1.dtype),
+            d_x.reshape(x.shape), *query_grads(dqg.reshape(x.shape), q, g, multi=False))
+
+
+class Kernels:
+    """The Metal kernels (see `ops.Implementation` for the entry points' contract)."""
+
+    name = "metal"
+
+    def available(self) -> bool:
+        """Metal present and the default device is the GPU (the kernels run there)."""
+        return is_available() and mx.default_device() == mx.gpu
+
+    def supports(self, dtype) -> bool:
+        """Every source dtype but float64: Metal has none (C10)."""
+        return dtype != mx.float64
+
+    def attend_forward(self, st, xs, q, g, rs):
+        return attend_forward(st, xs, q, g, rs)
+
+    def attend_backward(self, st, xs, q, g, rs, d_out, d_lse):
+        return attend_backward(st, xs, q, g, rs, d_out, d_lse)
+
+    def merge_forward(self, eps, scale, o1, l1, x, q, g):
+        return merge_forward(eps, scale, o1, l1, x, q, g)
+
+    def merge_backward(self, eps, scale, o1, l1, x, q, g, d_out, d_lse):
+        return merge_backward(eps, scale, o1, l1, x, q, g, d_out, d_lse)
+
+
+IMPLEMENTATION = Kernels()

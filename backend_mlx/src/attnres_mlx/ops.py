@@ -1,48 +1,44 @@
 """The spec's ops for MLX with explicit VJPs (spec sections 2-3, constraints C1-C14).
 
 `depth_attention`, `depth_attention_multi` and `merge_partial` validate with the shared
-`attnres_numpy.validation` checks, then run one `mx.custom_function` per static configuration
-whose forward and backward are either the Metal kernels (`metal.py`, only where
-`mx.metal.is_available()`) or the `mx.compile`d twin (`compiled.py`, everywhere else).  They work
-under `mx.compile`, `mx.grad`/`mx.vjp` and `mx.vmap`.
+`attnres_numpy.validation` checks, choose an implementation once per call (`implementation_for`)
+and run one `mx.custom_function` per static configuration and implementation, whose forward and
+backward are that implementation's entry points.  They work under `mx.compile`,
+`mx.grad`/`mx.vjp` and `mx.vmap`.
+
+Implementations (`IMPLEMENTATIONS`, in order of preference): `metal` (`metal.py`,
+`mx.fast.metal_kernel` kernels, on Apple GPUs, every dtype but float64) and `compiled`
+(`compiled.py`, the `mx.compile`d composition of `mlx.core` ops, everywhere).  The first one
+that is available and supports the sources' dtype runs the call; `use_implementation` forces one
+within a context (a `contextvars.ContextVar`, so per thread and per task).
 
 Dtypes (C10): sources float16/bfloat16/float32, and float64 on the CPU device; every
-intermediate in float32 (float64 for float64 sources), one final cast of `out` to the sources'
-dtype; lse and weights stay in the compute dtype; gradients come back in each input's dtype.
-Sources are a list/tuple of N arrays `[..., D]` (never stacked internally) or one stacked
-`[N, ..., D]` array (told apart by type).
+intermediate in the compute dtype (`compute_dtype`: float32, or float64 for float64 sources),
+one final cast of `out` to the sources' dtype; lse and weights stay in the compute dtype;
+gradients come back in each input's dtype.  Sources are a list/tuple of N arrays `[..., D]`
+(never stacked internally) or one stacked `[N, ..., D]` array (told apart by type; never split
+into a list), passed to the implementation as given.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, Optional, Protocol, Sequence, Tuple, Union
 
 import mlx.core as mx
 from attnres_numpy import validation
 
 from . import compiled, metal
+from .common import compute_dtype, dtype_name
 
 Sources = Union[mx.array, Sequence[mx.array]]
-
-_DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32",
-                mx.float64: "float64"}
-
-
-def dtype_name(dtype) -> str:
-    """Canonical dtype name for the shared checks ("float32", ...; "int32" etc. otherwise)."""
-    return _DTYPE_NAMES.get(dtype, str(dtype).rsplit(".", 1)[-1])
-
 
 #: The logistic function with the precision rule of the ops (float64 stays float64): the gated
 #: residual scheme's gate uses it.
 sigmoid = compiled.sigmoid
-
-
-def compute_dtype(source_dtype) -> mx.Dtype:
-    """C10: float64 for float64 sources, else float32."""
-    return mx.float64 if source_dtype == mx.float64 else mx.float32
 
 
 def _require_array(name: str, a) -> mx.array:
@@ -93,103 +89,89 @@ class Static:
     cached: Tuple[bool, ...]
 
 
-def _split(xs, static: Static) -> List[mx.array]:
-    return [xs[i] for i in range(static.num_sources)] if static.stacked else list(xs)
+class Implementation(Protocol):
+    """One way to run the ops.  Every entry point takes the op's own arrays (sources as given:
+    a list of N `[..., D]` or one stacked `[N, ..., D]`; query; gain, never None; `rs` the cached
+    inverse RMS given, in source order) and returns results in their final shapes and dtypes.
+
+    attend_forward -> (out, lse (softmax only), weights (mode "single" only));
+    attend_backward -> (d sources (a list or one stacked array, like the sources), d query,
+      d gain, [d r per cached r]); d_lse is None for sigmoid;
+    merge_forward -> (out, lse); merge_backward -> (d out1, d lse1, d partial, d query, d gain).
+    """
+
+    name: str
+
+    def available(self) -> bool:
+        """Whether it can run here (device, platform)."""
+
+    def supports(self, dtype) -> bool:
+        """Whether it can run a call whose sources have `dtype`."""
+
+    def attend_forward(self, st: Static, xs, q, g, rs) -> tuple: ...
+
+    def attend_backward(self, st: Static, xs, q, g, rs, d_out, d_lse) -> tuple: ...
+
+    def merge_forward(self, eps: float, scale: float, o1, l1, x, q, g) -> tuple: ...
+
+    def merge_backward(self, eps: float, scale: float, o1, l1, x, q, g, d_out, d_lse) -> tuple: ...
 
 
-def _broadcast_inputs(st: Static, xs, q, g, rs):
-    """Compute-dtype broadcast forms (see `compiled`): sources, qg, per-source r, q, g."""
-    srcs = _split(xs, st)
-    c = compute_dtype(srcs[0].dtype)
-    batch = srcs[0].shape[:-1]
-    if st.mode == "multi":
-        lead = (q.shape[0],) + (1,) * len(batch) + (1,)
-        xb = [compiled.heads(x.astype(c)[None], 1) for x in srcs]
-        qb = q.astype(c).reshape(*lead, q.shape[-1])
-        gb = g.astype(c).reshape(*lead, g.shape[-1])
-        rb_given = [r.astype(c)[None] for r in rs]
-    else:
-        xb = [compiled.heads(x.astype(c), st.num_heads) for x in srcs]
-        qb = compiled.heads(q.astype(c), st.num_heads)
-        gb = compiled.heads(g.astype(c), st.num_heads)
-        rb_given = [r.astype(c) for r in rs]
-    it = iter(rb_given)
-    rb = [next(it) if cached else None for cached in st.cached]
-    return srcs, xb, qb * gb, rb, qb, gb
+#: The implementations by name, in order of preference.
+IMPLEMENTATIONS: Dict[str, Implementation] = {
+    impl.name: impl for impl in (metal.IMPLEMENTATION, compiled.IMPLEMENTATION)}
+
+_FORCED: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+    "attnres_mlx_implementation", default=None)
 
 
-def _squeeze_heads(a: mx.array, st: Static) -> mx.array:
-    return a[..., 0] if st.mode == "multi" or st.num_heads == 1 else a
+@contextlib.contextmanager
+def use_implementation(name: Optional[str]) -> Iterator[None]:
+    """Within the block, every call that implementation `name` supports runs on it, even where
+    it reports itself unavailable (the tests run the Metal kernels through a CPU emulator this
+    way); calls it does not support (float64 for `metal`) keep the automatic choice.  None
+    restores the automatic choice.  Scoped to the current context (thread, asyncio task)."""
+    if name is not None and name not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation: expected one of {', '.join(IMPLEMENTATIONS)} or None, "
+                         f"got {name!r}")
+    token = _FORCED.set(name)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
 
 
-def _twin_forward_core(st: Static, srcs, xb, qg, rb, q, g, rs):
-    """(out `[..(S).., H, Dh]`, p `[N, ..., H]`, lse `[..., H]` | None) in broadcast form."""
-    return compiled.attend_forward(xb, qg, rb, eps=st.eps, scale=st.scale,
-                                activation=st.activation, key_norm=st.key_norm)
-
-
-def _twin_backward_core(st: Static, srcs, xb, qg, rb, q, g, rs, d_out, d_lse):
-    """(dxs, dqg, drs) in broadcast form (see `compiled.attend_backward`)."""
-    g_out = compiled.heads(d_out.astype(qg.dtype), 1 if st.mode == "multi" else st.num_heads)
-    if d_lse is not None:
-        d_lse = d_lse.astype(qg.dtype)
-        d_lse = d_lse[..., None] if st.mode == "multi" or st.num_heads == 1 else d_lse
-    return compiled.attend_backward(xb, qg, rb, g_out, d_lse, eps=st.eps, scale=st.scale,
-                                 activation=st.activation, key_norm=st.key_norm)
-
-
-def _forward(core, st: Static, xs, q, g, rs):
-    """Outputs of the op from a forward core: out (sources' dtype), lse, weights (single)."""
-    srcs, xb, qg, rb, _, _ = _broadcast_inputs(st, xs, q, g, rs)
-    out, p, lse = core(st, srcs, xb, qg, rb, q, g, rs)
-    shape = srcs[0].shape if st.mode == "single" else (q.shape[0], *srcs[0].shape)
-    outs = [out.reshape(shape).astype(srcs[0].dtype)]
-    if lse is not None:
-        outs.append(_squeeze_heads(lse, st))
-    if st.mode == "single":
-        outs.append(_squeeze_heads(p, st))
-    return tuple(outs)
-
-
-def _backward(core, st: Static, xs, q, g, rs, d_out, d_lse):
-    """Gradients (sources as given, query, gain, cached rs) from a backward core's broadcast
-    forms, each summed back to its input's shape and cast to its dtype."""
-    srcs, xb, qg, rb, qb, gb = _broadcast_inputs(st, xs, q, g, rs)
-    dxs, dqg, drs = core(st, srcs, xb, qg, rb, q, g, rs, d_out, d_lse)
-    dxs = [compiled.sum_to(dx, x.shape).reshape(s.shape).astype(s.dtype)
-           for dx, x, s in zip(dxs, xb, srcs)]
-    d_sources = mx.stack(dxs) if st.stacked else dxs
-    dq = compiled.sum_to(dqg * gb, qb.shape).reshape(q.shape).astype(q.dtype)
-    dg = compiled.sum_to(dqg * qb, gb.shape).reshape(g.shape).astype(g.dtype)
-    d_rs = [compiled.sum_to(dr, r.shape).reshape(given.shape).astype(given.dtype)
-            for dr, r, given in zip((d for d in drs if d is not None),
-                                    (r for r in rb if r is not None), rs)]
-    return d_sources, dq, dg, d_rs
+def implementation_for(dtype) -> Implementation:
+    """The implementation that runs a call whose sources have `dtype`: the forced one (see
+    `use_implementation`) if it supports `dtype`, else the first available one that does."""
+    forced = _FORCED.get()
+    if forced is not None and IMPLEMENTATIONS[forced].supports(dtype):
+        return IMPLEMENTATIONS[forced]
+    return next(impl for impl in IMPLEMENTATIONS.values()
+                if impl.available() and impl.supports(dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def _attend_fn(st: Static):
-    """The custom-VJP function `f(sources, query, norm_weight, cached_rs) -> outputs` of `st`."""
-    kernels = (functools.partial(_forward, metal.attend_forward_core, st),
-               functools.partial(_backward, metal.attend_backward_core, st))
-    twin = (mx.compile(functools.partial(_forward, _twin_forward_core, st)),
-            mx.compile(functools.partial(_backward, _twin_backward_core, st)))
+def _attend_fn(st: Static, impl: Implementation):
+    """The custom-VJP function `f(sources, query, norm_weight, cached_rs) -> outputs` of `st`,
+    forward and backward both on `impl` (the choice made for the call)."""
     has_lse = st.activation == "softmax"
-
-    def path(xs):
-        return kernels if metal.usable((xs if st.stacked else xs[0]).dtype) else twin
 
     @mx.custom_function
     def f(xs, q, g, rs):
-        return path(xs)[0](xs, q, g, rs)
+        return impl.attend_forward(st, xs, q, g, rs)
 
     @f.vjp
     def f_vjp(primals, cotangents, outputs):
-        xs, q, g, rs = primals
         # Depth weights are not differentiable (C11): their cotangent is ignored.
-        return path(xs)[1](xs, q, g, rs, cotangents[0], cotangents[1] if has_lse else None)
+        return impl.attend_backward(st, *primals, cotangents[0],
+                                    cotangents[1] if has_lse else None)
 
     return f
+
+
+def _source_dtype(sources: Sources, stacked: bool):
+    return sources.dtype if stacked else sources[0].dtype
 
 
 def _gain(norm_weight, dim: int, dtype) -> mx.array:
@@ -243,8 +225,9 @@ def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.
                                    key_norm)
     st = Static("single", geo.num_sources, stacked, geo.num_heads, float(eps), float(scale),
                 activation, key_norm, cached)
-    outs = _attend_fn(st)(sources if stacked else list(sources), query,
-                          _gain(norm_weight, geo.dim, query.dtype), given)
+    impl = implementation_for(_source_dtype(sources, stacked))
+    outs = _attend_fn(st, impl)(sources if stacked else list(sources), query,
+                                _gain(norm_weight, geo.dim, query.dtype), given)
     out, extra = outs[0], []
     if return_lse:
         extra.append(outs[1])
@@ -271,51 +254,22 @@ def depth_attention_multi(sources: Sources, queries: mx.array,
     st = Static("multi", geo.num_sources, stacked, 1, float(eps), float(scale), "softmax", True,
                 cached)
     gains = mx.ones(queries.shape, dtype=queries.dtype) if norm_weights is None else norm_weights
-    out, lse = _attend_fn(st)(sources if stacked else list(sources), queries, gains, given)
+    impl = implementation_for(_source_dtype(sources, stacked))
+    out, lse = _attend_fn(st, impl)(sources if stacked else list(sources), queries, gains, given)
     return out, lse
 
 
-def _twin_merge_forward_core(eps, scale, o1, l1, x, q, g):
-    c = compute_dtype(x.dtype)
-    out, lse = compiled.merge_forward(o1.astype(c), l1.astype(c), x.astype(c),
-                                   q.astype(c) * g.astype(c), eps=eps, scale=scale)
-    return out.astype(x.dtype), lse
-
-
-def _twin_merge_backward_core(eps, scale, o1, l1, x, q, g, d_out, d_lse):
-    c = compute_dtype(x.dtype)
-    return compiled.merge_backward(o1.astype(c), l1.astype(c), x.astype(c),
-                                q.astype(c) * g.astype(c), d_out.astype(c), d_lse.astype(c),
-                                eps=eps, scale=scale)
-
-
-def _merge_backward(core, eps, scale, o1, l1, x, q, g, d_out, d_lse):
-    """Gradients of (out1, lse1, partial, query, gain) in their own dtypes and shapes."""
-    d_o1, d_l1, d_x, dqg = core(eps, scale, o1, l1, x, q, g, d_out, d_lse)
-    qc, gc = q.astype(dqg.dtype), g.astype(dqg.dtype)
-    return (d_o1.astype(o1.dtype), d_l1.astype(l1.dtype), d_x.astype(x.dtype),
-            compiled.sum_to(dqg * gc, q.shape).astype(q.dtype),
-            compiled.sum_to(dqg * qc, g.shape).astype(g.dtype))
-
-
 @functools.lru_cache(maxsize=None)
-def _merge_fn(eps: float, scale: float):
-    """The custom-VJP `f(out1, lse1, partial, query, norm_weight) -> (out, lse)`."""
-    kernels = (functools.partial(metal.merge_forward_core, eps, scale),
-               functools.partial(_merge_backward, metal.merge_backward_core, eps, scale))
-    twin = (mx.compile(functools.partial(_twin_merge_forward_core, eps, scale)),
-            mx.compile(functools.partial(_merge_backward, _twin_merge_backward_core, eps, scale)))
-
-    def path(x):
-        return kernels if metal.usable(x.dtype) else twin
+def _merge_fn(eps: float, scale: float, impl: Implementation):
+    """The custom-VJP `f(out1, lse1, partial, query, norm_weight) -> (out, lse)` on `impl`."""
 
     @mx.custom_function
     def f(o1, l1, x, q, g):
-        return path(x)[0](o1, l1, x, q, g)
+        return impl.merge_forward(eps, scale, o1, l1, x, q, g)
 
     @f.vjp
     def f_vjp(primals, cotangents, outputs):
-        return path(primals[2])[1](*primals, *cotangents)
+        return impl.merge_backward(eps, scale, *primals, *cotangents)
 
     return f
 
@@ -331,7 +285,7 @@ def merge_partial(out1: mx.array, lse1: mx.array, partial: mx.array, query: mx.a
     metas = [_meta(n, a) for n, a in (("out1", out1), ("lse1", lse1), ("partial", partial),
                                       ("query", query), ("norm_weight", norm_weight))]
     geo = validation.check_merge(*(v for m in metas for v in m), eps=eps, scale=scale)
-    out, lse = _merge_fn(float(eps), float(scale))(
+    out, lse = _merge_fn(float(eps), float(scale), implementation_for(partial.dtype))(
         out1, lse1, partial, query, _gain(norm_weight, geo.dim, query.dtype))
     return (out, lse) if return_lse else out
 

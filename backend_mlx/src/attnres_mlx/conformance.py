@@ -71,8 +71,9 @@ class MLXBackend:
         return True
 
     def capabilities(self) -> Capabilities:
-        on_metal = metal.is_available()
-        # float64 exists on MLX's CPU device only; with Metal the ops run on the GPU.
+        # Where the Metal kernels are available (Metal, default device the GPU) the ops run
+        # there; float64 exists on MLX's CPU device only (C10).
+        on_metal = metal.IMPLEMENTATION.available()
         dtypes = ("float16", "bfloat16", "float32") + (() if on_metal else ("float64",))
         return Capabilities(
             dtypes=dtypes, devices=("gpu",) if on_metal else ("cpu",), ops=frozenset(OPS),

@@ -50,16 +50,6 @@ class JaxOps(ResidualOps):
     scheme's own parameters are cast to it, the depth-attention query and gain pass as they are.
     """
 
-    def __init__(self, params: Mapping):
-        self.params = params
-
-    def param(self, name, index, *, like=None):
-        p = self.params.get(name)
-        if p is None:
-            return None
-        p = p[index]
-        return p if like is None else p.astype(like.dtype)
-
     def rmsnorm(self, x, eps):
         return rmsnorm(x, eps)
 

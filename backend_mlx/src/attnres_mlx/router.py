@@ -14,7 +14,7 @@ inside the op.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,16 +47,6 @@ class MlxOps(ResidualOps):
     sum is normed inside the op.  Small projections (input queries, gates) stay in the compute
     dtype (C10); `mul` returns the value's dtype, so the stream keeps the embedding's dtype.
     """
-
-    def __init__(self, params: Mapping[str, mx.array]):
-        self.params = params
-
-    def param(self, name, index, *, like=None):
-        p = self.params.get(name)
-        if p is None:
-            return None
-        p = p[index]
-        return p if like is None else p.astype(like.dtype)
 
     def mul(self, a, b):
         c = ops.compute_dtype(b.dtype)

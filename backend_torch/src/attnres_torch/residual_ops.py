@@ -9,8 +9,6 @@ to the ops as they are (the ops compute in float32, float64 for float64, and rou
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
-
 import torch
 import torch.nn.functional as F
 from attnres_numpy.schedule import ResidualOps
@@ -22,15 +20,8 @@ class TorchOps(ResidualOps):
     """params: name -> tensor of `ResidualConfig.param_shapes(L, D)` (a missing or None
     "norm_weights" means a gainless key norm)."""
 
-    def __init__(self, params: Mapping[str, Optional[torch.Tensor]]):
-        self.params = params
-
-    def param(self, name, index, *, like=None):
-        p = self.params.get(name)
-        if p is None:
-            return None
-        p = p[index]
-        return p if like is None else p.to(like.dtype)
+    def cast_like(self, x, like):
+        return x.to(like.dtype)
 
     def rmsnorm(self, x, eps):
         return F.rms_norm(x, (x.shape[-1],), eps=eps)

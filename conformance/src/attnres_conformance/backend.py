@@ -18,7 +18,7 @@ selected by name (see `registry.py`) or as `module:object`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Dict, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -38,7 +38,6 @@ OPTIONS = (
 
 SCHEDULES = ("direct", "two_phase")
 
-ArrayOrList = Union[np.ndarray, List[np.ndarray]]
 
 
 @dataclass(frozen=True)

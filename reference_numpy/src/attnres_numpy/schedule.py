@@ -27,7 +27,7 @@ This module is framework-neutral: it imports no array library.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 from .config import ResidualConfig
 
@@ -46,11 +46,22 @@ class ResidualOps:
     round once.
     """
 
+    def __init__(self, params: Optional[Mapping[str, Any]] = None):
+        self.params = {} if params is None else params  # name -> array of param_shapes(L, D)
+
     def param(self, name: str, index, *, like: Optional[Array] = None) -> Array:
         """Row(s) `index` (an int, a tuple of ints or a slice) of parameter `name` (M6); with
-        `like`, cast to `like`'s dtype.  None when the backend has no such parameter (e.g. a
+        `like`, cast to `like`'s dtype.  None when `params` has no such entry or holds None (a
         gainless "norm_weights")."""
-        raise NotImplementedError
+        p = self.params.get(name)
+        if p is None:
+            return None
+        p = p[index]
+        return p if like is None else self.cast_like(p, like)
+
+    def cast_like(self, x: Array, like: Array) -> Array:
+        """x in like's dtype (the NumPy / JAX / MLX spelling)."""
+        return x.astype(like.dtype)
 
     def add(self, a: Array, b: Array) -> Array:
         return a + b

@@ -214,7 +214,9 @@ def _squeeze_heads(st, a: mx.array) -> mx.array:
 
 
 def _attend_forward(st, xs, q, g, rs):
-    """The op's outputs: out (sources' dtype), lse (softmax), weights (single-query op)."""
+    """The op's outputs: out `[..., D]` (`[S, ..., D]` for phase 1) in the sources' dtype, lse
+    `[..., H?]` (`[S, ...]`; softmax only) and weights `[N, ..., H?]` (single-query op only) in
+    the compute dtype; H? is absent with one head."""
     xb, qg, rb = _broadcast(st, xs, q, g, rs)
     out, p, lse = attend_forward(xb, qg, rb, eps=st.eps, scale=st.scale,
                                  activation=st.activation, key_norm=st.key_norm)

@@ -75,6 +75,7 @@ class Static:
     """Everything the traced forward/backward depend on besides array shapes and dtypes.
 
     mode: "single" (depth_attention) or "multi" (depth_attention_multi: S queries `[S, D]`).
+    stacked: sources are one `[N, ..., D]` array (else a list of N `[..., D]`).
     cached: per source, whether its inverse RMS is passed in (router reuse of sealed blocks).
     """
 
@@ -90,14 +91,19 @@ class Static:
 
 
 class Implementation(Protocol):
-    """One way to run the ops.  Every entry point takes the op's own arrays (sources as given:
-    a list of N `[..., D]` or one stacked `[N, ..., D]`; query; gain, never None; `rs` the cached
-    inverse RMS given, in source order) and returns results in their final shapes and dtypes.
+    """One way to run the ops.  Every entry point takes the op's own arrays and returns results
+    in their final shapes and dtypes (outputs per C10; each gradient in its input's dtype).
 
-    attend_forward -> (out, lse (softmax only), weights (mode "single" only));
-    attend_backward -> (d sources (a list or one stacked array, like the sources), d query,
-      d gain, [d r per cached r]); d_lse is None for sigmoid;
-    merge_forward -> (out, lse); merge_backward -> (d out1, d lse1, d partial, d query, d gain).
+    attend_*: xs a list of N `[..., D]` or one stacked `[N, ..., D]`; q `[D]` or `[..., D]`
+      (`[S, D]` for mode "multi"); g like q's last axes (`[D]`, `[S, D]`), never None; rs the
+      cached inverse RMS given, `[..., H]` (`[..., 1]` for "multi"), in source order.
+      attend_forward -> (out `[..., D]` (`[S, ..., D]`), lse `[..., H?]` (`[S, ...]`; softmax
+      only), weights `[N, ..., H?]` ("single" only)); H? is absent with one head.
+      attend_backward(d_out like out, d_lse like lse or None) -> (d sources (a list or one
+      stacked array, like xs), d query, d gain, [d r per cached r]).
+    merge_*: o1, x `[..., D]`; l1 `[...]`; q `[D]` or `[..., D]`; g `[D]`.
+      merge_forward -> (out `[..., D]`, lse `[...]`); merge_backward(d_out, d_lse) ->
+      (d out1, d lse1, d partial, d query, d gain).
     """
 
     name: str

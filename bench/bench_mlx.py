@@ -1,4 +1,4 @@
-"""MLX benchmark: `attnres_mlx.depth_attention` (custom VJP over the mx.compile'd twin) against
+"""MLX benchmark: `attnres_mlx.depth_attention` (custom VJP over the mx.compile'd composition) against
 the naive uncompiled composition of the same math, forward and forward+backward, on this
 machine's CPU (or Metal where available).
 
@@ -111,7 +111,7 @@ def main():
         "",
         "`naive` = the op composed from plain MLX ops, uncompiled (stacks the sources); "
         "`ours` = `attnres_mlx.depth_attention` on a list of sources (custom VJP over the "
-        "`mx.compile`d twin; no Metal here).  Sources `[tokens, D]`, pseudo-query and gain "
+        "`mx.compile`d composition; no Metal here).  Sources `[tokens, D]`, pseudo-query and gain "
         "float32, softmax, key norm.  GB/s on the minimal bytes (fwd: read N sources + write "
         "out; fwd+bwd: read sources twice, read d_out, write out and N gradients).  Peak = MLX "
         "allocator peak (MiB) during the timed runs.",

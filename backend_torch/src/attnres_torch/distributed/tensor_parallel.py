@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 from attnres_numpy import validation
 
-from .._args import Sources, compute_dtype, dtype_name, optional_tensor, require_tensor, split_sources
+from .._args import (
+    Sources,
+    check_same_device,
+    compute_dtype,
+    dtype_name,
+    optional_tensor,
+    require_tensor,
+    split_sources,
+)
 from .comm import CommCounter, all_reduce_sum
 
 
@@ -67,10 +75,13 @@ class HiddenShard:
         """This rank's slice `[..., D_r]` of a full `[..., D]` tensor (a view)."""
         return full[..., self.offset: self.offset + self.local_size]
 
-    def head_map(self, num_heads: int, dtype) -> torch.Tensor:
-        """`[D_r, H]` 0/1 matrix: local channel c belongs to head (offset + c) // (D / H)."""
-        heads = torch.arange(self.offset, self.offset + self.local_size) // (self.dim // num_heads)
-        return torch.nn.functional.one_hot(heads, num_heads).to(dtype)
+    def head_map(self, num_heads: int, dtype, device=None) -> torch.Tensor:
+        """`[D_r, H]` 0/1 matrix on `device` (None: the default device): local channel c belongs
+        to head (offset + c) // (D / H).  Built on the sources' device, since it multiplies them."""
+        heads = torch.arange(self.offset, self.offset + self.local_size, device=device)
+        heads = heads // (self.dim // num_heads)
+        # A comparison, not one_hot: one_hot reads the values (a host sync; impossible on meta).
+        return (heads.unsqueeze(1) == torch.arange(num_heads, device=device)).to(dtype)
 
 
 class _ShardedDepthAttention(torch.autograd.Function):
@@ -80,7 +91,7 @@ class _ShardedDepthAttention(torch.autograd.Function):
     def forward(ctx, opts, query, norm_weight, *xs):
         shard, eps, scale, h, activation, key_norm, counter = opts
         cd = compute_dtype(xs[0].dtype)
-        m = shard.head_map(h, cd)  # [D_r, H]
+        m = shard.head_map(h, cd, xs[0].device)  # [D_r, H], on the sources' device
         x = torch.stack([s.to(cd) for s in xs])  # [N, ..., D_r]
         qg = query.to(cd) if norm_weight is None else query.to(cd) * norm_weight.to(cd)
         partial = [(x * qg) @ m]  # s_i per head, [N, ..., H]
@@ -170,6 +181,9 @@ def depth_attention_tp(sources: Sources, query: torch.Tensor, norm_weight: Optio
         None if norm_weight is None else dtype_name(norm_weight), stacked=stacked, eps=eps,
         scale=scale, num_heads=num_heads, activation=activation, key_norm=key_norm,
         return_lse=return_lse)
+    # One device for every operand (the head map is built on it): NCCL needs the GPU's tensors.
+    check_same_device([("sources[%d]" % i, x) for i, x in enumerate(xs)]
+                      + [("query", query), ("norm_weight", norm_weight)])
     opts = (shard, float(eps), float(scale), geo.num_heads, activation, key_norm, counter)
     out, lse = _ShardedDepthAttention.apply(opts, query, norm_weight, *xs)
     if not return_lse:

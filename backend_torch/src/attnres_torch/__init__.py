@@ -7,6 +7,8 @@ from .dispatch import impl_counts, last_impl, use_impl
 from .modules import AttnResTransformer, DepthAttention, DepthRouter
 from .ops import depth_attention, depth_attention_multi, merge_partial
 
+__version__ = "0.1.0"
+
 __all__ = [
     "AttnResTransformer",
     "DepthAttention",
@@ -18,4 +20,5 @@ __all__ = [
     "last_impl",
     "merge_partial",
     "use_impl",
+    "__version__",
 ]

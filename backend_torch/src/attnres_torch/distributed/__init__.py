@@ -5,7 +5,10 @@
 - `sequence_sharded_prefill`: block AttnRes prefill with the block representations sharded along
   the sequence (paper section 4.2); the phase-2 merge rides on the TP reduce-scatter/all-gather.
 - `PipelinePlan` / `run_pipeline`: pipeline parallelism over point-to-point ops with the paper's
-  cross-stage caching (section 4.1, Eqs. 7-8), interleaved virtual stages.
+  cross-stage caching (section 4.1, Eqs. 7-8), interleaved virtual stages, under the schedules
+  `SCHEDULES` ("gpipe", "1f1b", "interleaved_1f1b").
+- `smoke`: `python -m attnres_torch.distributed.smoke` runs every path on one GPU over NCCL
+  (world size 1) under a device-mixing detector.
 - `run_local`: a local gloo world of CPU processes (tests); `CommCounter`: elements on the wire.
 """
 
@@ -13,6 +16,7 @@ from .comm import CommCounter
 from .launch import run_local
 from .pipeline import run_pipeline
 from .pipeline_plan import CACHE_POLICIES, PipelinePlan, eq7_naive, eq8_cached
+from .pipeline_schedule import SCHEDULES
 from .sequence_parallel import (
                                 all_reduce_grads,
                                 gather_sequence,
@@ -23,7 +27,7 @@ from .sequence_parallel import (
 from .tensor_parallel import HiddenShard, depth_attention_tp
 
 __all__ = [
-    "CACHE_POLICIES", "PipelinePlan", "eq7_naive", "eq8_cached", "run_pipeline",
+    "CACHE_POLICIES", "PipelinePlan", "SCHEDULES", "eq7_naive", "eq8_cached", "run_pipeline",
     "CommCounter", "HiddenShard", "all_reduce_grads", "depth_attention_tp", "gather_sequence",
     "run_local", "scatter_sequence", "sequence_sharded_prefill", "shard_sequence",
 ]

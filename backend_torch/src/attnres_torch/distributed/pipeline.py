@@ -102,7 +102,8 @@ class _Runner:
         M = len(embeddings)
         self.losses: List[Optional[torch.Tensor]] = [None] * M
         self.emb_grads: List[Optional[torch.Tensor]] = [None] * M
-        self.peak_in_flight = self.peak_received = 0
+        self.live: Dict[int, int] = {}  # m -> chunks of m whose forward ran, backward not yet
+        self.peak_in_flight = self.peak_chunks = self.peak_received = 0
 
     def state(self, m: int, k: int) -> _ChunkState:
         return self.states.setdefault((m, k), _ChunkState())
@@ -189,13 +190,18 @@ class _Runner:
             for j, b in st.produced.items():
                 cache[j] = b.detach().requires_grad_()
                 st.produced[j] = (b, cache[j])
-        self.peak_in_flight = max(self.peak_in_flight, len({mb for mb, _ in self.states}))
+        self.live[m] = self.live.get(m, 0) + 1
+        self.peak_in_flight = max(self.peak_in_flight, len(self.live))
+        self.peak_chunks = max(self.peak_chunks, sum(self.live.values()))
         self.peak_received = max(self.peak_received,
                                  sum(len(s.received) for s in self.states.values()))
 
     def backward(self, m: int, k: int) -> None:
         plan = self.plan
         st = self.states.pop((m, k))
+        self.live[m] -= 1
+        if not self.live[m]:
+            del self.live[m]
         tensors, grads = [], []
         produced_grad = {j: None for j in st.produced}
         if k == self.last:
@@ -265,7 +271,8 @@ def run_pipeline(plan: PipelinePlan, embeddings: Sequence[Optional[torch.Tensor]
 
     Returns {"losses": [M detached losses] on the last chunk's stage,
              "embedding_grads": [M tensors] on stage 0} (empty lists elsewhere), and this
-    stage's "peak_in_flight" (most microbatches whose activations it held at once) and
+    stage's "peak_chunks" (most chunk passes whose activations it held at once),
+    "peak_in_flight" (most microbatches among them: the cache is per microbatch) and
     "peak_received_blocks" (most received block copies it held at once).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -305,5 +312,5 @@ def run_pipeline(plan: PipelinePlan, embeddings: Sequence[Optional[torch.Tensor]
     last = plan.stage_of(plan.num_chunks - 1) == rank
     return {"losses": runner.losses if last else [],
             "embedding_grads": runner.emb_grads if rank == plan.stage_of(0) else [],
-            "peak_in_flight": runner.peak_in_flight,
+            "peak_chunks": runner.peak_chunks, "peak_in_flight": runner.peak_in_flight,
             "peak_received_blocks": runner.peak_received}

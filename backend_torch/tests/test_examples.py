@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import pytest
 import torch
@@ -90,6 +91,8 @@ def _check_metrics(out):
     assert len(runs["block"]["diagnostics"][0]["rows"]) == 5
     summary = (out / "summary.md").read_text()
     assert "| block |" in summary and "| standard |" in summary
+    # one seed: no "± 0.0000" (a standard deviation of one value), the last step counted from 1
+    assert "±" not in summary and "step 3 of 3" in summary
 
 
 def test_train_writes_report_with_plots(tmp_path):
@@ -101,13 +104,39 @@ def test_train_writes_report_with_plots(tmp_path):
     assert all((tmp_path / name).stat().st_size > 1000 for name in report.PLOT_FILES)
 
 
-def test_train_without_plots(tmp_path, monkeypatch):
+def test_train_without_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"attnres-torch\[plots\]"):
-        train.main(_tiny_args(tmp_path))
-    assert train.main(_tiny_args(tmp_path, "--no-plots")) == 0
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    # without matplotlib the run still writes the numbers, and says how to get the figures
+    assert train.main(_tiny_args(tmp_path)) == 0
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed" in err and "pip install matplotlib" in err
+    assert "attnres-torch[plots]" not in err  # not on PyPI: a command that cannot work
+    # something is printed before the corpus and the first step (no silent start)
+    assert err.index("reading the corpus") < err.index("corpus:") < err.index("[1/6")
+    assert "at step 2" in err  # the validation loss says when it was measured
     assert {p.name for p in tmp_path.iterdir()} == {"metrics.json", "summary.md"}
     _check_metrics(tmp_path)
+    assert train.main(_tiny_args(tmp_path, "--no-plots")) == 0
+    assert "matplotlib" not in capsys.readouterr().err
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        report.require_matplotlib()
+
+
+def test_collapse_warning_is_one_readable_line(capsys):
+    from attnres_torch.diagnostics import DepthCollapseWarning
+
+    seen = []
+    show = train._readable_collapse_warnings(lambda *a: seen.append(a))
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        warnings.warn("depth weights collapsed at step 7", DepthCollapseWarning)
+        warnings.warn("something else", UserWarning)
+    err = capsys.readouterr().err
+    assert err.strip() == "note: depth weights collapsed at step 7"
+    assert len(seen) == 1 and seen[0][1] is UserWarning  # other warnings keep their usual form
 
 
 def test_cli_help_and_bad_arguments(capsys):
@@ -159,4 +188,12 @@ def test_plain_progress_fallback(monkeypatch, capsys):
     for _ in range(40):
         bar.update()
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 20 and lines[-1].startswith("[40/40 100%") and "block seed 0 loss 1.0" in lines[-1]
+    assert len(lines) == 21 and lines[0].startswith("[1/40")  # a line after the first step
+    assert lines[-1].startswith("[40/40 100%") and "block seed 0 loss 1.0" in lines[-1]
+
+
+def test_log_ticks_are_round_and_enough():
+    assert report.log_ticks(0.15, 3.0) == [0.2, 0.5, 1.0, 2.0]
+    assert report.log_ticks(0.04, 0.45) == [0.05, 0.1, 0.2]
+    assert report.log_ticks(0.06, 0.3) == [0.07, 0.1, 0.15, 0.2, 0.3]
+    assert report.log_ticks(1e-3, 1e2) == [0.001, 0.01, 0.1, 1.0, 10.0, 100.0]

@@ -8,7 +8,8 @@
 * `magnitudes.png` — per-sublayer output RMS, input RMS and gradient norm (the paper's Fig. 5 view);
 * `depth_weights_<variant>.png` — depth-attention weights, one row per sublayer (Fig. 8 view).
 
-Plots need matplotlib (`pip install 'attnres-torch[plots]'`), imported only when drawing.
+Plots need matplotlib (`pip install matplotlib`; from a checkout `pip install -e 'backend_torch[plots]'`),
+imported only when drawing; without it `train` writes metrics.json and summary.md and says so.
 Regenerate a report from its metrics with `python -m attnres_torch.examples.report DIR`.
 """
 
@@ -30,7 +31,7 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError as err:
-        raise ImportError("the AttnRes report plots need matplotlib: pip install 'attnres-torch[plots]' "
+        raise ImportError("the AttnRes report plots need matplotlib: pip install matplotlib "
                           "(or pass --no-plots for metrics.json and summary.md only)") from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -50,6 +51,17 @@ def _mean(xs: List[float]) -> float:
 
 def _std(xs: List[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def _mean_std(xs: List[float], signed: bool = False) -> str:
+    """"m ± s" over seeds; just "m" for one seed (a standard deviation of one value says nothing)."""
+    mean = f"{_mean(xs):+.4f}" if signed else f"{_mean(xs):.4f}"
+    return f"{mean} ± {_std(xs):.4f}" if len(xs) > 1 else mean
+
+
+def step_label(meta: dict, run: dict) -> str:
+    """The last diagnostics record's training step, counted from 1 ("step 30 of 30")."""
+    return f"step {_final(run)['step'] + 1} of {meta['args']['steps']}"
 
 
 def _final(run: dict) -> dict:
@@ -86,7 +98,7 @@ def summary_markdown(meta: dict) -> str:
         f"({c['train_bytes']} train bytes, {c['val_bytes']} validation bytes, split by file).",
         f"Total wall time: {meta['total_wall_s']:.0f} s for {len(meta['runs'])} runs.", "",
         "## Validation loss (nats per byte, after the last step)", "",
-        "| variant | mean ± std | per seed | minus standard (paired) | at step 0 | params (router) "
+        f"| variant | {'mean ± std' if len(meta['args']['seeds']) > 1 else 'loss'} | per seed | minus standard (paired) | at step 0 | params (router) "
         "| s / step | wall s |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -94,14 +106,15 @@ def summary_markdown(meta: dict) -> str:
     for variant, rs in runs.items():
         finals = [r["val"][-1]["loss"] for r in rs]
         paired = [r["val"][-1]["loss"] - base[r["seed"]] for r in rs if r["seed"] in base]
-        diff = (f"{_mean(paired):+.4f} ± {_std(paired):.4f} ({sum(d < 0 for d in paired)}/{len(paired)} lower)"
+        diff = (f"{_mean_std(paired, signed=True)} ({sum(d < 0 for d in paired)}/{len(paired)} lower)"
                 if paired and variant != "standard" else "—")
         lines.append(
-            f"| {variant} | {_mean(finals):.4f} ± {_std(finals):.4f} | "
+            f"| {variant} | {_mean_std(finals)} | "
             f"{', '.join(f'{x:.4f}' for x in finals)} | {diff} | "
             f"{_mean([r['val'][0]['loss'] for r in rs]):.4f} | {rs[0]['params']} ({rs[0]['router_params']}) | "
             f"{_mean([r['step_s'] for r in rs]):.3f} | {_mean([r['wall_s'] for r in rs]):.0f} |")
-    lines += ["", "## Per-layer view at the last step (mean over seeds)", "",
+    last = step_label(meta, meta["runs"][0])
+    lines += ["", f"## Per-layer view at the last step ({last}, mean over seeds)", "",
               "Output RMS = RMS of sublayer output v_l; input RMS = RMS of its input h_l; gradient "
               "norm = L2 norm of the sublayer's parameter gradients (before clipping).", "",
               "| variant | output RMS first → last | input RMS first → last | grad norm first → last "
@@ -154,6 +167,31 @@ def plot_losses(meta: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def log_ticks(lo: float, hi: float) -> List[float]:
+    """Round tick values in [lo, hi] for a log axis: 1-2-5 per decade, or finer (1, 1.5, 2, 3, 4,
+    5, 7) when the range is too short for three of those."""
+    out: List[float] = []
+    for mantissas in ((1.0,), (1.0, 2.0, 5.0), (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0)):
+        values = (float(f"{m * 10.0 ** k:.6g}")
+                  for k in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+                  for m in mantissas)
+        out = [v for v in values if lo <= v <= hi]
+        if len(out) >= 3:
+            break
+    return out
+
+
+def _integer_and_log_axes(ax) -> None:
+    """Whole-number sublayer ticks on x; plain-number round ticks on the log y axis."""
+    from matplotlib import ticker
+
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(ticker.FixedLocator(log_ticks(*ax.get_ylim())))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.tick_params(labelsize=8)
+
+
 def plot_magnitudes(meta: dict, path: Path) -> None:
     plt = require_matplotlib()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
@@ -165,7 +203,11 @@ def plot_magnitudes(meta: dict, path: Path) -> None:
             ax.plot(range(1, len(values) + 1), values, color=f"C{i}", marker=".", label=variant)
     for ax, (key, title) in zip(axes, titles.items()):
         ax.set(title=title, xlabel="sublayer l", yscale="log")
-    axes[0].legend()
+        ax.title.set_fontsize(10)
+        _integer_and_log_axes(ax)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"per-sublayer magnitudes at the last recorded {step_label(meta, meta['runs'][0])} "
+                 "(mean over seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -192,9 +234,12 @@ def plot_depth_weights(meta: dict, variant: str, path: Path) -> None:
     im = ax.imshow(grid, cmap="viridis", vmin=0.0, aspect="auto")
     ax.set_xticks(range(len(columns)), columns, rotation=90, fontsize=7)
     ax.set_yticks(range(len(grid)), [sublayer_name(row["row"], L) for row in rows[0]], fontsize=7)
-    ax.set(xlabel="source", title=f"{variant}: depth weights at step {_final(rs[0])['step']}")
+    ax.set(xlabel="source", ylabel="sublayer (row)",
+           title=f"{variant}: depth weights, {step_label(meta, rs[0])}")
     ax.title.set_fontsize(9)
-    fig.colorbar(im, ax=ax, fraction=0.05)
+    cbar = fig.colorbar(im, ax=ax, fraction=0.05)
+    cbar.set_label("weight (mean over tokens and seeds)", fontsize=8)
+    cbar.ax.tick_params(labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -18,13 +18,14 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..diagnostics import DepthMonitor
+from ..diagnostics import DepthCollapseWarning, DepthMonitor
 from . import report
 from .data import fixed_batches, load_stdlib_corpus, random_batch
 from .model import VARIANTS, ExampleLM, variant_config
@@ -79,16 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; 0 keeps torch's default (default: 1, which was 5-10x "
                         "faster than 2 threads on a busy 2-core machine)")
-    p.add_argument("--no-plots", action="store_true", help="write metrics.json and summary.md only")
+    p.add_argument("--no-plots", action="store_true",
+                   help="write metrics.json and summary.md only (the default when matplotlib is missing)")
     return p
 
 
-class _PlainProgress:
-    """Fallback progress bar when tqdm is not installed: a line every ~5% of the work."""
+def _say(text: str) -> None:
+    """A status line on stderr (kept apart from a tqdm bar when tqdm is installed)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        print(text, file=sys.stderr, flush=True)
+    else:
+        tqdm.write(text, file=sys.stderr)
 
-    def __init__(self, total: int):
-        self.total, self.n, self.every = total, 0, max(1, total // 20)
+
+class _PlainProgress:
+    """Fallback progress bar when tqdm is not installed: a line after the first step, every ~5% of
+    the work, and at least every `interval` seconds."""
+
+    def __init__(self, total: int, interval: float = 10.0):
+        self.total, self.n, self.every, self.interval = total, 0, max(1, total // 20), interval
         self.desc, self.postfix, self.start = "", "", time.perf_counter()
+        self.last = self.start
 
     def set_description(self, desc: str) -> None:
         self.desc = desc
@@ -98,8 +112,10 @@ class _PlainProgress:
 
     def update(self, n: int = 1) -> None:
         self.n += n
-        if self.n % self.every == 0 or self.n == self.total:
-            elapsed = time.perf_counter() - self.start
+        now = time.perf_counter()
+        if self.n == 1 or self.n % self.every == 0 or self.n == self.total or now - self.last >= self.interval:
+            self.last = now
+            elapsed = now - self.start
             print(f"[{self.n}/{self.total} {100 * self.n / self.total:3.0f}% {elapsed:.0f}s] "
                   f"{self.desc} {self.postfix}", file=sys.stderr, flush=True)
 
@@ -112,7 +128,7 @@ def _progress(total: int):
         from tqdm.auto import tqdm
     except ImportError:
         return _PlainProgress(total)
-    return tqdm(total=total, unit="step", dynamic_ncols=True)
+    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
 def _lr(step: int, steps: int, peak: float) -> float:
@@ -182,7 +198,8 @@ def train_run(variant: str, seed: int, args: argparse.Namespace, corpus, val_bat
         train_loss.append(loss.item())
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             val.append({"step": step + 1, "loss": evaluate(model, val_batches)})
-        progress.set_postfix_str(f"loss {train_loss[-1]:.3f} val {val[-1]['loss']:.3f}")
+        # the validation loss is measured every --eval-every steps: say at which step
+        progress.set_postfix_str(f"loss {train_loss[-1]:.3f}, val {val[-1]['loss']:.3f} at step {val[-1]['step']}")
         progress.update(1)
     monitor.close()
     return {"variant": variant, "seed": seed, "config": config.to_dict(),
@@ -192,33 +209,65 @@ def train_run(variant: str, seed: int, args: argparse.Namespace, corpus, val_bat
             "step_s": step_time / max(1, args.steps), "diagnostics": monitor.history}
 
 
+def _readable_collapse_warnings(show):
+    """A `warnings.showwarning` that prints `DepthCollapseWarning`s as one readable line (not
+    Python's `file:line: DepthCollapseWarning` and a source line) and passes the rest to `show`."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DepthCollapseWarning):
+            _say(f"note: {message}")
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
+def _plots_available() -> bool:
+    try:
+        report.require_matplotlib()
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("steps", "blocks", "dim", "heads", "context", "batch", "eval_every", "eval_batches",
                  "diag_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
-    if not args.no_plots:
-        report.require_matplotlib()
+    plots = not args.no_plots and _plots_available()
+    if not args.no_plots and not plots:
+        _say("matplotlib is not installed: writing metrics.json and summary.md without figures "
+             "(`pip install matplotlib`, then `python -m attnres_torch.examples.report "
+             f"{args.out}` draws them from the metrics)")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    runs = len(args.residual) * len(args.seeds)
+    _say(f"attnres example: {runs} run(s) ({', '.join(args.residual)} x {len(args.seeds)} seed(s)) "
+         f"of {args.steps} steps, report in {args.out}/; reading the corpus ...")
     corpus = load_stdlib_corpus(args.corpus_bytes)
     val_batches = fixed_batches(corpus.val, args.eval_batches, args.batch, args.context)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "corpus": corpus.describe(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "runs": []}
-    progress = _progress(len(args.residual) * len(args.seeds) * args.steps)
+    _say(f"corpus: {corpus.describe()['files']} files of the Python {corpus.describe()['python']} "
+         f"standard library, {corpus.train.numel()} train / {corpus.val.numel()} validation bytes; "
+         "training (the first step includes the CPU kernel's one-time build) ...")
+    progress = _progress(runs * args.steps)
     start = time.perf_counter()
     try:
-        for seed in args.seeds:
-            for variant in args.residual:
-                meta["runs"].append(train_run(variant, seed, args, corpus, val_batches, progress))
-                meta["total_wall_s"] = time.perf_counter() - start
-                (args.out / "metrics.json").write_text(json.dumps(meta))
+        with warnings.catch_warnings():  # restores warnings.showwarning on exit
+            warnings.showwarning = _readable_collapse_warnings(warnings.showwarning)
+            for seed in args.seeds:
+                for variant in args.residual:
+                    meta["runs"].append(train_run(variant, seed, args, corpus, val_batches, progress))
+                    meta["total_wall_s"] = time.perf_counter() - start
+                    (args.out / "metrics.json").write_text(json.dumps(meta))
     finally:
         progress.close()
-    written = report.write_report(args.out, meta, plots=not args.no_plots)
+    written = report.write_report(args.out, meta, plots=plots)
     print(f"wrote {', '.join(str(p) for p in written)} in {meta['total_wall_s']:.0f} s",
           file=sys.stderr)
     return 0

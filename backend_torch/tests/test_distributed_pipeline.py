@@ -237,3 +237,52 @@ def test_plan_rejects_bad_layouts():
         PipelinePlan((2, 2), 2, 2, cache="some")
     with pytest.raises(ValueError, match="offset"):
         PipelinePlan.steady(2, 2, 1, 2, offset=2)
+
+
+def _mismatch_worker(rank, world, case):
+    """One run whose payload differs from the declared microbatch_shape / dtype."""
+    plan = PipelinePlan((1, 2), 2, world)  # chunk 0 ends inside a block: the partial sum crosses
+    gen = torch.Generator().manual_seed(3)
+    w = rand(gen, (3, D, D), torch.float32, D ** -0.5)
+    subs = _probe(w, 1e-6)
+    if case == "sublayer_float64":  # the stack leaves its declared dtype mid-way
+        subs[0] = lambda h, f=subs[0]: f(h).double()
+    emb = rand(gen, (3, D), torch.float32)
+    shape = (4, D) if case == "shape" else (3, D)
+    dtype = torch.bfloat16 if case == "declared_bf16" else torch.float32
+    run_pipeline(plan, [emb if rank == 0 else None], subs, rand(gen, (4, D), torch.float32), None,
+                 lambda out, m: out.sum(), microbatch_shape=shape, dtype=dtype)
+    return 0
+
+
+@pytest.mark.parametrize("world,case,error", [
+    # The docs example's form: a float32 stack declared bfloat16 (gloo used to SIGABRT).
+    (2, "declared_bf16", r"TypeError: dtype: declared torch.bfloat16 .* embeddings\[0\] has dtype torch.float32"),
+    (2, "sublayer_float64", r"TypeError: dtype: declared torch.float32 .* the partial sum on transition "
+                            r"chunk 0 -> 1 \(microbatch 0\) has dtype torch.float64"),
+    (1, "sublayer_float64", r"TypeError: dtype: declared torch.float32 .* has dtype torch.float64"),
+    (1, "shape", r"ValueError: microbatch_shape: declared \(4, 8\) .* embeddings\[0\] has shape \(3, 8\)"),
+])
+def test_transfers_are_checked_against_the_declared_shape_and_dtype(world, case, error):
+    # The sender raises before anything is sent; run_local reports its traceback (and stops the
+    # receiver, which would otherwise wait in recv).
+    with pytest.raises(RuntimeError, match=error):
+        run_local(_mismatch_worker, world, case)
+
+
+def test_run_pipeline_rejects_invalid_schedule_combinations():
+    def worker(rank, world):
+        plan = PipelinePlan((1, 2), 2, 1)  # V = 2
+        args = ([torch.zeros(3, D)], _probe(torch.zeros(3, D, D), 1e-6), torch.zeros(4, D), None,
+                lambda out, m: out.sum())
+        kw = dict(microbatch_shape=(3, D), dtype=torch.float32)
+        with pytest.raises(ValueError, match="'1f1b' runs one chunk per stage"):
+            run_pipeline(plan, *args, schedule="1f1b", **kw)
+        with pytest.raises(ValueError, match="schedule: expected one of"):
+            run_pipeline(plan, *args, schedule="1F1B", **kw)
+        with pytest.raises(ValueError, match="queries: expected on this stage's device meta"):
+            run_pipeline(plan, *args, device="meta", **kw)
+        with pytest.raises(TypeError, match="dtype: expected a torch.dtype"):
+            run_pipeline(plan, *args, microbatch_shape=(3, D), dtype="float32")
+        return 1
+    assert run_local(worker, 1) == [1]

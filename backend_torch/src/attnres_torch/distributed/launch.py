@@ -22,12 +22,17 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
-        try:
-            queue.put((rank, True, fn(rank, world_size, *args)))
-        finally:
-            dist.destroy_process_group()
     except BaseException:  # report any failure of a rank to the parent
         queue.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        # Reported before the process group goes down: the peers' "connection closed" errors
+        # that its teardown causes reach the parent after this root cause.
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
 
 
 def run_local(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120.0,

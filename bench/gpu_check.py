@@ -17,8 +17,12 @@
    each against the naive eager composition, `torch.compile` of it, and peers when importable
    (fla fused_attnres, liger, fast-attnres, flash-attn-res).  GB/s are on the minimal bytes of
    each operation, also as a fraction of the measured copy bandwidth (`dst.copy_(src)`).
+3. Distributed smoke (`attnres_torch.distributed.smoke`, in a child process): a torch.distributed
+   world of size 1 on NCCL; tensor parallelism, the sequence-sharded prefill and the pipeline
+   (gpipe, 1f1b, interleaved_1f1b) against the float64 reference under a device-mixing detector.
+   Prints PASS / FAIL / SKIPPED with the reason; --skip-distributed leaves it out.
 Prints a markdown table (and writes it to --out).  Exit status: 0 all correct, 1 a correctness
-failure, 2 no usable device.
+failure (kernels or distributed smoke), 2 no usable device.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--skip-compile", action="store_true", help="no torch.compile rows")
     p.add_argument("--skip-peers", action="store_true", help="no peer-library rows")
     p.add_argument("--skip-timing", action="store_true", help="correctness only")
+    p.add_argument("--skip-distributed", action="store_true", help="no distributed (NCCL) smoke test")
     p.add_argument("--out", type=Path, help="also write the markdown report here")
     return p.parse_args(argv)
 
@@ -156,6 +161,26 @@ class Checker:
         finally:
             self.td._alloc = real_alloc
         return self.failures
+
+
+# ---------------------------------------------------------------- distributed smoke
+
+def distributed_smoke(device, timeout=600):
+    """Run `python -m attnres_torch.distributed.smoke` in a child process (an NCCL hang or crash
+    cannot take the rest of the check with it).  Returns (verdict, output lines):
+    "PASS", "FAIL" or "SKIPPED"."""
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "backend_torch" / "src"), str(ROOT / "reference_numpy" / "src"),
+         os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "attnres_torch.distributed.smoke", "--device", device]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return "FAIL", [f"distributed smoke: timed out after {timeout} s"]
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return {0: "PASS", 2: "SKIPPED"}.get(proc.returncode, "FAIL"), lines
 
 
 # ---------------------------------------------------------------- timing
@@ -426,19 +451,29 @@ def main(argv=None):
           f"({time.perf_counter() - t0:.1f} s)")
     for f in failures:
         print("  FAIL", f)
+    dist_verdict = None
+    if not args.skip_distributed:
+        t1 = time.perf_counter()
+        dist_verdict, dist_lines = distributed_smoke(args.device)
+        for line in dist_lines[-40:]:
+            print("  ", line)
+        print(f"distributed smoke: {dist_verdict} ({time.perf_counter() - t1:.1f} s)")
     rows, notes = [], []
     if not args.skip_timing:
         bench = Bench(args, torch, td, rows, notes)
         bench.forward()
         bench.forward_backward()
         bench.block()
+    if dist_verdict is not None:
+        notes.append(f"distributed smoke (torch.distributed world of 1, "
+                     f"{'NCCL' if args.device == 'cuda' else 'gloo'}): {dist_verdict}")
     report = render(rows, notes, device_name, failures, checker.passed)
     print(report)
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report + "\n")
-    return 1 if failures else 0
+    return 1 if failures or dist_verdict == "FAIL" else 0
 
 
 if __name__ == "__main__":

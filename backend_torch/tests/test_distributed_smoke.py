@@ -53,3 +53,20 @@ def test_smoke_skips_cleanly_without_cuda():
     assert res["skipped"] == unavailable_reason("cuda", "nccl") and "CUDA" in res["skipped"]
     assert lines == [f"distributed smoke: SKIPPED ({res['skipped']})"]
     assert main(["--device", "cuda"]) == 2
+
+
+def test_gpu_check_runs_the_smoke_section():
+    # bench/gpu_check.py's section, on the CPU (gloo) and on CUDA (here: SKIPPED with the reason).
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    verdict, lines = gpu_check.distributed_smoke("cpu")
+    assert verdict == "PASS" and lines[-1].startswith("distributed smoke (gloo, cpu): PASS"), lines
+    verdict, lines = gpu_check.distributed_smoke("cuda")
+    if torch.cuda.is_available():
+        assert verdict == "PASS", lines
+    else:
+        assert verdict == "SKIPPED" and "no CUDA device" in lines[-1], lines
+    assert not gpu_check.parse_args([]).skip_distributed

@@ -5,6 +5,7 @@ the deterministic corpus and the plain progress fallback."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import warnings
 
@@ -197,3 +198,31 @@ def test_log_ticks_are_round_and_enough():
     assert report.log_ticks(0.04, 0.45) == [0.05, 0.1, 0.2]
     assert report.log_ticks(0.06, 0.3) == [0.07, 0.1, 0.15, 0.2, 0.3]
     assert report.log_ticks(1e-3, 1e2) == [0.001, 0.01, 0.1, 1.0, 10.0, 100.0]
+
+
+def test_decoder_example_converts_and_trains(capsys):
+    from attnres_torch.examples import decoder
+
+    assert decoder.main([]) == 0
+    out = capsys.readouterr().out
+    diff = float(re.search(r"at init ([0-9.e+-]+)", out).group(1))
+    first, last = (float(x) for x in re.findall(r"loss ([0-9.]+)", out))
+    assert "logits (2, 32, 256); router parameters 1152" in out and diff < 1e-3
+    assert last < first - 1.0
+
+
+def test_decoder_conversion_is_prenorm_at_init_in_float64():
+    from attnres_torch.examples.decoder import Decoder, convert
+    from attnres_numpy import ResidualConfig
+
+    torch.manual_seed(0)
+    prenorm = Decoder(64, 16, 3, 2).double()
+    tokens = torch.randint(0, 64, (2, 8))
+    # the sublayers' RMSNorm eps (1e-6) is what keeps this from exact: relative ~ eps / mean(h^2)
+    for config in (ResidualConfig(kind="full"), ResidualConfig(kind="block", block_size=2)):
+        model = convert(prenorm, config).double()
+        with torch.no_grad():
+            ref = prenorm(tokens)
+            assert (model(tokens) - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())
+            model.router.queries.add_(0.5)  # negative control: trained queries change the function
+            assert (model(tokens) - ref).abs().max() > 1e-3

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from attnres_numpy.config import ResidualConfig
 from attnres_numpy.schedule import ResidualStream
 
+from .._args import check_same_device
 from ..residual_ops import TorchOps
 from .comm import CommCounter, all_gather_dim0, all_reduce_sum, reduce_scatter_dim0
 
@@ -88,6 +89,8 @@ def sequence_sharded_prefill(embedding: torch.Tensor, sublayers: Sequence[Callab
     if queries.dim() != 2 or queries.shape[0] != num_layers + 1:
         raise ValueError(f"queries: expected shape [L + 1, D] = [{num_layers + 1}, D] for "
                          f"{num_layers} sublayers, got shape {tuple(queries.shape)}")
+    # One device for the stream: the collectives allocate on their input's device.
+    check_same_device([("embedding", embedding), ("queries", queries), ("norm_weights", norm_weights)])
     config = ResidualConfig(kind="block", block_size=block_size, eps=eps, scale=scale)
     ops = TorchOps({"queries": queries, "norm_weights": norm_weights})
     # Phase 1 runs on the local shards of b_0..b_{n-1} (no comm), phase 2 on the local tokens;

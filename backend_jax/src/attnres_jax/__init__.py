@@ -7,7 +7,7 @@ explicitly: Flax is an optional dependency); the conformance adapter in `attnres
 """
 
 from .ops import depth_attention, depth_attention_multi, merge_partial
-from .stack import probe_forward, probe_sublayers, rmsnorm, stack_apply
+from .router import probe_forward, probe_sublayers, rmsnorm, stack_apply
 
 __version__ = "0.1.0"
 

@@ -181,7 +181,7 @@ class JaxBackend:
     def _call_probe(self, call: ProbeCall) -> ProbeResult:
         import jax
 
-        from .stack import probe_forward
+        from .router import probe_forward
 
         config = ResidualConfig.from_dict(call.config)
         params = {k: _native(v, call.dtype, False) for k, v in call.params.items()}

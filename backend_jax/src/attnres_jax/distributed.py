@@ -27,7 +27,7 @@ from attnres_numpy.numerics import compute_dtype_for
 from attnres_numpy.schedule import ResidualStream
 
 from . import ops
-from .stack import JaxOps
+from .router import JaxOps
 
 
 def _head_map(axis_name: str, local_dim: int, dim: int, num_heads: int, dtype):

@@ -17,7 +17,7 @@ from attnres_numpy.config import ResidualConfig
 from flax import nnx
 
 from .ops import depth_attention, dtype_name
-from .stack import HIGHEST, Sublayer, stack_apply
+from .router import HIGHEST, Sublayer, stack_apply
 
 
 class DepthAttention(nnx.Module):

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from attnres_numpy.numerics import compute_dtype_for
+from attnres_numpy.numerics import compute_dtype_for, sum_to_axes
 
 
 def dtype_name(x) -> str:
@@ -72,9 +72,9 @@ def restack(grads: list, like):
 
 
 def sum_to(x, shape):
-    """Sum the broadcast axes of x `[...]` down to `shape` (same rank)."""
-    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
-    return jnp.sum(x, axis=axes, keepdims=True)
+    """Sum a broadcast result x back to `shape` (`attnres_numpy.numerics.sum_to_axes`)."""
+    lead, keep = sum_to_axes(x.shape, shape)
+    return jnp.sum(jnp.sum(x, axis=lead), axis=keep, keepdims=True)
 
 
 class Options(NamedTuple):

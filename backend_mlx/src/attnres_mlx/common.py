@@ -8,6 +8,7 @@ from typing import Sequence, Tuple
 
 import mlx.core as mx
 from attnres_numpy import validation
+from attnres_numpy.numerics import sum_to_axes
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32,
            "float64": mx.float64}
@@ -26,12 +27,11 @@ def compute_dtype(source_dtype) -> mx.Dtype:
 
 
 def sum_to(a: mx.array, shape: Sequence[int]) -> mx.array:
-    """Sum a broadcast result back to `shape` (the inverse of broadcasting)."""
-    lead = a.ndim - len(shape)
+    """Sum a broadcast result back to `shape` (`attnres_numpy.numerics.sum_to_axes`)."""
+    lead, keep = sum_to_axes(a.shape, shape)
     if lead:
-        a = a.sum(axis=tuple(range(lead)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and a.shape[i] != 1)
-    return a.sum(axis=axes, keepdims=True) if axes else a
+        a = a.sum(axis=lead)
+    return a.sum(axis=keep, keepdims=True) if keep else a
 
 
 def query_grads(dqg: mx.array, q: mx.array, g: mx.array, *,

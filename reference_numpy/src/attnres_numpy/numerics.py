@@ -14,6 +14,17 @@ import numpy as np
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
+def sum_to_axes(shape, target) -> tuple:
+    """How to sum a broadcast result of `shape` back to `target` (the reverse of broadcasting,
+    as every VJP of a broadcast operand needs): returns `(lead, keep)`: first sum over the
+    `lead` leading axes, then over the `keep` axes with keepdims (target has size 1 there)."""
+    shape, target = tuple(shape), tuple(target)
+    lead = tuple(range(len(shape) - len(target)))
+    rest = shape[len(lead):]
+    keep = tuple(i for i, n in enumerate(target) if n == 1 and rest[i] != 1)
+    return lead, keep
+
+
 def compute_dtype_for(source_dtype: str) -> str:
     """C10: every intermediate is float32, or float64 when the sources are float64."""
     return "float64" if source_dtype == "float64" else "float32"

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import ops
 from .config import ResidualConfig
+from .numerics import sum_to_axes
 from .schedule import ResidualOps
 
 
@@ -41,9 +42,8 @@ def rmsnorm_vjp(x, cotangent, eps: float) -> np.ndarray:
 
 def sum_to_shape(g: np.ndarray, shape) -> np.ndarray:
     """Sum a cotangent `g` of a broadcast result back to an operand of `shape`."""
-    g = np.sum(g, axis=tuple(range(g.ndim - len(shape)))) if g.ndim > len(shape) else g
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
-    return np.sum(g, axis=axes, keepdims=True) if axes else g
+    lead, keep = sum_to_axes(g.shape, shape)
+    return np.sum(np.sum(g, axis=lead), axis=keep, keepdims=True)
 
 
 class Var:

@@ -15,9 +15,9 @@ from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 L, D = 5, 8
 
 
-def _probe(router, emb, w, eps):
+def _probe(router, emb, w, eps, **call):
     subs = [lambda h, l=l: torch.tanh(F.rms_norm(h, (D,), eps=eps) @ w[l]) for l in range(L)]
-    return router(emb, subs)
+    return router(emb, subs, **call)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANT_KINDS))
@@ -43,6 +43,44 @@ def test_router_matches_reference_probe(name, dname):
     assert_close(w.grad, grads["sublayer_weights"], dname, "d_sublayer_weights")
     for k in params:
         assert_close(getattr(router, k).grad, grads[k], dname, f"d_{k}")
+
+
+@pytest.mark.parametrize("name,schedule,mix,scale", [
+    ("full", "direct", 0.35, None), ("block", "direct", 0.6, 1.7), ("block", "two_phase", 0.25, 0.5),
+    ("window", "direct", 0.0, None), ("input_query", "direct", 1.0, 2.0)])
+def test_router_mix_and_scale_match_reference(name, schedule, mix, scale):
+    """M10 per-call inputs: value and every gradient against the float64 reference."""
+    cfg = ResidualConfig.variant(name)
+    rng = np.random.default_rng(7)
+    params = {k: rng.standard_normal(s) * 0.5 for k, s in cfg.param_shapes(L, D).items()}
+    emb_np, w_np, ct = rng.standard_normal((2, 3, D)), rng.standard_normal((L, D, D)) / 3, rng.standard_normal((2, 3, D))
+    router = at.DepthRouter(cfg, L, D, schedule=schedule).to(torch.float64)
+    router.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+    emb = torch.tensor(emb_np, requires_grad=True)
+    w = torch.tensor(w_np, requires_grad=True)
+    out = _probe(router, emb, w, cfg.eps, mix=mix, scale=scale)
+    assert_close(out, model.probe_forward(cfg, params, emb_np, w_np, schedule=schedule, mix=mix, scale=scale),
+                 "float64", "out")
+    out.backward(torch.tensor(ct))
+    grads = model.probe_vjp(cfg, params, emb_np, w_np, ct, schedule=schedule, mix=mix, scale=scale)
+    assert_close(emb.grad, grads["embedding"], "float64", "d_embedding")
+    assert_close(w.grad, grads["sublayer_weights"], "float64", "d_sublayer_weights")
+    for k in params:
+        got = getattr(router, k).grad
+        if mix == 0.0:  # M10: no depth attention, so no gradient reaches its parameters
+            assert got is None and not grads[k].any()
+        else:
+            assert_close(got, grads[k], "float64", f"d_{k}")
+
+
+def test_router_mix_errors():
+    router = at.DepthRouter(ResidualConfig.variant("full"), L, D)
+    with pytest.raises(ValueError, match="mix: expected a real number in"):
+        router.stream(torch.zeros(D), mix=1.2)
+    with pytest.raises(ValueError, match="scale: expected a finite real"):
+        router.stream(torch.zeros(D), scale=float("inf"))
+    with pytest.raises(ValueError, match="mix: .*attention kind"):
+        at.DepthRouter(ResidualConfig(kind="gated"), L, D).stream(torch.zeros(D), mix=0.5)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 3])

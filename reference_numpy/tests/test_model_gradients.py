@@ -1,11 +1,25 @@
 """Central finite differences (float64) of the probe network against the hand-written probe_vjp:
-every variant, the embedding, the sublayer weights and every parameter (random nonzero values)."""
+every variant, the embedding, the sublayer weights and every parameter (random nonzero values).
+
+Also M10, the progressive-introduction mix and the per-call scale: exact ends (alpha = 0 is the
+standard scheme with no depth attention, alpha = 1 the scheme), the blend in between restated
+literally, finite-difference gradients with a mix (direct and two-phase), the per-call scale
+equal to a config with that scale, and the errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
-from attnres_numpy import VARIANT_KINDS, ResidualConfig, probe_forward, probe_vjp
+from attnres_numpy import (
+    VARIANT_KINDS,
+    ResidualConfig,
+    probe_forward,
+    probe_sublayers,
+    probe_vjp,
+    stack_forward,
+)
 
 L, TOKENS, D = 5, (2, 3), 4
 
@@ -72,3 +86,114 @@ def test_single_layer_and_single_token(rng, check_gradients, name):
         return np.sum(cot * probe_forward(config, p, embedding, sublayer_weights))
 
     check_gradients(loss, {"embedding": emb, "sublayer_weights": weights, **params}, grads)
+
+
+# -- M10: mix and per-call scale ------------------------------------------------------------
+MIXED = [ResidualConfig.variant(n) for n in ("full", "block", "window", "input_query", "multihead")]
+
+
+@pytest.mark.parametrize("config", MIXED, ids=lambda c: f"{c.kind}-{c.query}-H{c.num_heads}")
+def test_mix_ends_are_exact(rng, config):
+    emb, weights, params, _ = random_problem(rng, config)
+    plain = probe_forward(config, params, emb, weights)
+    np.testing.assert_array_equal(probe_forward(config, params, emb, weights, mix=1.0), plain)
+    standard = probe_forward(ResidualConfig(kind="standard", eps=config.eps), {}, emb, weights)
+    np.testing.assert_array_equal(probe_forward(config, params, emb, weights, mix=0.0), standard)
+    assert np.abs(plain - standard).max() > 1e-3  # the two ends differ: the test can fail
+
+
+@pytest.mark.parametrize("config", MIXED[:3], ids=lambda c: c.kind)
+def test_mix_blends_every_input_literally(rng, config):
+    """h_l = (1 - a) s_l + a * DA(...) restated with explicit lists (no shared schedule)."""
+    from attnres_numpy import depth_attention
+
+    alpha = 0.3
+    emb, weights, params, _ = random_problem(rng, config)
+    fs = probe_sublayers(weights, config.eps)
+    L = len(fs)
+
+    def sources(outputs, l, partial_blocks):
+        if config.kind == "full":
+            return outputs[:l]
+        if config.kind == "window":
+            return [outputs[0]] + outputs[max(1, l - config.window):l]
+        return partial_blocks
+
+    outputs, blocks, partial = [emb], [emb], None
+    S = config.block_size or 1
+
+    def attend(srcs, r):
+        return depth_attention(srcs, params["queries"][r], params["norm_weights"][r], eps=config.eps)
+
+    for l in range(1, L + 2):
+        srcs = sources(outputs, l, blocks + ([] if partial is None else [partial]))
+        h = (1 - alpha) * sum(outputs[:l]) + alpha * attend(srcs, l - 1)
+        if l == L + 1:
+            expected = h
+            break
+        v = fs[l - 1](h)
+        outputs.append(v)
+        partial = v if partial is None else partial + v
+        if l % S == 0 or l == L:
+            blocks, partial = blocks + [partial], None
+    got = probe_forward(config, params, emb, weights, mix=alpha)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("config,schedule,alpha", [
+    (ResidualConfig.variant("full"), "direct", 0.3),
+    (ResidualConfig.variant("block", block_size=2), "direct", 0.7),
+    (ResidualConfig.variant("block", block_size=2), "two_phase", 0.45),
+    (ResidualConfig.variant("input_query"), "direct", 0.2),
+    (ResidualConfig.variant("block"), "direct", 0.0),
+])
+def test_mix_vjp_matches_finite_differences(rng, check_gradients, config, schedule, alpha):
+    emb, weights, params, cot = random_problem(rng, config)
+    grads = probe_vjp(config, params, emb, weights, cot, schedule=schedule, mix=alpha)
+
+    def loss(embedding, sublayer_weights, **p):
+        return np.sum(cot * probe_forward(config, {**params, **p}, embedding, sublayer_weights,
+                                          schedule=schedule, mix=alpha))
+
+    if alpha == 0.0:  # M10: no depth attention at alpha = 0, so its parameters get zeros
+        assert all(np.all(grads[n] == 0) for n in params)
+        checked = {"embedding": emb, "sublayer_weights": weights}
+    else:
+        checked = {"embedding": emb, "sublayer_weights": weights, **params}
+    check_gradients(loss, checked, {k: grads[k] for k in checked})
+
+
+def test_two_phase_mix_equals_direct(rng):
+    config = ResidualConfig.variant("block", block_size=3)
+    emb, weights, params, _ = random_problem(rng, config)
+    np.testing.assert_allclose(probe_forward(config, params, emb, weights, schedule="two_phase", mix=0.6),
+                               probe_forward(config, params, emb, weights, mix=0.6), rtol=1e-12, atol=1e-12)
+
+
+def test_call_scale_equals_config_scale(rng):
+    config = ResidualConfig.variant("block", block_size=2)
+    emb, weights, params, _ = random_problem(rng, config)
+    want = probe_forward(dataclasses.replace(config, scale=2.5), params, emb, weights)
+    np.testing.assert_array_equal(probe_forward(config, params, emb, weights, scale=2.5), want)
+    assert np.abs(want - probe_forward(config, params, emb, weights)).max() > 1e-6
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(mix=1.5), "mix: expected a real number in \\[0, 1\\]"),
+    (dict(mix=-0.1), "mix: expected a real number in \\[0, 1\\]"),
+    (dict(mix=True), "mix: expected a real number"),
+    (dict(mix="half"), "mix: expected a real number"),
+    (dict(scale=float("nan")), "scale: expected a finite real number"),
+    (dict(scale="2"), "scale: expected a finite real number"),
+])
+def test_call_input_errors(rng, kw, match):
+    config = ResidualConfig.variant("full")
+    emb, weights, params, _ = random_problem(rng, config)
+    with pytest.raises(ValueError, match=match):
+        probe_forward(config, params, emb, weights, **kw)
+
+
+def test_mix_needs_an_attention_kind(rng):
+    emb, weights, _, _ = random_problem(rng, ResidualConfig(kind="standard"))
+    with pytest.raises(ValueError, match="mix: .* attention kind"):
+        stack_forward(ResidualConfig(kind="standard"), {}, emb, probe_sublayers(weights, 1e-6), mix=0.5)

@@ -77,23 +77,30 @@ class DepthRouter(nn.Module):
             return self.schedule
         return "two_phase" if not self.training and self.config.supports_two_phase else "direct"
 
-    def stream(self, embedding: torch.Tensor) -> ResidualStream:
+    def stream(self, embedding: torch.Tensor, *, mix: Optional[float] = None,
+               scale: Optional[float] = None) -> ResidualStream:
         """Start a pass: embedding `[..., D]` is v_0.  The stream (`attnres_numpy.schedule`) gives
-        `input()` (h_l for the next sublayer), `push(v_l)` and `output()` (h_{L+1})."""
+        `input()` (h_l for the next sublayer), `push(v_l)` and `output()` (h_{L+1}).
+
+        mix: M10 progressive introduction, alpha in [0, 1] (None = 1): every input is
+          `(1 - alpha) * standard + alpha * attnres`; 0 is exactly the PreNorm baseline.
+        scale: M10 logit scale for this pass (a temperature schedule; None = config.scale).
+        """
         observer = self.observer
         schedule = self.active_schedule()
         if observer is not None and observer.wants_weights:
             schedule = "direct"  # two-phase never forms the weights (spec 3: same result)
         params = {name: getattr(self, name) for name in self.config.param_shapes(self.num_layers, self.dim)}
         return ResidualStream(self.config, TorchOps(params), embedding, num_layers=self.num_layers,
-                              schedule=schedule, observer=observer)
+                              schedule=schedule, observer=observer, mix=mix, scale=scale)
 
-    def forward(self, embedding: torch.Tensor, sublayers: Sequence[Callable]) -> torch.Tensor:
+    def forward(self, embedding: torch.Tensor, sublayers: Sequence[Callable], *,
+                mix: Optional[float] = None, scale: Optional[float] = None) -> torch.Tensor:
         """Run L sublayers (callables `[..., D]` -> `[..., D]`); returns the output `[..., D]`
-        before any final norm."""
+        before any final norm.  mix, scale: the M10 per-call inputs (see `stream`)."""
         if len(sublayers) != self.num_layers:
             raise ValueError(f"sublayers: expected {self.num_layers} sublayers, got {len(sublayers)}")
-        stream = self.stream(embedding)
+        stream = self.stream(embedding, mix=mix, scale=scale)
         for f in sublayers:
             stream.push(f(stream.input()))
         return stream.output()
@@ -160,6 +167,8 @@ class AttnResTransformer(nn.Module):
         self.head = nn.Linear(dim, vocab_size, bias=False)
         nn.init.normal_(self.embed.weight, std=1.0 / math.sqrt(dim))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.router(self.embed(tokens), list(self.sublayers))
+    def forward(self, tokens: torch.Tensor, *, mix: Optional[float] = None,
+                scale: Optional[float] = None) -> torch.Tensor:
+        """mix, scale: the router's M10 per-call inputs (progressive introduction, temperature)."""
+        h = self.router(self.embed(tokens), list(self.sublayers), mix=mix, scale=scale)
         return self.head(self.norm(h))

@@ -94,7 +94,7 @@ def _check_sublayer_weights(sublayer_weights, dim: int) -> np.ndarray:
 
 # -- public API --------------------------------------------------------------------------------
 def stack_forward(config: ResidualConfig, params: Mapping, embedding, sublayers: Sequence[Sublayer], *,
-                  schedule: str = "direct", return_weights: bool = False):
+                  schedule: str = "direct", return_weights: bool = False, mix=None, scale=None):
     """Run the residual scheme `config` over user-supplied sublayers (spec section 4, M1-M9).
 
     Args:
@@ -104,6 +104,8 @@ def stack_forward(config: ResidualConfig, params: Mapping, embedding, sublayers:
       sublayers: L callables `h [..., D] -> v [..., D]`; sublayers[l-1] is f_l.
       schedule: "direct", or "two_phase" (M9; kind="block" with softmax, key_norm, one head and
         static queries only).
+      mix, scale: M10 per-call inputs: alpha in [0, 1] blending standard and the scheme (None:
+        the scheme), and a logit scale replacing config.scale (None: keep it).
       return_weights: also return the depth weights of each of the L+1 depth-attention calls
         (attention kinds, direct schedule): a list of `[N_l, ...]` (`[N_l, ..., H]` if H > 1).
 
@@ -124,7 +126,8 @@ def stack_forward(config: ResidualConfig, params: Mapping, embedding, sublayers:
     tape = Tape(params, record=False)
     observer = _WeightsCollector() if return_weights else None
     calls = [_checked_call(tape, f, f"sublayers[{i}]") for i, f in enumerate(sublayers)]
-    out = run_schedule(config, tape, tape.var(emb), calls, schedule=schedule, observer=observer)
+    out = run_schedule(config, tape, tape.var(emb), calls, schedule=schedule, observer=observer,
+                       mix=mix, scale=scale)
     return (out.value, observer.weights) if return_weights else out.value
 
 
@@ -141,18 +144,19 @@ def _checked_call(tape: Tape, fn: Sublayer, name: str):
 
 
 def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, *,
-                  schedule: str = "direct") -> np.ndarray:
+                  schedule: str = "direct", mix=None, scale=None) -> np.ndarray:
     """The spec's probe network: `stack_forward` with `probe_sublayers(sublayer_weights, config.eps)`.
 
     embedding `[..., D]`; sublayer_weights `[L, D, D]`.  Returns out `[..., D]` float64.
     """
     emb = _check_call(config, embedding, schedule)
     w = _check_sublayer_weights(sublayer_weights, emb.shape[-1])
-    return stack_forward(config, params, embedding, probe_sublayers(w, config.eps), schedule=schedule)
+    return stack_forward(config, params, embedding, probe_sublayers(w, config.eps), schedule=schedule,
+                         mix=mix, scale=scale)
 
 
 def probe_vjp(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, cotangent, *,
-              schedule: str = "direct") -> Dict[str, np.ndarray]:
+              schedule: str = "direct", mix=None, scale=None) -> Dict[str, np.ndarray]:
     """Hand-written reverse mode of `probe_forward` for a cotangent `[..., D]` of its output.
 
     Returns float64 gradients: "embedding" `[..., D]`, "sublayer_weights" `[L, D, D]`, and one
@@ -170,7 +174,7 @@ def probe_vjp(config: ResidualConfig, params: Mapping, embedding, sublayer_weigh
     tape = Tape(params, record=True)
     emb_var, w_var = tape.var(emb), tape.var(w)
     sublayers = probe_tape_sublayers(tape, w_var, w.shape[0], config.eps)
-    out = run_schedule(config, tape, emb_var, sublayers, schedule=schedule)
+    out = run_schedule(config, tape, emb_var, sublayers, schedule=schedule, mix=mix, scale=scale)
     wrt = [emb_var, w_var, *tape.leaves.values()]
     grads = tape.gradients(out, cot.astype(np.float64), wrt)
     return dict(zip(["embedding", "sublayer_weights", *tape.leaves], grads))

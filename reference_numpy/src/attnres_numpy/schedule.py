@@ -27,6 +27,9 @@ This module is framework-neutral: it imports no array library.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 from .config import ResidualConfig
@@ -69,6 +72,10 @@ class ResidualOps:
     def mul(self, a: Array, b: Array) -> Array:
         """Elementwise product (a scalar weight or a gate `[..., D]` times a value `[..., D]`)."""
         return a * b
+
+    def blend(self, standard: Array, attended: Array, alpha: float) -> Array:
+        """M10: `(1 - alpha) * standard + alpha * attended`, alpha a Python float in (0, 1)."""
+        return standard * (1.0 - alpha) + attended * alpha
 
     def take(self, x: Array, i: int) -> Array:
         """`x[i]`: one query's row of phase-1 results `[S, ...]`."""
@@ -137,6 +144,9 @@ class ResidualStream:
       num_layers: L.
       schedule: "direct", or "two_phase" (M9: block, softmax, key norm, one head, static query).
       observer: an optional `ScheduleObserver`.
+      mix: M10 progressive introduction, alpha in [0, 1] (attention kinds; None = 1): every
+        input is `(1 - alpha) * standard + alpha * attnres`; 0 runs no depth attention at all.
+      scale: M10 per-call logit scale replacing `config.scale` (None: keep it).
 
     State (read-only for callers): `layer` (the next sublayer l), `values` (v_0..v_{l-1}; full,
     window, static), `blocks` (b_0..; block), `partial` (the running block sum or None), `h`
@@ -145,10 +155,13 @@ class ResidualStream:
 
     def __init__(self, config: ResidualConfig, ops: ResidualOps, embedding: Array, *,
                  num_layers: int, schedule: str = "direct",
-                 observer: Optional[ScheduleObserver] = None):
+                 observer: Optional[ScheduleObserver] = None, mix: Optional[float] = None,
+                 scale: Optional[float] = None):
         if not isinstance(config, ResidualConfig):
             raise TypeError(f"config: expected a ResidualConfig, got {type(config).__name__}")
         config.check_schedule(schedule)
+        config = with_call_scale(config, scale)
+        alpha = check_mix(mix, config)
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
         if observer is not None and observer.wants_weights and schedule != "direct":
@@ -164,6 +177,10 @@ class ResidualStream:
         self.blocks: List[Array] = [embedding]  # block: b_0..b_{n-1}
         self.block_stats: List[Any] = [stats]
         self.partial: Optional[Array] = None
+        # M10: alpha is None (plain scheme), 0.0 (plain standard) or strictly inside (0, 1);
+        # `standard` is the PreNorm state v_0 + ... + v_{l-1} the mix needs.
+        self.mix = alpha
+        self.standard = embedding if alpha is not None else None
         self._phase1 = None  # (out1 [S, ..., D], lse1 [S, ...], first row) of the current block
         self._last_input: Optional[Array] = None
 
@@ -260,12 +277,21 @@ class ResidualStream:
             h = self.h
         elif kind == "static":
             h = self._mix(row)
+        elif self.mix == 0.0:  # M10 at alpha = 0: the standard scheme, no depth attention
+            h = self.standard
         elif kind == "block" and self.two_phase:
-            h = self._two_phase_input(row)
+            h = self._blend(self._two_phase_input(row))
         else:
-            h = self._attend(row, self.layer)
+            h = self._blend(self._attend(row, self.layer))
         self._last_input = h
         return h
+
+    def _blend(self, attended: Array) -> Array:
+        """M10: `(1 - alpha) * standard + alpha * attended` (the attended input itself without a
+        mix)."""
+        if self.mix is None:
+            return attended
+        return self.ops.blend(self.standard, attended, self.mix)
 
     def push(self, v: Array) -> None:
         """Record v_l `[..., D]`, the output of sublayer l."""
@@ -275,6 +301,8 @@ class ResidualStream:
         row = l - 1
         if self.observer is not None:
             self.observer.sublayer(l, self._last_input, v)
+        if self.standard is not None:  # M10: the PreNorm state beside the scheme's own
+            self.standard = ops.add(self.standard, v)
         if cfg.kind == "standard":  # M7: h_{l+1} = h_l + v_l
             self.h = ops.add(self.h, v)
         elif cfg.kind == "scalar":  # M7: h_{l+1} = h_l + alpha_l v_l
@@ -305,15 +333,40 @@ class ResidualStream:
             return self.h
         if kind == "static":
             return self._mix(L)
-        return self._attend(L, L + 1)
+        if self.mix == 0.0:
+            return self.standard
+        return self._blend(self._attend(L, L + 1))
+
+
+def check_mix(mix, config: ResidualConfig) -> Optional[float]:
+    """M10: None (no mix) or a real alpha in [0, 1] for an attention kind; returns None for
+    None or 1 (the plain scheme), else the float alpha (0.0: the plain standard scheme)."""
+    if mix is None:
+        return None
+    if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0.0 <= float(mix) <= 1.0:
+        raise ValueError(f"mix: expected a real number in [0, 1] or None, got {mix!r}")
+    if not config.is_attention:
+        raise ValueError(f"mix: blends standard and depth attention, so it needs an attention "
+                         f"kind (full, block, window); got kind={config.kind!r}")
+    return None if float(mix) == 1.0 else float(mix)
+
+
+def with_call_scale(config: ResidualConfig, scale) -> ResidualConfig:
+    """M10: config with `scale` (a finite real) replacing config.scale; None keeps config."""
+    if scale is None:
+        return config
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite real number or None, got {scale!r}")
+    return dataclasses.replace(config, scale=float(scale))
 
 
 def run_schedule(config: ResidualConfig, ops: ResidualOps, embedding: Array,
                  sublayers: Sequence[Callable[[Array], Array]], *, schedule: str = "direct",
-                 observer: Optional[ScheduleObserver] = None) -> Array:
+                 observer: Optional[ScheduleObserver] = None, mix: Optional[float] = None,
+                 scale: Optional[float] = None) -> Array:
     """Run the scheme over sublayers f_1..f_L (callables h -> v); returns h_{L+1} `[..., D]`."""
     stream = ResidualStream(config, ops, embedding, num_layers=len(sublayers), schedule=schedule,
-                            observer=observer)
+                            observer=observer, mix=mix, scale=scale)
     for f in sublayers:
         stream.push(f(stream.input()))
     return stream.output()

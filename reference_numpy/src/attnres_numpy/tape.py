@@ -114,6 +114,11 @@ class Tape(ResidualOps):
         return self._op([a, b], [av * bv],
                         lambda g: (sum_to_shape(g * bv, av.shape), sum_to_shape(g * av, bv.shape)))[0]
 
+    def blend(self, standard: Var, attended: Var, alpha: float) -> Var:
+        """M10: `(1 - alpha) standard + alpha attended`; alpha is not differentiated."""
+        value = standard.value * (1.0 - alpha) + attended.value * alpha
+        return self._op([standard, attended], [value], lambda g: (g * (1.0 - alpha), g * alpha))[0]
+
     def index(self, a: Var, key) -> Var:
         """`a[key]` for an int, tuple of ints or slice (no repeated elements)."""
         def vjp(g):

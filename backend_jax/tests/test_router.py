@@ -95,3 +95,45 @@ def test_stack_errors(change, exc, match):
     args.update(change)
     with pytest.raises(exc, match=match):
         stack_apply(args["config"], args["params"], args["embedding"], args["sublayers"], schedule=args["schedule"])
+
+
+@pytest.mark.parametrize("variant, schedule, mix, traced", [
+    ("full", "direct", 0.35, False), ("block", "two_phase", 0.6, True), ("window", "direct", 0.0, False),
+    ("block", "direct", 0.0, True), ("input_query", "direct", 0.8, True)])
+def test_mix_and_scale_match_reference(rng, variant, schedule, mix, traced):
+    """M10: a Python-float alpha (static) or a traced one (one jit for every alpha), with a
+    per-call scale: value and every gradient against the float64 reference."""
+    config = ResidualConfig.variant(variant)
+    scale = 1.6
+    with precision("float64"):
+        (params, emb, w), (p64, e64, w64) = _probe_inputs(rng, config, "float64")
+        if traced:
+            f = jax.jit(lambda p, e, w, a: probe_forward(config, p, e, w, schedule=schedule, mix=a, scale=scale))
+            out, vjp = jax.vjp(lambda p, e, w: f(p, e, w, jnp.asarray(mix)), params, emb, w)
+        else:
+            f = jax.jit(lambda p, e, w: probe_forward(config, p, e, w, schedule=schedule, mix=mix, scale=scale))
+            out, vjp = jax.vjp(f, params, emb, w)
+        kw = dict(schedule=schedule, mix=mix, scale=scale)
+        assert_close(out, ref.probe_forward(config, p64, e64, w64, **kw), "float64", "out")
+        cot = jnp.asarray(rng.standard_normal(out.shape))
+        want = ref.probe_vjp(config, p64, e64, w64, np.asarray(cot), **kw)
+        d_params, d_emb, d_w = vjp(cot)
+        assert_close(d_emb, want["embedding"], "float64", "embedding")
+        assert_close(d_w, want["sublayer_weights"], "float64", "sublayer_weights")
+        for name, value in d_params.items():
+            if mix == 0.0:  # M10: no gradient reaches the depth attention at alpha = 0
+                assert not np.any(np.asarray(value)) and not np.any(want[name]), name
+            else:
+                assert_close(value, want[name], "float64", name)
+
+
+def test_mix_errors():
+    config = ResidualConfig.variant("full")
+    params = {k: jnp.zeros(s) for k, s in config.param_shapes(1, D).items()}
+    f = [lambda h: h]
+    with pytest.raises(ValueError, match="mix: expected a real number in"):
+        stack_apply(config, params, jnp.ones(D), f, mix=-0.5)
+    with pytest.raises(ValueError, match="scale: expected a finite real"):
+        stack_apply(config, params, jnp.ones(D), f, scale=float("nan"))
+    with pytest.raises(ValueError, match="mix: .*attention kind"):
+        stack_apply(ResidualConfig(kind="standard"), {}, jnp.ones(D), f, mix=0.5)

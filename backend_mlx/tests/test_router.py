@@ -165,3 +165,27 @@ def test_router_errors():
         router(mx.zeros((2, 4)), [lambda h: h] * 2)
     with pytest.raises(TypeError, match="config: expected a ResidualConfig"):
         A.DepthRouter(cfg.to_dict(), 2, D)
+
+
+@pytest.mark.parametrize("variant,schedule,mix", [
+    ("full", "direct", 0.35), ("block", "two_phase", 0.6), ("window", "direct", 0.0),
+    ("input_query", "direct", 0.8)])
+@pytest.mark.parametrize("as_array", [False, True])
+def test_mix_and_scale_match_reference(variant, schedule, mix, as_array):
+    """M10 per-call inputs (a float alpha, or a 0-d array as under mx.compile) with a per-call
+    scale: value and every gradient against the float64 reference."""
+    cfg = ResidualConfig.variant(variant)
+    rng, params, emb, w = _probe_inputs(cfg, "float64")
+    cot = rand(rng, BATCH + (D,), "float64")
+    mparams = {k: to_mx(v, "float64") for k, v in params.items()}
+    alpha = mx.array(mix, dtype=mx.float64) if as_array else mix
+    kw = dict(schedule=schedule, scale=1.6)
+    out = probe.probe_forward(cfg, mparams, to_mx(emb, "float64"), to_mx(w, "float64"), mix=alpha, **kw)
+    assert out.dtype == mx.float64
+    np.testing.assert_allclose(to_np(out), ref_model.probe_forward(cfg, params, emb, w, mix=mix, **kw),
+                               rtol=1e-11, atol=1e-12)
+    grads = probe.probe_vjp(cfg, mparams, to_mx(emb, "float64"), to_mx(w, "float64"), to_mx(cot, "float64"),
+                            mix=alpha, **kw)
+    expect = ref_model.probe_vjp(cfg, params, emb, w, cot, mix=mix, **kw)
+    for name in expect:
+        np.testing.assert_allclose(to_np(grads[name]), expect[name], rtol=1e-10, atol=1e-11, err_msg=name)

@@ -65,8 +65,12 @@ class DepthRouter(nnx.Module):
             var = getattr(self, name)
             var[...] = params[name].astype(var[...].dtype)
 
-    def __call__(self, embedding, sublayers: Sequence[Sublayer], *, schedule: str = "direct"):
-        return stack_apply(self.config, self.params(), embedding, sublayers, schedule=schedule)
+    def __call__(self, embedding, sublayers: Sequence[Sublayer], *, schedule: str = "direct",
+                 mix=None, scale=None):
+        """mix, scale: the M10 per-call inputs of `stack_apply` (progressive introduction,
+        temperature)."""
+        return stack_apply(self.config, self.params(), embedding, sublayers, schedule=schedule,
+                           mix=mix, scale=scale)
 
 
 class _Attention(nnx.Module):
@@ -120,6 +124,7 @@ class Transformer(nnx.Module):
         self.final_norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
         self.head = nnx.Linear(dim, vocab_size, use_bias=False, precision=HIGHEST, rngs=rngs)
 
-    def __call__(self, tokens, *, schedule: str = "direct"):
-        h = self.router(self.embed(tokens), list(self.sublayers), schedule=schedule)
+    def __call__(self, tokens, *, schedule: str = "direct", mix=None, scale=None):
+        h = self.router(self.embed(tokens), list(self.sublayers), schedule=schedule, mix=mix,
+                        scale=scale)
         return self.head(self.final_norm(h))

@@ -87,7 +87,8 @@ def _check(config, params, embedding, num_layers: int, schedule: str) -> None:
 
 
 def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Sequence[Sublayer], *,
-                schedule: str = "direct", observer: Optional[ScheduleObserver] = None):
+                schedule: str = "direct", observer: Optional[ScheduleObserver] = None,
+                mix=None, scale: Optional[float] = None):
     """Run the residual scheme `config` over L user-supplied sublayers (spec section 4), on the
     shared schedule (`attnres_numpy.schedule.run_schedule`).
 
@@ -97,6 +98,10 @@ def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: S
       schedule: "direct" or "two_phase" (M9, see `ResidualConfig.supports_two_phase`); both give the same out.
       observer: an optional `ScheduleObserver` (sees every depth-attention row and sublayer;
         traced values under `jit`).
+      mix: M10 progressive introduction, alpha in [0, 1] (None = 1): a Python float (0 runs no
+        depth attention) or a 0-d array, e.g. traced under `jit`, so one compiled step serves
+        every alpha of a warm-up.
+      scale: M10 logit scale for this call (a Python float: static under `jit`).
 
     Returns: out `[..., D]` (h_{L+1}, before any final norm) in the embedding's dtype.
     """
@@ -107,8 +112,10 @@ def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: S
     embedding = jnp.asarray(embedding)
     params = {k: jnp.asarray(v) for k, v in params.items()} if isinstance(params, Mapping) else params
     _check(config, params, embedding, len(sublayers), schedule)
+    if hasattr(mix, "shape"):  # an array alpha (numpy or JAX, traced under jit)
+        mix = jnp.asarray(mix, dtype=embedding.dtype)
     return run_schedule(config, JaxOps(params), embedding, list(sublayers), schedule=schedule,
-                        observer=observer)
+                        observer=observer, mix=mix, scale=scale)
 
 
 def probe_sublayers(sublayer_weights, eps: float) -> list:
@@ -118,7 +125,7 @@ def probe_sublayers(sublayer_weights, eps: float) -> list:
 
 
 def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, *,
-                  schedule: str = "direct"):
+                  schedule: str = "direct", mix=None, scale: Optional[float] = None):
     """The spec's probe network (spec section 6): embedding `[..., D]`, sublayer_weights
     `[L, D, D]`; returns out `[..., D]`."""
     w = jnp.asarray(sublayer_weights)
@@ -128,4 +135,5 @@ def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_w
     if w.ndim != 3 or w.shape[0] < 1 or w.shape[1:] != (dim, dim):
         raise ValueError(f"sublayer_weights: expected shape [L, D, D] with L >= 1 and D = {dim}, "
                          f"got shape {w.shape}")
-    return stack_apply(config, params, embedding, probe_sublayers(w, config.eps), schedule=schedule)
+    return stack_apply(config, params, embedding, probe_sublayers(w, config.eps), schedule=schedule,
+                       mix=mix, scale=scale)

@@ -23,24 +23,27 @@ def probe_sublayers(sublayer_weights: mx.array, eps: float) -> List[Sublayer]:
 
 
 def probe_forward(config: ResidualConfig, params: Mapping[str, mx.array], embedding: mx.array,
-                  sublayer_weights: mx.array, *, schedule: str = "direct") -> mx.array:
+                  sublayer_weights: mx.array, *, schedule: str = "direct", mix=None,
+                  scale=None) -> mx.array:
     """Probe output `[..., D]` (before any final norm) with the router loaded from `params`."""
     L, D = sublayer_weights.shape[0], embedding.shape[-1]
     router = DepthRouter(config, L, D)
     config.check_params(params, L, D, lambda a: ops.dtype_name(a.dtype))
     router.update(dict(params))
-    return router(embedding, probe_sublayers(sublayer_weights, config.eps), schedule=schedule)
+    return router(embedding, probe_sublayers(sublayer_weights, config.eps), schedule=schedule,
+                  mix=mix, scale=scale)
 
 
 def probe_vjp(config: ResidualConfig, params: Mapping[str, mx.array], embedding: mx.array,
               sublayer_weights: mx.array, cotangent: mx.array, *,
-              schedule: str = "direct") -> Dict[str, mx.array]:
+              schedule: str = "direct", mix=None, scale=None) -> Dict[str, mx.array]:
     """Gradients of `<probe_forward(...), cotangent>`: "embedding", "sublayer_weights" and one
     entry per parameter name."""
     names = sorted(params)
 
     def run(emb, w, *values):
-        return probe_forward(config, dict(zip(names, values)), emb, w, schedule=schedule)
+        return probe_forward(config, dict(zip(names, values)), emb, w, schedule=schedule, mix=mix,
+                             scale=scale)
 
     _, grads = mx.vjp(run, [embedding, sublayer_weights, *(params[n] for n in names)],
                       [cotangent])

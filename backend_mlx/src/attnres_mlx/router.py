@@ -58,6 +58,11 @@ class MlxOps(ResidualOps):
     def matmul(self, x, w):
         return x @ w.astype(x.dtype)
 
+    def blend(self, standard, attended, alpha):
+        c = ops.compute_dtype(standard.dtype)  # C10: the blend in the compute dtype, one cast
+        out = standard.astype(c) * (1.0 - alpha) + attended.astype(c) * alpha
+        return out.astype(standard.dtype)
+
     def sigmoid(self, x):
         return ops.sigmoid(x)
 
@@ -135,17 +140,21 @@ class DepthRouter(nn.Module):
 
     # -- the schedule ------------------------------------------------------------------------
     def stream(self, embedding: mx.array, *, schedule: str = "direct",
-               observer: Optional[ScheduleObserver] = None) -> ResidualStream:
+               observer: Optional[ScheduleObserver] = None, mix=None,
+               scale: Optional[float] = None) -> ResidualStream:
         """Start a pass step by step: embedding v_0 `[..., D]`; the stream
-        (`attnres_numpy.schedule`) gives `input()`, `push(v_l)` and `output()`."""
+        (`attnres_numpy.schedule`) gives `input()`, `push(v_l)` and `output()`.  mix (alpha in
+        [0, 1]: progressive introduction; a Python float, or a 0-d array under `mx.compile`) and
+        scale (this call's logit scale) are the M10 per-call inputs."""
         if embedding.ndim < 1 or embedding.shape[-1] != self.dim:
             raise ValueError(f"embedding: expected shape [..., {self.dim}], got {embedding.shape}")
         params = {name: self[name] for name in self.config.param_shapes(self.num_layers, self.dim)}
         return ResidualStream(self.config, MlxOps(params), embedding, num_layers=self.num_layers,
-                              schedule=schedule, observer=observer)
+                              schedule=schedule, observer=observer, mix=mix, scale=scale)
 
     def __call__(self, embedding: mx.array, sublayers: Sequence[Sublayer], *,
-                 schedule: str = "direct", observer: Optional[ScheduleObserver] = None) -> mx.array:
+                 schedule: str = "direct", observer: Optional[ScheduleObserver] = None,
+                 mix=None, scale: Optional[float] = None) -> mx.array:
         """Run the scheme: embedding v_0 `[..., D]`, sublayers f_1..f_L; returns h_{L+1}
         `[..., D]` (before any final norm).  schedule="two_phase" (M9) needs kind="block",
         softmax, key_norm, one head and static queries."""
@@ -153,7 +162,7 @@ class DepthRouter(nn.Module):
         if len(sublayers) != L:
             raise ValueError(f"sublayers: expected L = {L} callables, got {len(sublayers)}")
         self.config.check_schedule(schedule)
-        stream = self.stream(embedding, schedule=schedule, observer=observer)
+        stream = self.stream(embedding, schedule=schedule, observer=observer, mix=mix, scale=scale)
         for f in sublayers:
             stream.push(f(stream.input()))
         return stream.output()

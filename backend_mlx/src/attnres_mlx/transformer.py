@@ -92,8 +92,10 @@ class Transformer(nn.Module):
         return layers
 
     def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, *,
-                 schedule: str = "direct"):
-        """tokens `[B, T]` -> (logits `[B, T, V]`, cache for the next call)."""
+                 schedule: str = "direct", mix=None, scale=None):
+        """tokens `[B, T]` -> (logits `[B, T, V]`, cache for the next call).  mix, scale: the
+        router's M10 per-call inputs."""
         new_cache: KVCache = [None] * len(self.attns)
-        out = self.router(self.embed(tokens), self.sublayers(cache, new_cache), schedule=schedule)
+        out = self.router(self.embed(tokens), self.sublayers(cache, new_cache), schedule=schedule,
+                          mix=mix, scale=scale)
         return self.head(self.norm(out)), new_cache

@@ -73,8 +73,9 @@ class ResidualOps:
         """Elementwise product (a scalar weight or a gate `[..., D]` times a value `[..., D]`)."""
         return a * b
 
-    def blend(self, standard: Array, attended: Array, alpha: float) -> Array:
-        """M10: `(1 - alpha) * standard + alpha * attended`, alpha a Python float in (0, 1)."""
+    def blend(self, standard: Array, attended: Array, alpha) -> Array:
+        """M10: `(1 - alpha) * standard + alpha * attended`, alpha a Python float in (0, 1) (or
+        a 0-d array of the framework)."""
         return standard * (1.0 - alpha) + attended * alpha
 
     def take(self, x: Array, i: int) -> Array:
@@ -180,6 +181,7 @@ class ResidualStream:
         # M10: alpha is None (plain scheme), 0.0 (plain standard) or strictly inside (0, 1);
         # `standard` is the PreNorm state v_0 + ... + v_{l-1} the mix needs.
         self.mix = alpha
+        self._standard_only = isinstance(alpha, float) and alpha == 0.0
         self.standard = embedding if alpha is not None else None
         self._phase1 = None  # (out1 [S, ..., D], lse1 [S, ...], first row) of the current block
         self._last_input: Optional[Array] = None
@@ -277,7 +279,7 @@ class ResidualStream:
             h = self.h
         elif kind == "static":
             h = self._mix(row)
-        elif self.mix == 0.0:  # M10 at alpha = 0: the standard scheme, no depth attention
+        elif self._standard_only:  # M10 at alpha = 0: the standard scheme, no depth attention
             h = self.standard
         elif kind == "block" and self.two_phase:
             h = self._blend(self._two_phase_input(row))
@@ -333,21 +335,25 @@ class ResidualStream:
             return self.h
         if kind == "static":
             return self._mix(L)
-        if self.mix == 0.0:
+        if self._standard_only:
             return self.standard
         return self._blend(self._attend(L, L + 1))
 
 
 def check_mix(mix, config: ResidualConfig) -> Optional[float]:
     """M10: None (no mix) or a real alpha in [0, 1] for an attention kind; returns None for
-    None or 1 (the plain scheme), else the float alpha (0.0: the plain standard scheme)."""
+    None or 1 (the plain scheme), else the float alpha (0.0: the plain standard scheme).  A 0-d
+    array alpha (a JAX tracer, so one compiled step serves every alpha) is returned as it is:
+    it is always blended, and its ends are exact for finite values (1 * s + 0 * a = s)."""
     if mix is None:
         return None
-    if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0.0 <= float(mix) <= 1.0:
-        raise ValueError(f"mix: expected a real number in [0, 1] or None, got {mix!r}")
     if not config.is_attention:
         raise ValueError(f"mix: blends standard and depth attention, so it needs an attention "
                          f"kind (full, block, window); got kind={config.kind!r}")
+    if not isinstance(mix, (bool, numbers.Real)) and getattr(mix, "shape", None) == ():
+        return mix  # a 0-d array (e.g. traced under jax.jit): always blended, range unchecked
+    if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0.0 <= float(mix) <= 1.0:
+        raise ValueError(f"mix: expected a real number in [0, 1] or None, got {mix!r}")
     return None if float(mix) == 1.0 else float(mix)
 
 

@@ -1,0 +1,339 @@
+"""Memory modes for training AttnRes models: what autograd keeps of the stored history.
+
+An AttnRes stack must keep its sources for the depth attention anyway (Full: v_0..v_{l-1}; Block:
+the completed blocks b_0..b_{n-1} and the running partial sum); a plain training step also keeps
+every sublayer's internals (its pre-norm, the attention's q/k/v, the MLP's hidden layer) for the
+backward.  Two modes change that, each a context manager around the forward (the backward may run
+inside or after it) that leaves outputs and gradients unchanged:
+
+* `Recompute(model)`: every sublayer runs under `torch.utils.checkpoint` (non-reentrant).  What
+  is saved per sublayer l: its input h_l (for Full/Block AttnRes without a mix this is the depth
+  attention's own output, which that op saves anyway, so no extra bytes) and what the depth
+  attention's backward needs: its sources, query, gain, output and log-sum-exp `[...]`.  Nothing
+  inside the sublayer is saved; the backward recomputes it.  `checkpointed(f)` is the same for
+  one callable (for a loop that drives `DepthRouter.stream` itself).  Works under
+  `torch.compile` (the checkpoint becomes a higher-order op; tested with the aot_eager backend).
+* `Offload(model, window=W)`: autograd's saved tensors (saved-tensor hooks) that were saved more
+  than W sublayers ago are copied to host memory during the forward (on CUDA: into pinned memory,
+  on a side stream, overlapped with the next sublayers' compute) and their device copies are
+  released; the backward brings each back on first use.  Parameters and tensors smaller than
+  `min_bytes` stay.  A tensor the forward still holds (a Full source that later sublayers read)
+  is freed on the device only when the forward drops it, so the saving is largest in the
+  backward-only tensors: the sublayers' internals.  On a CPU-only machine the host *is* the
+  device: the mode then runs (and is tested) but cannot lower memory.
+
+Both compose (`with Recompute(model), Offload(model): ...`).  **Compressed** storage of old
+sources (low rank, lower precision) is not here yet.
+
+`SavedBytes()` measures: the bytes of every distinct storage autograd saves inside it
+(parameters excluded), plus the inputs `Recompute` keeps for its recomputation, which the
+checkpoint holds outside autograd's saved tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable, Dict, Iterable, List, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["Recompute", "Offload", "SavedBytes", "checkpointed", "sublayer_modules"]
+
+ModelLike = Union[nn.Module, Iterable[nn.Module]]
+
+_ACCOUNTING: List["SavedBytes"] = []  # the active SavedBytes contexts (innermost last)
+
+
+def sublayer_modules(model: ModelLike) -> List[nn.Module]:
+    """The sublayer modules of `model`: its `.sublayers` (an `AttnResTransformer` or anything
+    with that attribute) or the modules of an iterable (e.g. an `nn.ModuleList`)."""
+    subs = getattr(model, "sublayers", model)
+    if isinstance(subs, nn.Module) and not isinstance(subs, (nn.ModuleList, nn.Sequential)):
+        raise ValueError(f"model: expected a model with .sublayers or an iterable of sublayer "
+                         f"modules, got {type(model).__name__}")
+    try:
+        mods = list(subs)
+    except TypeError:
+        raise ValueError(f"model: expected a model with .sublayers or an iterable of sublayer "
+                         f"modules, got {type(model).__name__}") from None
+    if not mods or not all(isinstance(m, nn.Module) for m in mods):
+        raise ValueError("model: expected a non-empty list of nn.Module sublayers")
+    return mods
+
+
+def _storage_key(t: torch.Tensor):
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+class SavedBytes:
+    """Counts what a forward leaves for its backward, as bytes of distinct storages.
+
+    Inside `with SavedBytes() as acct:` every tensor autograd saves is recorded (parameters
+    excluded; a storage saved many times, such as a source read by every later depth attention,
+    counts once), as is every input `Recompute` keeps for recomputation.  `acct.bytes` is the
+    total, `acct.tensors` the number of distinct storages.  Tensors pass through unchanged.  An
+    inner `Offload` takes over autograd's hooks, so use its own counters there."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.tensors = 0
+        self._seen: Dict[tuple, torch.Tensor] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def add(self, t: torch.Tensor) -> None:
+        if isinstance(t, nn.Parameter) or not isinstance(t, torch.Tensor):
+            return
+        key = _storage_key(t)
+        if key not in self._seen:
+            self._seen[key] = t  # keeps the storage alive, so its address is not reused
+            self.bytes += t.untyped_storage().nbytes()
+            self.tensors += 1
+
+    def _pack(self, t):
+        self.add(t)
+        return t
+
+    def __enter__(self) -> "SavedBytes":
+        self._hooks.__enter__()
+        _ACCOUNTING.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACCOUNTING.remove(self)
+        self._hooks.__exit__(*exc)
+        self._seen = {}
+
+
+def checkpointed(f: Callable, *, preserve_rng_state: bool = True) -> Callable:
+    """f wrapped in non-reentrant `torch.utils.checkpoint`: its internals are recomputed in the
+    backward instead of saved; what is kept is its input h (see `Recompute`)."""
+
+    def run(h, *args, **kwargs):
+        for acct in _ACCOUNTING:
+            acct.add(h)
+        return checkpoint(f, h, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                          **kwargs)
+
+    return run
+
+
+class Recompute:
+    """`with Recompute(model): loss = ...; loss.backward()` (the backward may also follow the
+    block): every sublayer's forward runs under non-reentrant `torch.utils.checkpoint`.
+
+    Saved per sublayer l: the input h_l and the depth attention's own saved tensors (its sources
+    v_0..v_{l-1} / blocks and partial sum, query, gain, output, lse), nothing else; the sublayer
+    (pre-norm, attention, MLP) is recomputed in the backward, once.  Outputs and gradients equal
+    the plain path's (the same kernels run on the same inputs; dropout keeps its RNG state with
+    preserve_rng_state).  The module's parameters and state_dict are untouched; the sublayers'
+    `forward` is patched on the instances while the block is active.
+
+    Args:
+      model: an `AttnResTransformer` (anything with `.sublayers`) or an iterable of the sublayer
+        modules that are passed to `DepthRouter.forward`.
+      enabled: False makes the block a no-op (for a flag).
+    """
+
+    def __init__(self, model: ModelLike, *, enabled: bool = True, preserve_rng_state: bool = True):
+        self.modules = sublayer_modules(model)
+        self.enabled, self.preserve_rng_state = bool(enabled), preserve_rng_state
+        self._patched: List[nn.Module] = []
+
+    def __enter__(self) -> "Recompute":
+        if self.enabled:
+            for m in self.modules:
+                if "forward" in m.__dict__:
+                    raise ValueError("model: a sublayer's forward is already patched (nested "
+                                     "Recompute on the same model?)")
+                m.forward = checkpointed(type(m).forward.__get__(m),
+                                         preserve_rng_state=self.preserve_rng_state)
+                self._patched.append(m)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self._patched:
+            del m.forward
+        self._patched = []
+
+
+class _Slot:
+    """One saved storage under `Offload`: on the device until it ages out, then on the host."""
+
+    __slots__ = ("device_tensor", "device", "host", "ref", "layer", "event", "reloaded")
+
+    def __init__(self, t: torch.Tensor, layer: int):
+        self.device_tensor: Optional[torch.Tensor] = t
+        self.device = t.device
+        self.host: Optional[torch.Tensor] = None
+        self.ref = weakref.ref(t)
+        self.layer = layer
+        self.event = None
+        self.reloaded = None  # weakref to the device copy the backward brought back
+
+
+class Offload:
+    """`with Offload(model, window=2): loss = ...` then `loss.backward()` (inside or after).
+
+    While active, autograd's saved tensors go through saved-tensor hooks.  Each one is tagged with
+    the sublayer being computed when it was saved (0: before the first; L + 1: the output
+    aggregation and the head).  When sublayer l starts, every saved tensor tagged <= l - 1 -
+    window is copied to `host` memory and its device reference dropped: on CUDA into pinned
+    memory, non-blocking, on a side stream (the device copy is kept alive for that stream with
+    `record_stream`); elsewhere a plain copy.  A storage saved by several ops (a source read by
+    every later depth attention) is copied once.  The backward brings an offloaded tensor back
+    on its first use (waiting for the side stream, a non-blocking copy from pinned memory) and
+    shares that copy while it is alive; there is no prefetch yet.
+
+    Kept on the device regardless: parameters, tensors under `min_bytes`, tensors of other
+    devices than the model's, and the saved tensors of the last `window` sublayers.
+
+    Counters (bytes; a storage counts once): `saved_bytes`, every storage saved; `offloaded_bytes`,
+    copied to the host; `kept_bytes`, saved storages still held on the device (by autograd or by
+    anyone else: a Full source the stream still reads); `peak_device_bytes`, the largest
+    `kept_bytes` seen at a sublayer boundary or the end of the forward, the number to compare
+    with `SavedBytes` of a plain forward.
+
+    Args:
+      model: an `AttnResTransformer` (anything with `.sublayers`) or its sublayer modules.
+      window: W >= 0 sublayers whose saved tensors stay on the device.
+      min_bytes: smaller tensors are never offloaded (default 0).
+      pin_memory: None = pinned host buffers when the tensor is on CUDA.
+    """
+
+    def __init__(self, model: ModelLike, *, window: int = 2, min_bytes: int = 0,
+                 pin_memory: Optional[bool] = None):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window: expected an int >= 0, got {window!r}")
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes: expected an int >= 0, got {min_bytes!r}")
+        self.modules = sublayer_modules(model)
+        self.window, self.min_bytes, self.pin_memory = window, min_bytes, pin_memory
+        self.saved_bytes = self.offloaded_bytes = self.peak_device_bytes = 0
+        self._all: List[_Slot] = []
+        self._kept_final: Optional[int] = None
+        self._layer = 0
+        self._slots: Dict[int, _Slot] = {}  # id(tensor) -> slot (checked with the slot's weakref)
+        self._live: List[_Slot] = []  # slots still on the device, oldest first
+        self._handles = []
+        self._stream = None
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @property
+    def kept_bytes(self) -> int:
+        if self._kept_final is not None:
+            return self._kept_final
+        held = {}
+        for slot in self._all:
+            t = slot.device_tensor if slot.device_tensor is not None else slot.ref()
+            if t is not None:
+                held[_storage_key(t)] = t.untyped_storage().nbytes()
+        return sum(held.values())
+
+    # -- forward -------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or t.untyped_storage().nbytes() < self.min_bytes:
+            return t
+        slot = self._slots.get(id(t))
+        if slot is not None and slot.ref() is t:
+            return slot
+        slot = _Slot(t, self._layer)
+        self._slots[id(t)] = slot
+        self._live.append(slot)
+        key = _storage_key(t)
+        if key not in self._storages:
+            self._storages[key] = t  # alive while counted: the address is not reused meanwhile
+            self.saved_bytes += t.untyped_storage().nbytes()
+        self._all.append(slot)
+        return slot
+
+    def _enter_layer(self, layer: int) -> None:
+        self._layer = layer
+        keep = []
+        for slot in self._live:
+            if slot.layer <= layer - 1 - self.window:
+                self._offload(slot)
+            else:
+                keep.append(slot)
+        self._live = keep
+        live_keys = {_storage_key(s.device_tensor) for s in keep}
+        self._storages = {k: t for k, t in self._storages.items() if k in live_keys}
+        self.peak_device_bytes = max(self.peak_device_bytes, self.kept_bytes)
+
+    def _offload(self, slot: _Slot) -> None:
+        t = slot.device_tensor
+        if t.device.type == "cuda":
+            pin = True if self.pin_memory is None else self.pin_memory
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=t.device)
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self._stream):
+                host.copy_(t, non_blocking=pin)
+                t.record_stream(self._stream)
+                slot.event = torch.cuda.Event()
+                slot.event.record(self._stream)
+        else:
+            host = t.detach().to("cpu", copy=True)
+        slot.host = host
+        slot.device_tensor = None
+        self.offloaded_bytes += host.nbytes
+
+    # -- backward ------------------------------------------------------------------------------
+    def _unpack(self, packed):
+        if not isinstance(packed, _Slot):
+            return packed
+        if packed.device_tensor is not None:
+            return packed.device_tensor
+        t = packed.reloaded() if packed.reloaded is not None else None
+        if t is None:
+            ref = packed.ref()  # the forward's tensor, if something else still holds it
+            if ref is not None:
+                return ref
+            host = packed.host
+            if packed.event is not None:
+                packed.event.synchronize()
+                t = host.to(packed.device, non_blocking=host.is_pinned())
+            else:
+                t = host.clone()
+            packed.reloaded = weakref.ref(t)
+        return t
+
+    # -- context -------------------------------------------------------------------------------
+    def __enter__(self) -> "Offload":
+        L = len(self.modules)
+        for i, m in enumerate(self.modules):
+            self._handles.append(m.register_forward_pre_hook(
+                lambda mod, args, layer=i + 1: self._enter_layer(layer)))
+        self._handles.append(self.modules[-1].register_forward_hook(
+            lambda mod, args, out: self._enter_layer(L + 1)))
+        self._layer = 0
+        self._storages: Dict[tuple, torch.Tensor] = {}
+        self._kept_final = None
+        self.saved_bytes = self.offloaded_bytes = self.peak_device_bytes = 0
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self.peak_device_bytes = max(self.peak_device_bytes, self.kept_bytes)
+        self._kept_final = self.kept_bytes
+        self._handles, self._slots, self._live, self._all, self._storages = [], {}, [], [], {}
+
+
+@contextlib.contextmanager
+def memory_mode(mode: str, model: ModelLike, *, window: int = 2):
+    """One of "none", "recompute", "offload", "recompute+offload" as a single context (for flags
+    and benchmarks); yields the `Offload` object (or None) for its counters."""
+    modes = ("none", "recompute", "offload", "recompute+offload")
+    if mode not in modes:
+        raise ValueError(f"mode: expected one of {', '.join(modes)}, got {mode!r}")
+    with contextlib.ExitStack() as stack:
+        if "recompute" in mode:
+            stack.enter_context(Recompute(model))
+        off = stack.enter_context(Offload(model, window=window)) if "offload" in mode else None
+        yield off

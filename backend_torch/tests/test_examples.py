@@ -226,3 +226,36 @@ def test_decoder_conversion_is_prenorm_at_init_in_float64():
             assert (model(tokens) - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())
             model.router.queries.add_(0.5)  # negative control: trained queries change the function
             assert (model(tokens) - ref).abs().max() > 1e-3
+
+
+def test_train_stability_schedule_flags(tmp_path):
+    """--introduce-steps / --temperature-schedule drive mix and scale per step for the attention
+    variants only; at mix 0 Block is the PreNorm model exactly (same step-0 validation loss)."""
+    assert train.main(_tiny_args(tmp_path, "--no-plots", "--introduce-steps", "2",
+                                 "--temperature-schedule", "0.5:1:2")) == 0
+    runs = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["runs"]}
+    assert runs["block"]["mix"] == [0.0, 0.5, 1.0] and runs["block"]["scale"] == [0.5, 0.75, 1.0]
+    assert runs["standard"]["mix"] is None and runs["standard"]["scale"] is None
+    assert runs["block"]["val"][0]["loss"] == runs["standard"]["val"][0]["loss"]
+
+
+def test_logits_with_mix_and_scale():
+    base, model = _paired("block")
+    with torch.no_grad():
+        for p in model.router.parameters():
+            p.add_(0.5)
+    tokens = torch.randint(0, 256, (2, TINY["context"]), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(train._logits(model, tokens, 1.0, None), model(tokens))
+        assert torch.equal(train._logits(model, tokens, 0.0, None), base(tokens))
+        half = train._logits(model, tokens, 0.5, 2.0)
+        assert float((half - model(tokens)).abs().max()) > 1e-3
+        assert float((half - base(tokens)).abs().max()) > 1e-3
+
+
+def test_schedule_flags_bad_values(capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--temperature-schedule", "1:2"])
+    assert exc.value.code == 2 and "START:END:STEPS" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--introduce-steps: expected an int >= 0"):
+        train.main(["--introduce-steps", "-1"])

@@ -14,6 +14,7 @@ scheme's doing.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..diagnostics import DepthCollapseWarning, DepthMonitor
+from ..schedules import MIX_SCHEDULES, TemperatureSchedule
 from . import report
 from .data import fixed_batches, load_stdlib_corpus, random_batch
 from .model import VARIANTS, ExampleLM, variant_config
@@ -50,6 +52,13 @@ def _seeds(text: str) -> List[int]:
             raise argparse.ArgumentTypeError(f"--seeds: a count must be >= 1, got {values[0]}")
         return list(range(values[0]))
     return values
+
+
+def _temperature(text: str) -> TemperatureSchedule:
+    try:
+        return TemperatureSchedule.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--temperature-schedule: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; 0 keeps torch's default (default: 1, which was 5-10x "
                         "faster than 2 threads on a busy 2-core machine)")
+    p.add_argument("--introduce-steps", type=int, default=0,
+                   help="progressive introduction (attention variants): blend from the PreNorm sum "
+                        "(mix 0) to AttnRes (mix 1) over this many steps (default 0: off)")
+    p.add_argument("--introduce-kind", choices=sorted(MIX_SCHEDULES), default="linear",
+                   help="shape of the --introduce-steps ramp (default: linear)")
+    p.add_argument("--temperature-schedule", type=_temperature, default=None,
+                   metavar="START:END:STEPS[:KIND]",
+                   help="depth-attention logit scale from START to END over STEPS steps, KIND "
+                        "linear|cosine|geometric (attention variants; default: the config's scale)")
     p.add_argument("--no-plots", action="store_true",
                    help="write metrics.json and summary.md only (the default when matplotlib is missing)")
     return p
@@ -140,16 +158,39 @@ def _lr(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
 
 
-def _loss(model: ExampleLM, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1])
+def _logits(model: ExampleLM, tokens: torch.Tensor, mix=None, scale=None) -> torch.Tensor:
+    """The model's logits with the router's M10 per-call inputs (mix, scale; None: plain)."""
+    if mix is None and scale is None:
+        return model(tokens)
+    if "mix" in inspect.signature(model.forward).parameters:
+        return model(tokens, mix=mix, scale=scale)
+    # ExampleLM.forward without the M10 inputs: its body, with them passed to the router
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    h = model.router(model.embed(tokens) + model.pos(positions), list(model.sublayers),
+                     mix=mix, scale=scale)
+    return model.head(model.norm(h))
+
+
+def _loss(model: ExampleLM, batch: torch.Tensor, mix=None, scale=None) -> torch.Tensor:
+    logits = _logits(model, batch[:, :-1], mix, scale)
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
+def _stability(config, args: argparse.Namespace):
+    """(mix schedule or None, scale schedule or None) of a run: both only for attention variants
+    (the standard, scalar, gated and static baselines have no depth attention to introduce)."""
+    if not config.is_attention:
+        return None, None
+    mix = MIX_SCHEDULES[args.introduce_kind](args.introduce_steps) if args.introduce_steps > 0 else None
+    return mix, args.temperature_schedule
+
+
 @torch.no_grad()
-def evaluate(model: ExampleLM, batches: List[torch.Tensor]) -> float:
-    """Mean validation loss (nats per byte) in eval mode (Block uses its two-phase schedule)."""
+def evaluate(model: ExampleLM, batches: List[torch.Tensor], mix=None, scale=None) -> float:
+    """Mean validation loss (nats per byte) in eval mode (Block uses its two-phase schedule);
+    mix, scale: the M10 inputs the model is currently trained with (None: plain)."""
     model.eval()
-    loss = sum(float(_loss(model, b)) for b in batches) / len(batches)
+    loss = sum(float(_loss(model, b, mix, scale)) for b in batches) / len(batches)
     model.train()
     return loss
 
@@ -175,7 +216,11 @@ def train_run(variant: str, seed: int, args: argparse.Namespace, corpus, val_bat
     monitor = DepthMonitor(model.router, model.sublayers)
     gen = torch.Generator().manual_seed(seed)
     diag_every = args.diag_every or args.eval_every
-    train_loss, val = [], [{"step": 0, "loss": evaluate(model, val_batches)}]
+    mix_at, scale_at = _stability(config, args)
+    train_loss, val = [], [{"step": 0, "loss": evaluate(
+        model, val_batches, None if mix_at is None else mix_at(0),
+        None if scale_at is None else scale_at(0))}]
+    mixes, scales = [], []
     step_time = 0.0
     start = time.perf_counter()
     progress.set_description(f"{variant} seed {seed}")
@@ -185,19 +230,25 @@ def train_run(variant: str, seed: int, args: argparse.Namespace, corpus, val_bat
             group["lr"] = _lr(step, args.steps, args.lr)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
+        mix = None if mix_at is None else mix_at(step)
+        scale = None if scale_at is None else scale_at(step)
+        mixes.append(mix)
+        scales.append(scale)
         if step % diag_every == 0 or step == args.steps - 1:
             with monitor.record(step):
-                loss = _loss(model, batch)
+                loss = _loss(model, batch, mix, scale)
                 loss.backward()
         else:
-            loss = _loss(model, batch)
+            loss = _loss(model, batch, mix, scale)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step_time += time.perf_counter() - t0
         train_loss.append(loss.item())
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
-            val.append({"step": step + 1, "loss": evaluate(model, val_batches)})
+            val.append({"step": step + 1, "loss": evaluate(
+                model, val_batches, None if mix_at is None else mix_at(step + 1),
+                None if scale_at is None else scale_at(step + 1))})
         # the validation loss is measured every --eval-every steps: say at which step
         progress.set_postfix_str(f"loss {train_loss[-1]:.3f}, val {val[-1]['loss']:.3f} at step {val[-1]['step']}")
         progress.update(1)
@@ -206,7 +257,9 @@ def train_run(variant: str, seed: int, args: argparse.Namespace, corpus, val_bat
             "params": sum(p.numel() for p in model.parameters()),
             "router_params": sum(p.numel() for p in model.router.parameters()),
             "train_loss": train_loss, "val": val, "wall_s": time.perf_counter() - start,
-            "step_s": step_time / max(1, args.steps), "diagnostics": monitor.history}
+            "step_s": step_time / max(1, args.steps), "diagnostics": monitor.history,
+            "mix": mixes if mix_at is not None else None,
+            "scale": scales if scale_at is not None else None}
 
 
 def _readable_collapse_warnings(show):
@@ -236,6 +289,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                  "diag_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
+    if args.introduce_steps < 0:
+        raise SystemExit(f"--introduce-steps: expected an int >= 0, got {args.introduce_steps}")
     plots = not args.no_plots and _plots_available()
     if not args.no_plots and not plots:
         _say("matplotlib is not installed: writing metrics.json and summary.md without figures "
@@ -249,7 +304,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     corpus = load_stdlib_corpus(args.corpus_bytes)
     val_batches = fixed_batches(corpus.val, args.eval_batches, args.batch, args.context)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    meta = {"args": {k: (str(v) if isinstance(v, (Path, TemperatureSchedule)) else v)
+                     for k, v in vars(args).items()},
             "corpus": corpus.describe(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "runs": []}
     _say(f"corpus: {corpus.describe()['files']} files of the Python {corpus.describe()['python']} "

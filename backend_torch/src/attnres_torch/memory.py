@@ -64,6 +64,13 @@ def sublayer_modules(model: ModelLike) -> List[nn.Module]:
     return mods
 
 
+def _is_param(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (F.linear saves the weight's transpose): never counted as
+    activation memory, never offloaded."""
+    base = t if t._base is None else t._base
+    return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
 def _storage_key(t: torch.Tensor):
     return (t.device, t.untyped_storage().data_ptr())
 
@@ -71,8 +78,8 @@ def _storage_key(t: torch.Tensor):
 class SavedBytes:
     """Counts what a forward leaves for its backward, as bytes of distinct storages.
 
-    Inside `with SavedBytes() as acct:` every tensor autograd saves is recorded (parameters
-    excluded; a storage saved many times, such as a source read by every later depth attention,
+    Inside `with SavedBytes() as acct:` every tensor autograd saves is recorded (parameters and
+    views of them excluded; a storage saved many times, such as a source read by every later depth attention,
     counts once), as is every input `Recompute` keeps for recomputation.  `acct.bytes` is the
     total, `acct.tensors` the number of distinct storages.  Tensors pass through unchanged.  An
     inner `Offload` takes over autograd's hooks, so use its own counters there."""
@@ -84,7 +91,7 @@ class SavedBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def add(self, t: torch.Tensor) -> None:
-        if isinstance(t, nn.Parameter) or not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or _is_param(t):
             return
         key = _storage_key(t)
         if key not in self._seen:
@@ -234,7 +241,7 @@ class Offload:
 
     # -- forward -------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or t.untyped_storage().nbytes() < self.min_bytes:
+        if _is_param(t) or t.untyped_storage().nbytes() < self.min_bytes:
             return t
         slot = self._slots.get(id(t))
         if slot is not None and slot.ref() is t:

@@ -1,0 +1,206 @@
+"""Activation memory and step time of the memory modes (`attnres_torch.memory`), issue 15 part 1.
+
+For standard (PreNorm), Full and Block AttnRes `AttnResTransformer`s at two depths (L = 16 and
+64 sublayers by default), each under the plain path, `Recompute` and `Offload(window=W)`, one
+fresh subprocess per case measures a training step (forward + backward of the summed logits,
+fp32):
+
+* saved bytes: what the forward leaves for the backward, as distinct storages (parameters
+  excluded): `SavedBytes` for plain and Recompute (plus the inputs Recompute's checkpoints
+  keep), `Offload.peak_device_bytes` for Offload (the most bytes held on the compute device at a
+  sublayer boundary, including sources the forward still holds);
+* peak memory of the step beyond what was allocated before it: on CUDA
+  `torch.cuda.max_memory_allocated()`; on the CPU the process's peak RSS (VmHWM, reset with
+  `/proc/self/clear_refs` after a warm-up step that allocated the gradients; glibc's mmap
+  threshold fixed at 64 KiB so freed tensors leave the RSS), which includes temporaries and the
+  backward's working set;
+* the step time: median of `--reps` steps after the warm-up.
+
+Every number is divided by the tokens per step (batch x context); ratios are against the plain
+path of the same scheme and depth.  On a CPU the host is the device, so Offload's RSS cannot
+drop: its saved-bytes column is what would leave a GPU.
+
+Usage: python bench/bench_memory.py [--device cpu|cuda] [--depths 16,64] [--dim 256]
+       [--batch 4] [--context 128] [--block-size 4] [--window 2] [--reps 3] [--threads 1]
+       [--out bench/results/memory.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KINDS = ("standard", "full", "block")
+MODES = ("plain", "recompute", "offload")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def child(args) -> dict:
+    import torch
+    from attnres_numpy.config import ResidualConfig
+    from attnres_torch.memory import Offload, Recompute, SavedBytes
+    from attnres_torch.modules import AttnResTransformer
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    L = args.depth
+    cfg = (ResidualConfig.variant("block", block_size=args.block_size) if args.kind == "block"
+           else ResidualConfig.variant(args.kind))
+    torch.manual_seed(0)
+    model = AttnResTransformer(256, args.dim, L // 2, args.heads, cfg).to(dev)
+    tokens = torch.randint(0, 256, (args.batch, args.context), device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def step(acct=None):
+        model.zero_grad(set_to_none=False)
+        off = None
+        if args.mode == "plain":
+            with acct or SavedBytes():
+                loss = model(tokens).sum()
+        elif args.mode == "recompute":
+            with acct or SavedBytes(), Recompute(model):
+                loss = model(tokens).sum()
+        else:
+            with Offload(model, window=args.window) as off:
+                loss = model(tokens).sum()
+        loss.backward()
+        del loss
+        return off
+
+    step()  # warm-up: kernel loading, gradient buffers
+    sync()
+    import gc
+    gc.collect()
+    acct = SavedBytes()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        off = step(acct)
+        sync()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        before = _status("VmRSS")
+        off = step(acct)
+        peak = _status("VmHWM") - before
+    saved = off.peak_device_bytes if off is not None else acct.bytes
+    times = []
+    for _ in range(args.reps):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    tokens_n = args.batch * args.context
+    return {"kind": args.kind, "mode": args.mode, "depth": L, "saved_per_token": saved / tokens_n,
+            "offloaded_per_token": (off.offloaded_bytes / tokens_n) if off is not None else 0.0,
+            "peak_per_token": peak / tokens_n, "step_s": statistics.median(times)}
+
+
+def _fmt_kib(x: float) -> str:
+    return f"{x / 1024:.1f}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--depths", default="16,64", help="comma list of L (sublayers, even)")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--window", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (0: default)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/memory.md"))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--kind", default="full", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
+    p.add_argument("--depth", type=int, default=16, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    depths = [int(d) for d in args.depths.split(",")]
+    if any(d < 2 or d % 2 for d in depths):
+        raise SystemExit(f"--depths: expected even ints >= 2, got {args.depths!r}")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device")
+    rows = []
+    started = time.strftime("%Y-%m-%d %H:%M")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    common = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
+              ("device", "dim", "heads", "batch", "context", "block-size", "window", "reps", "threads")]
+    # a fixed glibc mmap threshold: freed tensors go back to the OS, so the peak RSS of the
+    # measured step is not hidden by heap pages kept from the warm-up step
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    for depth in depths:
+        for kind in KINDS:
+            for mode in MODES:
+                cmd = [sys.executable, __file__, "--child", f"--kind={kind}", f"--mode={mode}",
+                       f"--depth={depth}", *common]
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if out.returncode:
+                    raise SystemExit(f"{kind}/{mode}/L={depth} failed:\n{out.stderr[-3000:]}")
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                r = rows[-1]
+                print(f"L={depth} {kind:8s} {mode:9s} saved {_fmt_kib(r['saved_per_token'])} KiB/tok, "
+                      f"peak {_fmt_kib(r['peak_per_token'])} KiB/tok, {r['step_s']:.3f} s/step",
+                      file=sys.stderr, flush=True)
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    import torch
+    lines = [
+        f"### Memory modes, {args.device.upper()} (`bench/bench_memory.py`)", "",
+        f"Machine: {platform.machine()} {os.cpu_count()}-core {platform.system()}, "
+        f"{'GPU ' + torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}, torch {torch.__version__}, "
+        f"{args.threads or 'default'} thread(s); date {started}; load average {load:.1f} before, "
+        f"{load_after:.1f} after.",
+        f"Model: `AttnResTransformer`, d = {args.dim}, {args.heads} heads, MLP 4d, vocab 256, fp32; "
+        f"batch {args.batch} x context {args.context} = {args.batch * args.context} tokens per step; "
+        f"Block S = {args.block_size}; Offload window W = {args.window}.  One fresh process per "
+        f"row; step = forward + backward; median of {args.reps} steps after a warm-up.",
+        "",
+        "saved = bytes autograd keeps for the backward (distinct storages, parameters excluded; "
+        "Offload: the most held on the device at a sublayer boundary); peak = "
+        + ("`max_memory_allocated` growth over the step" if args.device == "cuda" else
+           "peak RSS growth over the step (VmHWM, includes temporaries and allocator slack)")
+        + "; KiB per token; x = that column's ratio plain / mode (higher = less memory).", "",
+        "| L | scheme | mode | saved KiB/tok | saved x | peak KiB/tok | peak x | offloaded KiB/tok | s/step | time x |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        base = next(b for b in rows if b["depth"] == r["depth"] and b["kind"] == r["kind"] and b["mode"] == "plain")
+        ratio = lambda k: base[k] / r[k] if r[k] > 0 else float("nan")  # noqa: E731
+        lines.append(
+            f"| {r['depth']} | {r['kind']} | {r['mode']} | {_fmt_kib(r['saved_per_token'])} | "
+            f"{ratio('saved_per_token'):.2f} | {_fmt_kib(r['peak_per_token'])} | {ratio('peak_per_token'):.2f} | "
+            f"{_fmt_kib(r['offloaded_per_token'])} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    (args.out.with_suffix(".json")).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                             "rows": rows}, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

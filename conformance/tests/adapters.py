@@ -146,6 +146,33 @@ class BrokenNormWeightGrad(ReferenceBackend):
         return result
 
 
+class IgnoresMix(ReferenceBackend):
+    """Drops the M10 mix (runs the plain scheme) but honours the per-call scale."""
+
+    name = "ignores_mix"
+
+    def call_probe(self, call):
+        return super().call_probe(dataclasses.replace(call, mix=None))
+
+
+class IgnoresCallScale(ReferenceBackend):
+    """Drops the M10 per-call scale (keeps the config's) but honours the mix."""
+
+    name = "ignores_call_scale"
+
+    def call_probe(self, call):
+        return super().call_probe(dataclasses.replace(call, scale=None))
+
+
+class NoCallInputs(ReferenceBackend):
+    """Declares no M10 call inputs: their rows must be skipped with the reason, not failed."""
+
+    name = "no_call_inputs"
+
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), call_inputs=frozenset())
+
+
 class NondeterministicBackward(ReferenceBackend):
     """Adds fresh tiny noise (1e-13 relative, far inside every tolerance) to d_query per call,
     like an atomic-add reduction whose order changes run to run."""
@@ -206,6 +233,9 @@ broken_logit_scale = BrokenLogitScale()
 broken_drop_past_32 = BrokenDropPast32()
 broken_embedding = BrokenEmbedding()
 broken_norm_weight_grad = BrokenNormWeightGrad()
+ignores_mix = IgnoresMix()
+ignores_call_scale = IgnoresCallScale()
+no_call_inputs = NoCallInputs()
 nondeterministic_backward = NondeterministicBackward()
 rounding_broken_eps = Rounding(BrokenEps(), name="rounding_broken_eps")
 mutates_input = MutatesInput()

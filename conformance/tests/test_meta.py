@@ -82,7 +82,10 @@ def test_embedding_left_out_of_the_probe():
         assert status(report, row, "float64", "forward") == "pass", row
     assert {row for row, _, _ in failing_rows(report)} == {
         "probe/full", "probe/block", "probe/window", "probe/block_two_phase", "probe/input_query",
-        "probe/sigmoid", "probe/no_key_norm", "probe/multihead", "golden/probe"}
+        "probe/sigmoid", "probe/no_key_norm", "probe/multihead", "golden/probe",
+        "probe/mix", "probe/call_scale"}  # M10 rows run depth attention too (but alpha = 0: below)
+    assert status(report, "probe/mix", "float64", "forward") == "fail"
+    assert not any("mix0/" in r.id for r in report.results if r.failed)  # alpha = 0: no DA
 
 
 def test_wrong_norm_weight_gradient():
@@ -132,3 +135,29 @@ def test_large_magnitudes_must_stay_finite():
                       ("depth_attention/large_magnitude/N5-T3-D64-x1e+100/float64", "grad")}
     bad = next(r for r in report.results if r.id.endswith("x1e+30/float32"))
     assert "non-finite" in bad.gradient.message
+
+
+def test_mix_ignored():
+    """M10: a port that runs the plain scheme whatever alpha fails the blended rows and the
+    alpha = 0 row, and nothing else (alpha = 1 is the plain scheme)."""
+    report = run_conformance(adapters.ignores_mix, quick=True, dtypes=F64)
+    rows = {row for row, _, _ in failing_rows(report)}
+    assert rows == {"probe/mix", "probe/call_scale", "golden/probe"}, rows
+    failed = {r.id for r in report.results if r.failed}
+    assert all("mix" in i for i in failed), failed
+    assert not any("mix1" in i for i in failed), failed
+
+
+def test_call_scale_ignored():
+    report = run_conformance(adapters.ignores_call_scale, quick=True, dtypes=F64)
+    rows = {row for row, _, _ in failing_rows(report)}
+    assert rows == {"probe/call_scale"}, rows  # (its golden vector is float32, not in this run)
+    failed = {r.id for r in report.results if r.failed}
+    assert all("scale" in i or "_cs" in i for i in failed), failed
+
+
+def test_undeclared_call_inputs_are_skipped_with_the_reason():
+    report = run_conformance(adapters.no_call_inputs, quick=True, dtypes=F64)
+    assert report.summary()["fail"] == 0, failing_rows(report)
+    cells = [c for r in report.results if r.row in ("probe/mix", "probe/call_scale") for c in r.cells]
+    assert cells and all(c.status == "skip" and "call input" in c.message for c in cells), cells

@@ -189,7 +189,8 @@ class JaxBackend:
         w = _native(call.sublayer_weights, call.dtype, False)
 
         def forward(emb, w, params):
-            return probe_forward(config, params, emb, w, schedule=call.schedule)
+            return probe_forward(config, params, emb, w, schedule=call.schedule, mix=call.mix,
+                                 scale=call.scale)
 
         if call.cotangent is None:
             return ProbeResult(out=_to_numpy(jax.jit(forward)(emb, w, params)))

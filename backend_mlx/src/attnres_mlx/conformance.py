@@ -151,12 +151,11 @@ class MLXBackend:
         params = {k: _to_mx(v, dt, False) for k, v in call.params.items()}
         emb = _to_mx(call.embedding, dt, False)
         w = _to_mx(call.sublayer_weights, dt, False)
+        kw = dict(schedule=call.schedule, mix=call.mix, scale=call.scale)
         if call.cotangent is None:
-            return ProbeResult(out=_to_np(probe.probe_forward(config, params, emb, w,
-                                                              schedule=call.schedule)))
-        out = probe.probe_forward(config, params, emb, w, schedule=call.schedule)
-        grads = probe.probe_vjp(config, params, emb, w, _to_mx(call.cotangent, dt, False),
-                                schedule=call.schedule)
+            return ProbeResult(out=_to_np(probe.probe_forward(config, params, emb, w, **kw)))
+        out = probe.probe_forward(config, params, emb, w, **kw)
+        grads = probe.probe_vjp(config, params, emb, w, _to_mx(call.cotangent, dt, False), **kw)
         return ProbeResult(out=_to_np(out), grads={k: _to_np(g) for k, g in grads.items()})
 
 

@@ -192,7 +192,7 @@ class TorchBackend:
         sublayers = [lambda h, l=l: torch.tanh(F.rms_norm(h, (dim,), eps=config.eps) @ w[l])
                      for l in range(num_layers)]
         with torch.enable_grad():
-            out = router(emb, sublayers)
+            out = router(emb, sublayers, mix=call.mix, scale=call.scale)
         if not grad:
             return ProbeResult(out=_numpy(out))
         names = list(router.state_dict().keys())

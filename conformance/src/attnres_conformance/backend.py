@@ -38,6 +38,9 @@ OPTIONS = (
 
 SCHEDULES = ("direct", "two_phase")
 
+#: Per-call inputs of the probe / router (spec M10) a backend may declare.
+CALL_INPUTS = ("mix", "scale")
+
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Capabilities:
     options: frozenset = frozenset(OPTIONS)
     variants: frozenset = frozenset()  # names of attnres_numpy.config.VARIANT_KINDS
     schedules: frozenset = frozenset(SCHEDULES)
+    call_inputs: frozenset = frozenset(CALL_INPUTS)
     fused_kernel: bool = False
     deterministic: bool = True
     max_sources: Optional[int] = None
@@ -108,6 +112,8 @@ class ProbeCall:
     schedule: "direct", or "two_phase" (kind="block" only, forward only).
     cotangent: None for forward only; else `[..., D]` and the adapter returns gradients for
       "embedding", "sublayer_weights" and every parameter name.
+    mix, scale: the M10 call inputs (None: not given): alpha in [0, 1] blending the standard
+      state and the scheme, and a logit scale replacing the config's for this call.
     """
 
     config: Dict[str, Any]
@@ -118,6 +124,8 @@ class ProbeCall:
     device: str = "cpu"
     schedule: str = "direct"
     cotangent: Optional[np.ndarray] = None
+    mix: Optional[float] = None
+    scale: Optional[float] = None
 
 
 @dataclass

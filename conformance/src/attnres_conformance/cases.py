@@ -54,6 +54,7 @@ class Requirements:
     options: frozenset = frozenset()
     variant: Optional[str] = None
     schedule: Optional[str] = None
+    call_inputs: frozenset = frozenset()
     num_sources: int = 0
     dim: int = 0
     deterministic: bool = False
@@ -74,6 +75,9 @@ class Requirements:
             return f"variant {self.variant} not declared"
         if self.schedule and self.schedule not in caps.schedules:
             return f"schedule {self.schedule} not declared"
+        inputs_missing = sorted(self.call_inputs - set(caps.call_inputs))
+        if inputs_missing:
+            return f"call input {', '.join(inputs_missing)} not declared"
         if caps.max_sources is not None and self.num_sources > caps.max_sources:
             return f"N = {self.num_sources} beyond declared max_sources = {caps.max_sources}"
         if caps.max_dim is not None and self.dim > caps.max_dim:
@@ -149,9 +153,9 @@ def _merge(case_id, dtype, *, tokens, dim, **options):
 
 
 def _probe(case_id, dtype, *, variant, num_layers=5, dim=8, tokens=(2, 3), schedule="direct",
-           overrides=()):
+           overrides=(), call=()):
     return _vectors().probe_case(variant, num_layers, dim, tokens, dtype, schedule=schedule,
-                                 case_id=case_id, **dict(overrides))
+                                 case_id=case_id, **dict(call), **dict(overrides))
 
 
 BUILDERS: Dict[str, Callable] = {"da": _da, "multi": _multi, "merge": _merge, "probe": _probe}
@@ -181,6 +185,7 @@ def requirements_of(golden, spec: Optional[dict] = None) -> Requirements:
     if golden.op == "probe":
         dim = a["input.embedding"].shape[-1]
         return Requirements(variant=variant_of(golden.attrs["config"]), schedule=golden.attrs["schedule"],
+                            call_inputs=frozenset(k for k in ("mix", "scale") if k in golden.attrs),
                             dim=dim, deterministic=spec.get("deterministic", False))
     x = a.get("input.sources", a.get("input.partial"))
     opts = set()
@@ -302,26 +307,37 @@ def _multi_merge_cases(dtypes) -> List[Case]:
     return cases
 
 
-#: Probe runs: (row, label, variant, overrides, schedule).  L = 5, D = 8, tokens 2x3.
-PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct") for v in VARIANT_KINDS] + [
-    ("probe/block", "S1-L5-D8-T2x3", "block", (("block_size", 1),), "direct"),  # S = 1 equals full
-    ("probe/block", "S4-L5-D8-T2x3", "block", (("block_size", 4),), "direct"),  # blocks 4 + 1
-    ("probe/block", "S2-L4-D8-T2x3", "block", (("block_size", 2),), "direct"),  # even blocks
-    ("probe/window", "W1-L5-D8-T2x3", "window", (("window", 1),), "direct"),
-    ("probe/full", "L5-D8-T2x3-eps1e-3-scale0.5", "full", (("eps", 1e-3), ("scale", 0.5)), "direct"),
-    ("probe/block_two_phase", "S1-L5-D8-T2x3", "block", (("block_size", 1),), "two_phase"),
-    ("probe/block_two_phase", "S2-L5-D8-T2x3", "block", (("block_size", 2),), "two_phase"),
-    ("probe/block_two_phase", "S4-L5-D8-T2x3", "block", (("block_size", 4),), "two_phase"),
+#: Probe runs: (row, label, variant, overrides, schedule, call inputs (M10)).  L = 5, D = 8,
+#: tokens 2x3.
+PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct", ()) for v in VARIANT_KINDS] + [
+    ("probe/block", "S1-L5-D8-T2x3", "block", (("block_size", 1),), "direct", ()),  # S = 1 equals full
+    ("probe/block", "S4-L5-D8-T2x3", "block", (("block_size", 4),), "direct", ()),  # blocks 4 + 1
+    ("probe/block", "S2-L4-D8-T2x3", "block", (("block_size", 2),), "direct", ()),  # even blocks
+    ("probe/window", "W1-L5-D8-T2x3", "window", (("window", 1),), "direct", ()),
+    ("probe/full", "L5-D8-T2x3-eps1e-3-scale0.5", "full", (("eps", 1e-3), ("scale", 0.5)), "direct", ()),
+    ("probe/block_two_phase", "S1-L5-D8-T2x3", "block", (("block_size", 1),), "two_phase", ()),
+    ("probe/block_two_phase", "S2-L5-D8-T2x3", "block", (("block_size", 2),), "two_phase", ()),
+    ("probe/block_two_phase", "S4-L5-D8-T2x3", "block", (("block_size", 4),), "two_phase", ()),
+    # M10 call inputs: a blend, both exact ends, the two-phase blend, a per-call scale.
+    ("probe/mix", "full-L5-D8-T2x3-mix0.3", "full", (), "direct", (("mix", 0.3),)),
+    ("probe/mix", "block-L5-D8-T2x3-mix0", "block", (), "direct", (("mix", 0.0),)),
+    ("probe/mix", "window-L5-D8-T2x3-mix1", "window", (), "direct", (("mix", 1.0),)),
+    ("probe/mix", "input_query-L5-D8-T2x3-mix0.8", "input_query", (), "direct", (("mix", 0.8),)),
+    ("probe/mix", "block-two_phase-L5-D8-T2x3-mix0.6", "block", (), "two_phase", (("mix", 0.6),)),
+    ("probe/call_scale", "block-L5-D8-T2x3-scale1.7", "block", (), "direct", (("call_scale", 1.7),)),
+    ("probe/call_scale", "full-L5-D8-T2x3-mix0.5-scale0.4", "full", (), "direct",
+     (("mix", 0.5), ("call_scale", 0.4))),
 ]
 
 
 def _probe_cases(dtypes) -> List[Case]:
     cases = []
     for dtype in dtypes:
-        for row, label, variant, overrides, schedule in PROBES:
+        for row, label, variant, overrides, schedule, call in PROBES:
             num_layers = 4 if label.startswith("S2-L4") else 5
             cases.append(_op_case(row, label, dtype, "probe", True, override="probe", variant=variant,
-                                  num_layers=num_layers, overrides=overrides, schedule=schedule))
+                                  num_layers=num_layers, overrides=overrides, schedule=schedule,
+                                  call=call))
     return cases
 
 

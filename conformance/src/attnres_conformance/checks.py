@@ -78,7 +78,8 @@ def probe_call(golden, device: str = "cpu", *, backward: bool) -> ProbeCall:
               if k.startswith("input.") and k not in ("input.embedding", "input.sublayer_weights")}
     return ProbeCall(dict(golden.attrs["config"]), params, a["input.embedding"].copy(),
                      a["input.sublayer_weights"].copy(), golden.dtype, device, golden.attrs["schedule"],
-                     a["cotangent.out"].copy() if backward else None)
+                     a["cotangent.out"].copy() if backward else None,
+                     mix=golden.attrs.get("mix"), scale=golden.attrs.get("scale"))
 
 
 def _call(backend, golden, device, *, backward, strided=False):

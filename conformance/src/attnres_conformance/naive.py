@@ -121,7 +121,8 @@ def probe(golden, *, backward: bool) -> dict:
     sublayers = probe_tape_sublayers(tape, w, num_layers, config.eps)
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        out = run_schedule(config, tape, emb, sublayers, schedule=golden.attrs["schedule"])
+        out = run_schedule(config, tape, emb, sublayers, schedule=golden.attrs["schedule"],
+                           mix=golden.attrs.get("mix"), scale=golden.attrs.get("scale"))
         result = {"out": out.value}
         if backward:
             wrt = [emb, w, *tape.leaves.values()]

@@ -106,11 +106,11 @@ class ReferenceBackend:
     def call_probe(self, call: ProbeCall) -> ProbeResult:
         config = ResidualConfig.from_dict(call.config)
         out = model.probe_forward(config, call.params, call.embedding, call.sublayer_weights,
-                                  schedule=call.schedule)
+                                  schedule=call.schedule, mix=call.mix, scale=call.scale)
         grads = {}
         if call.cotangent is not None:
             grads = model.probe_vjp(config, call.params, call.embedding, call.sublayer_weights,
-                                    call.cotangent, schedule=call.schedule)
+                                    call.cotangent, schedule=call.schedule, mix=call.mix, scale=call.scale)
         return ProbeResult(out, grads)
 
 

@@ -250,13 +250,16 @@ def _draw_params(rng, config: ResidualConfig, num_layers: int, dim: int, dtype: 
 
 
 def probe_case(variant: str, num_layers=5, dim=8, tokens=(3,), dtype="float32", *,
-               schedule="direct", case_id=None, **overrides) -> GoldenCase:
-    """A probe-network case (spec section 6) of a named variant; two_phase is forward only."""
+               schedule="direct", case_id=None, mix=None, call_scale=None, **overrides) -> GoldenCase:
+    """A probe-network case (spec section 6) of a named variant; two_phase is forward only.
+    mix / call_scale: the M10 call inputs (attrs "mix" / "scale" when given)."""
     config = ResidualConfig.variant(variant, **overrides)
     tokens = tuple(tokens)
     knobs = f"_S{config.block_size}" * (config.kind == "block") + f"_W{config.window}" * (config.kind == "window")
     case_id = case_id or (f"probe_{variant}{knobs}_L{num_layers}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
-               + "_two_phase" * (schedule == "two_phase"))
+               + "_two_phase" * (schedule == "two_phase")
+               + (f"_mix{mix:g}" if mix is not None else "") + (f"_cs{call_scale:g}" if call_scale is not None else ""))
+    call = {k: v for k, v in (("mix", mix), ("scale", call_scale)) if v is not None}
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)
     params = _draw_params(rng, config, num_layers, dim, dtype)
@@ -264,12 +267,12 @@ def probe_case(variant: str, num_layers=5, dim=8, tokens=(3,), dtype="float32", 
     weights = round_to_dtype(rng.standard_normal((num_layers, dim, dim)) * 1.5 / np.sqrt(dim), dtype)
     arrays = {"input.embedding": emb, "input.sublayer_weights": weights}
     arrays.update({f"input.{k}": v for k, v in params.items()})
-    arrays["output.out"] = model.probe_forward(config, params, emb, weights, schedule=schedule)
+    arrays["output.out"] = model.probe_forward(config, params, emb, weights, schedule=schedule, **call)
     if schedule == "direct":
         arrays["cotangent.out"] = _draw_cotangent(rng, arrays["output.out"].shape, dtype)
-        grads = model.probe_vjp(config, params, emb, weights, arrays["cotangent.out"])
+        grads = model.probe_vjp(config, params, emb, weights, arrays["cotangent.out"], **call)
         arrays.update({f"grad.{k}": v for k, v in grads.items()})
-    attrs = {"config": config.to_dict(), "schedule": schedule, "variant": variant}
+    attrs = {"config": config.to_dict(), "schedule": schedule, "variant": variant, **call}
     return GoldenCase(case_id, "probe", attrs, dtype, None, seed, dtype, arrays)
 
 
@@ -319,6 +322,11 @@ def golden_cases() -> List[GoldenCase]:
         probe_case("block", schedule="two_phase"),  # blocks 2, 2, 1
         probe_case("block", block_size=4, schedule="two_phase"),
         probe_case("block", block_size=1, schedule="two_phase"),
+        probe_case("full", mix=0.3),  # M10: a blend of standard and depth attention
+        probe_case("block", mix=0.0, dtype=f64),  # M10: alpha = 0 is exactly the standard scheme
+        probe_case("window", mix=0.75, dtype=bf16),
+        probe_case("block", block_size=4, mix=0.6, call_scale=1.5),  # M10: per-call scale too
+        probe_case("block", mix=0.4, schedule="two_phase"),
     ]
 
 

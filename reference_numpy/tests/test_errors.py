@@ -279,3 +279,25 @@ def test_vjp_cotangent_shape_is_checked(call):
     q = np.zeros(4)
     with pytest.raises(ValueError, match=r"^d_(out|lse): expected the output's shape"):
         call(x, q)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(kind="full", query_sharing="block"), "query_sharing: 'block' shares a query per block"),
+    (dict(kind="block", block_size=2, query_sharing="layer"), "query_sharing: expected one of"),
+    (dict(kind="scalar", query_sharing="stack"), "query_sharing must keep their defaults"),
+])
+def test_query_sharing_errors(fields, message):
+    """M11: sharing needs an attention kind (per block: kind='block'); unknown modes refused."""
+    with pytest.raises(ValueError, match=message):
+        ResidualConfig(**fields)
+
+
+def test_shared_query_rows():
+    """M11: rows are ceil(L / S) + 1 per block, 2 for the stack; the output keeps the last."""
+    block = ResidualConfig(kind="block", block_size=2, query_sharing="block")
+    assert block.param_shapes(5, D)["queries"] == (4, D)
+    assert [block.query_row(l, 5) for l in range(1, 7)] == [0, 0, 1, 1, 2, 3]
+    stack = ResidualConfig(kind="window", window=1, query_sharing="stack", query="input")
+    assert stack.param_shapes(5, D) == {"query_weights": (2, D, D), "norm_weights": (2, D)}
+    assert [stack.query_row(l, 5) for l in range(1, 7)] == [0, 0, 0, 0, 0, 1]
+    assert ResidualConfig.from_dict(block.to_dict()) == block

@@ -32,6 +32,11 @@ def naive_stack(config, params, emb, fs):
         return x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + eps)
 
     def da(sources, r):
+        # M11 restated: a shared query serves its block (or the stack); the output keeps the last row.
+        if r == L_:
+            r = params["norm_weights"].shape[0] - 1
+        elif config.query_sharing != "none":
+            r = r // config.block_size if config.query_sharing == "block" else 0
         q = params["queries"][r] if config.query == "static" else rms(sources[-1]) @ params["query_weights"][r]
         return depth_attention(sources, q, params["norm_weights"][r], eps=eps, scale=config.scale,
                                num_heads=config.num_heads, activation=config.activation,

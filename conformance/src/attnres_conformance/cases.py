@@ -171,6 +171,8 @@ def _golden(case: Case):
 # -- requirements of a golden case --------------------------------------------------------------
 def variant_of(config: dict) -> str:
     """The named variant (config.VARIANT_KINDS) a probe config exercises."""
+    if config.get("query_sharing", "none") != "none":
+        return "shared_queries"
     for name in ("input_query", "sigmoid", "no_key_norm", "multihead"):
         want = VARIANT_KINDS[name]
         if all(config.get(k) == v for k, v in want.items()):
@@ -318,6 +320,10 @@ PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct", ()) for v in VARIANT_KIN
     ("probe/block_two_phase", "S1-L5-D8-T2x3", "block", (("block_size", 1),), "two_phase", ()),
     ("probe/block_two_phase", "S2-L5-D8-T2x3", "block", (("block_size", 2),), "two_phase", ()),
     ("probe/block_two_phase", "S4-L5-D8-T2x3", "block", (("block_size", 4),), "two_phase", ()),
+    # M11 shared queries: per block (the variant row above), two-phase, and one for the stack.
+    ("probe/shared_queries", "S3-L5-D8-T2x3", "shared_queries", (("block_size", 3),), "direct", ()),
+    ("probe/block_two_phase", "shared-S2-L5-D8-T2x3", "shared_queries", (), "two_phase", ()),
+    ("probe/shared_queries", "stack-window-W2-L5-D8-T2x3", "window", (("query_sharing", "stack"),), "direct", ()),
     # M10 call inputs: a blend, both exact ends, the two-phase blend, a per-call scale.
     ("probe/mix", "full-L5-D8-T2x3-mix0.3", "full", (), "direct", (("mix", 0.3),)),
     ("probe/mix", "block-L5-D8-T2x3-mix0", "block", (), "direct", (("mix", 0.0),)),

@@ -24,6 +24,7 @@ from .validation import check_floating
 KINDS = ("standard", "scalar", "gated", "static", "full", "block", "window")
 ATTENTION_KINDS = ("full", "block", "window")
 QUERY_MODES = ("static", "input")
+QUERY_SHARING = ("none", "block", "stack")
 SCHEDULES = ("direct", "two_phase")
 
 #: The named variants of the spec's conformance matrix and the config each one means
@@ -40,6 +41,7 @@ VARIANT_KINDS: Dict[str, dict] = {
     "sigmoid": dict(kind="full", activation="sigmoid"),
     "no_key_norm": dict(kind="full", key_norm=False),
     "multihead": dict(kind="block", num_heads=2),
+    "shared_queries": dict(kind="block", query_sharing="block"),
 }
 
 
@@ -56,6 +58,8 @@ class ResidualConfig:
     activation: "softmax" or "sigmoid" (unnormalized weights).
     key_norm: RMS-normalize keys (False: keys are the raw sources, times the gain).
     num_heads: H >= 1; D splits into H heads that attend independently.
+    query_sharing: "none" (a query and gain per sublayer), "block" (one per block, kind="block")
+      or "stack" (one for every sublayer); the output aggregation keeps its own (M11).
     eps: epsilon of every RMSNorm in the scheme (key norm, query input norm, gate input norm).
     scale: logit scale (1.0 = the paper).
     """
@@ -69,6 +73,7 @@ class ResidualConfig:
     num_heads: int = 1
     eps: float = 1e-6
     scale: float = 1.0
+    query_sharing: str = "none"
 
     def __post_init__(self):
         self.validate()
@@ -129,11 +134,17 @@ class ResidualConfig:
         if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, numbers.Integral) or self.num_heads < 1:
             raise ValueError(f"num_heads: expected an int >= 1, got {self.num_heads!r}")
         if not self.is_attention and (self.query != "static" or self.activation != "softmax"
-                                      or not self.key_norm or self.num_heads != 1):
+                                      or not self.key_norm or self.num_heads != 1
+                                      or self.query_sharing != "none"):
             raise ValueError(
-                f"kind={self.kind!r} has no depth attention: query, activation, key_norm and "
-                "num_heads must keep their defaults"
+                f"kind={self.kind!r} has no depth attention: query, activation, key_norm, "
+                "num_heads and query_sharing must keep their defaults"
             )
+        if self.query_sharing not in QUERY_SHARING:
+            raise ValueError(f"query_sharing: expected one of {QUERY_SHARING}, got {self.query_sharing!r}")
+        if self.query_sharing == "block" and self.kind != "block":
+            raise ValueError(f"query_sharing: 'block' shares a query per block, so it needs "
+                             f"kind='block'; got kind={self.kind!r}")
         for name in ("eps", "scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -159,11 +170,27 @@ class ResidualConfig:
             )
 
     # -- parameters --------------------------------------------------------------------------
+    def query_rows(self, num_layers: int) -> int:
+        """M11: rows of `queries`/`query_weights`/`norm_weights`: L + 1 (one per sublayer and the
+        output), ceil(L / S) + 1 (query_sharing="block") or 2 (query_sharing="stack")."""
+        if self.query_sharing == "block":
+            return -(-num_layers // self.block_size) + 1
+        return 2 if self.query_sharing == "stack" else num_layers + 1
+
+    def query_row(self, layer: int, num_layers: int) -> int:
+        """M11: the query/gain row of sublayer `layer` (1-based; L + 1 = the output aggregation)."""
+        if layer == num_layers + 1:
+            return self.query_rows(num_layers) - 1
+        if self.query_sharing == "block":
+            return (layer - 1) // self.block_size
+        return 0 if self.query_sharing == "stack" else layer - 1
+
     def param_shapes(self, num_layers: int, dim: int) -> Dict[str, Tuple[int, ...]]:
         """Names and shapes of the scheme's parameters for L = num_layers sublayers of width D.
 
-        full/block/window: "queries" [L+1, D] (query="static") or "query_weights" [L+1, D, D]
-          (query="input"), and "norm_weights" [L+1, D]; row L is the output aggregation.
+        full/block/window: "queries" [R, D] (query="static") or "query_weights" [R, D, D]
+          (query="input"), and "norm_weights" [R, D], R = `query_rows(L)` (L + 1 unless queries
+          are shared, M11); the last row is the output aggregation.
         scalar: "alphas" [L].  gated: "gate_weights" [L, D, D], "gate_biases" [L, D].
         static: "depth_weights" [L+1, L+1], row r uses columns 0..r (the rest is unused).
         standard: none.
@@ -183,8 +210,9 @@ class ResidualConfig:
             return {"gate_weights": (L, D, D), "gate_biases": (L, D)}
         if self.kind == "static":
             return {"depth_weights": (L + 1, L + 1)}
-        shapes = {"queries": (L + 1, D)} if self.query == "static" else {"query_weights": (L + 1, D, D)}
-        shapes["norm_weights"] = (L + 1, D)
+        R = self.query_rows(L)
+        shapes = {"queries": (R, D)} if self.query == "static" else {"query_weights": (R, D, D)}
+        shapes["norm_weights"] = (R, D)
         return shapes
 
     def check_params(self, params, num_layers: int, dim: int,

@@ -229,16 +229,18 @@ class ResidualStream:
                 [f"v{j}" for j in idx])
 
     def _attend(self, row: int, layer: int) -> Array:
-        """Depth attention of row r over the sources of `layer` (direct schedule)."""
+        """Depth attention of row r (sublayer r + 1; r = L: the output) over the sources of
+        `layer` (direct schedule)."""
         cfg, ops = self.config, self.ops
         sources, stats, labels = self._sources(layer)
+        qrow = cfg.query_row(layer, self.num_layers)  # M11: r, unless queries are shared
         if cfg.query == "static":  # M6: the pseudo-query w_l
-            q = ops.param("queries", row)
+            q = ops.param("queries", qrow)
         else:  # M6: q_l = rmsnorm(most recent source) @ W_l, per token
             q = ops.matmul(ops.rmsnorm(sources[-1], cfg.eps),
-                           ops.param("query_weights", row, like=sources[-1]))
+                           ops.param("query_weights", qrow, like=sources[-1]))
         want = self.observer is not None and self.observer.wants_weights
-        out, weights = ops.depth_attention(sources, stats, q, ops.param("norm_weights", row), cfg,
+        out, weights = ops.depth_attention(sources, stats, q, ops.param("norm_weights", qrow), cfg,
                                            return_weights=want)
         if self.observer is not None:
             self.observer.depth_attention(row, labels, sources, weights)
@@ -255,19 +257,21 @@ class ResidualStream:
 
     def _two_phase_input(self, row: int) -> Array:
         """M9: phase 1 once per block for all its sublayers, phase 2 merged per sublayer."""
-        cfg, ops = self.config, self.ops
-        if self.partial is None:  # the block's first sublayer: run phase 1
-            last = min(row + cfg.block_size, self.num_layers)
-            rows = slice(row, last)
+        cfg, ops, L = self.config, self.ops, self.num_layers
+        qrow = cfg.query_row(row + 1, L)
+        if self.partial is None:  # the block's first sublayer: run phase 1 for its queries
+            last = min(row + cfg.block_size, L)  # sublayers row+1 .. last
+            # M11: one phase-1 query when the block's sublayers share theirs, else one each.
+            rows = slice(qrow, cfg.query_row(last, L) + 1)
             out1, lse1 = ops.depth_attention_multi(list(self.blocks), list(self.block_stats),
                                                    ops.param("queries", rows),
                                                    ops.param("norm_weights", rows), cfg)
-            self._phase1 = (out1, lse1, row)
+            self._phase1 = (out1, lse1, qrow)
             return ops.take(out1, 0)
         out1, lse1, first = self._phase1
-        i = row - first
+        i = qrow - first
         return ops.merge_partial(ops.take(out1, i), ops.take(lse1, i), self.partial,
-                                 ops.param("queries", row), ops.param("norm_weights", row), cfg)
+                                 ops.param("queries", qrow), ops.param("norm_weights", qrow), cfg)
 
     # -- the protocol --------------------------------------------------------------------------
     def input(self) -> Array:

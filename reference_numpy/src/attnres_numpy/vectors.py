@@ -312,7 +312,9 @@ def golden_cases() -> List[GoldenCase]:
         merge_case(1, (3,), f16, gain=False),
         merge_case(7, (4,), f64, token_query=True),
         *[probe_case(v) for v in ("standard", "scalar", "gated", "static", "full", "block",
-                                  "window", "input_query", "sigmoid", "no_key_norm", "multihead")],
+                                  "window", "input_query", "sigmoid", "no_key_norm", "multihead",
+                                  "shared_queries")],
+        probe_case("shared_queries", schedule="two_phase"),  # M11: one phase-1 query per block
         probe_case("block", block_size=1),  # S = 1 equals full
         probe_case("block", block_size=4),  # blocks of 4 and 1
         probe_case("block", num_layers=4, block_size=4),  # one block covering every sublayer

@@ -56,11 +56,13 @@ class ExampleLM(AttnResTransformer):
         self.pos = nn.Embedding(context, dim)
         nn.init.normal_(self.pos.weight, std=1.0 / math.sqrt(dim))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens `[B, T]`, T <= context -> logits `[B, T, vocab_size]`."""
+    def forward(self, tokens: torch.Tensor, *, mix=None, scale=None) -> torch.Tensor:
+        """tokens `[B, T]`, T <= context -> logits `[B, T, vocab_size]`.  mix, scale: the
+        router's M10 per-call inputs (progressive introduction, temperature; None: plain)."""
         if tokens.dim() != 2 or tokens.shape[1] > self.context:
             raise ValueError(f"tokens: expected [B, T] with T <= context = {self.context}, "
                              f"got shape {tuple(tokens.shape)}")
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.router(self.embed(tokens) + self.pos(positions), list(self.sublayers))
+        h = self.router(self.embed(tokens) + self.pos(positions), list(self.sublayers), mix=mix,
+                        scale=scale)
         return self.head(self.norm(h))

@@ -14,7 +14,6 @@ scheme's doing.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import sys
@@ -160,15 +159,7 @@ def _lr(step: int, steps: int, peak: float) -> float:
 
 def _logits(model: ExampleLM, tokens: torch.Tensor, mix=None, scale=None) -> torch.Tensor:
     """The model's logits with the router's M10 per-call inputs (mix, scale; None: plain)."""
-    if mix is None and scale is None:
-        return model(tokens)
-    if "mix" in inspect.signature(model.forward).parameters:
-        return model(tokens, mix=mix, scale=scale)
-    # ExampleLM.forward without the M10 inputs: its body, with them passed to the router
-    positions = torch.arange(tokens.shape[1], device=tokens.device)
-    h = model.router(model.embed(tokens) + model.pos(positions), list(model.sublayers),
-                     mix=mix, scale=scale)
-    return model.head(model.norm(h))
+    return model(tokens, mix=mix, scale=scale)
 
 
 def _loss(model: ExampleLM, batch: torch.Tensor, mix=None, scale=None) -> torch.Tensor:

@@ -17,6 +17,25 @@ weights are divided by their sum).  Entropy is in nats (a uniform row over N sou
 Outside `record` the observer does nothing; `close()` detaches it.  `history` is a list of plain,
 JSON-serializable dicts, one per record, from which `attnres_torch.examples.report` draws plots.
 
+A collapse can also be *answered* (`on_collapse=`, a `CollapsePolicy` or its name):
+
+* "log" (`LogPolicy`, the default): the warning above, nothing else;
+* "lr_scale" (`LrScalePolicy(optimizer, factor)`): from then on the optimizer moves the collapsed
+  row's query `factor` times as far (an optimizer step hook; exact for optimizers whose update is
+  proportional to the learning rate with state that does not depend on it: SGD with momentum,
+  Adam, AdamW, RMSprop);
+* "reset" (`ResetPolicy(shrink, optimizer=None)`): the row's query is moved `shrink` of the way to
+  zero (1.0: exactly the uniform average of M8), its pending gradient dropped and, given the
+  optimizer, its optimizer state (momenta) zeroed;
+* "raise" (`RaisePolicy`): `DepthCollapseError` at the end of the record.
+
+Each record's responses are in its history entry ("collapse": row, max weight, action).
+`entry_scalars(entry)` flattens an entry into plain `{tag: float}` scalars, and
+`write_entry(writer, entry)` sends them, with per-row weight and entropy histograms, to any
+`torch.utils.tensorboard.SummaryWriter`-style writer (`add_scalar` / `add_histogram`);
+`DepthMonitor(..., writer=)` does that after every record.  TensorBoard is optional:
+`tensorboard_writer(log_dir)` says how to install it when it is missing.
+
 While recording, a Block router runs its direct schedule (equal to two-phase, spec 3) so that every
 row's weights are observable; each read asks its op for the weights with the output
 (`depth_attention(..., return_weights=True)`: the same implementation, the weights from its own
@@ -28,9 +47,11 @@ schedule hands out and receives; gradient norms come from the given sublayer mod
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import numbers
 import warnings
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from attnres_numpy.schedule import ScheduleObserver
@@ -41,6 +62,220 @@ from .modules import DepthRouter
 
 class DepthCollapseWarning(UserWarning):
     """A depth-attention row puts (almost) all its weight on a single source."""
+
+
+class DepthCollapseError(RuntimeError):
+    """Raised by `RaisePolicy` when a depth-attention row collapses."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CollapseEvent:
+    """One collapsed row of one record: row r (sublayer r + 1; row L is the output aggregation),
+    its token-averaged maximum weight over `num_sources` sources, the label of the source it
+    collapsed onto, and the monitor's threshold."""
+
+    step: int
+    row: int
+    max_weight: float
+    num_sources: int
+    label: str
+    threshold: float
+
+
+def _query_slot(router, row: int):
+    """(parameter, index) holding row `row`'s query: index is the row of a stacked `[L+1, ...]`
+    parameter (`DepthRouter`), None where the row is its own parameter (per-layer ownership:
+    any router with `row_parameter(name, row)`)."""
+    name = "queries" if router.config.query == "static" else "query_weights"
+    if hasattr(router, "row_parameter"):
+        return router.row_parameter(name, row), None
+    return getattr(router, name), row
+
+
+def _row(t: torch.Tensor, index):
+    return t if index is None else t[index]
+
+
+class CollapsePolicy:
+    """What a `DepthMonitor` does when a row collapses.  `respond(monitor, event)` acts and returns
+    a short description of the action (recorded in the history entry); `warn` says whether the
+    monitor also issues its `DepthCollapseWarning` (once per row); `close()` undoes any hooks."""
+
+    name = "log"
+    warn = True
+
+    def respond(self, monitor: "DepthMonitor", event: CollapseEvent) -> str:
+        return "logged"
+
+    def close(self) -> None:
+        pass
+
+
+class LogPolicy(CollapsePolicy):
+    """Warn once per row (`DepthCollapseWarning`); change nothing."""
+
+
+class RaisePolicy(CollapsePolicy):
+    """Raise `DepthCollapseError` when a row collapses (after the record is in `history`)."""
+
+    name = "raise"
+
+    def respond(self, monitor, event):
+        raise DepthCollapseError(monitor._collapse_message(event))
+
+
+class LrScalePolicy(CollapsePolicy):
+    """Scale the learning rate of each collapsed row's query by `factor`, once per row.
+
+    Implemented as optimizer step hooks: before `optimizer.step()` the affected rows are saved,
+    after it each row becomes `old + factor * (new - old)`.  For optimizers whose update is
+    proportional to the learning rate and whose state does not depend on it (SGD with momentum,
+    Adam, AdamW, RMSprop, Adagrad) that is exactly a step with `lr * factor` for those rows,
+    whatever scheduler sets the group's lr, and it works for a row of a stacked `[L+1, D]`
+    parameter, which a param group cannot hold on its own.
+    """
+
+    name = "lr_scale"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: float = 0.1):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0.0 < factor < math.inf:
+            raise ValueError(f"factor: expected a finite real number > 0, got {factor!r}")
+        self.optimizer, self.factor = optimizer, float(factor)
+        self.rows: List[tuple] = []  # (parameter, index or None, factor)
+        self._saved: List[torch.Tensor] = []
+        self._handles: list = []
+
+    def respond(self, monitor, event):
+        param, index = _query_slot(monitor.router, event.row)
+        if any(p is param and i == index for p, i, _ in self.rows):
+            return f"lr x{self.factor:g} (already)"
+        if not any(p is param for g in self.optimizer.param_groups for p in g["params"]):
+            raise ValueError("optimizer: does not hold the router's query parameter of row "
+                             f"{event.row} (shape {tuple(param.shape)}); pass the optimizer that trains it")
+        self.rows.append((param, index, self.factor))
+        if not self._handles:
+            self._handles = [self.optimizer.register_step_pre_hook(self._pre),
+                             self.optimizer.register_step_post_hook(self._post)]
+        return f"lr x{self.factor:g}"
+
+    def _pre(self, optimizer, args, kwargs):
+        self._saved = [_row(p.detach(), i).clone() for p, i, _ in self.rows]
+
+    @torch.no_grad()
+    def _post(self, optimizer, args, kwargs):
+        for (p, i, f), old in zip(self.rows, self._saved):
+            new = _row(p, i)
+            new.copy_(old + f * (new - old))
+        self._saved = []
+
+    def close(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class ResetPolicy(CollapsePolicy):
+    """Move each collapsed row's query `shrink` of the way to zero (1.0: zero, the uniform
+    average of M8), drop its pending gradient, and, given the optimizer, zero the row of every
+    per-parameter state tensor (Adam's moments, SGD's momentum) so the update does not push it
+    straight back.  Acts on every record in which the row is collapsed."""
+
+    name = "reset"
+
+    def __init__(self, shrink: float = 1.0, optimizer: Optional[torch.optim.Optimizer] = None):
+        if isinstance(shrink, bool) or not isinstance(shrink, numbers.Real) or not 0.0 < shrink <= 1.0:
+            raise ValueError(f"shrink: expected a real number in (0, 1], got {shrink!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        self.shrink, self.optimizer = float(shrink), optimizer
+
+    @torch.no_grad()
+    def respond(self, monitor, event):
+        param, index = _query_slot(monitor.router, event.row)
+        _row(param, index).mul_(1.0 - self.shrink)
+        if param.grad is not None:
+            _row(param.grad, index).zero_()
+        if self.optimizer is not None:
+            for value in self.optimizer.state.get(param, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    _row(value, index).zero_()
+        return "reset to uniform" if self.shrink == 1.0 else f"query x{1.0 - self.shrink:g}"
+
+
+POLICIES = ("log", "lr_scale", "reset", "raise")
+
+
+def collapse_policy(name: Union[str, CollapsePolicy], optimizer: Optional[torch.optim.Optimizer] = None,
+                    **options) -> CollapsePolicy:
+    """The policy called `name` ("log", "lr_scale", "reset", "raise"); "lr_scale" needs the
+    optimizer, "reset" uses it when given.  options: `factor` (lr_scale), `shrink` (reset).
+    A `CollapsePolicy` is returned as it is."""
+    if isinstance(name, CollapsePolicy):
+        return name
+    if name == "log":
+        return LogPolicy()
+    if name == "raise":
+        return RaisePolicy()
+    if name == "lr_scale":
+        if optimizer is None:
+            raise ValueError("on_collapse: 'lr_scale' needs the optimizer that trains the queries "
+                             "(collapse_policy('lr_scale', optimizer) or LrScalePolicy(optimizer))")
+        return LrScalePolicy(optimizer, **options)
+    if name == "reset":
+        return ResetPolicy(optimizer=optimizer, **options)
+    raise ValueError(f"on_collapse: expected one of {POLICIES} or a CollapsePolicy, got {name!r}")
+
+
+def entry_scalars(entry: dict, prefix: str = "attnres") -> Dict[str, float]:
+    """A history entry as plain scalars `{tag: float}`: per row `{prefix}/row{r}/entropy`,
+    `.../max_weight` and `.../weight/{label}`; per sublayer l `{prefix}/sublayer{l}/input_rms`,
+    `output_rms`, `grad_norm` (where recorded); `{prefix}/collapsed_rows` (this record)."""
+    out: Dict[str, float] = {}
+    for r in entry["rows"]:
+        base = f"{prefix}/row{r['row']}"
+        out[f"{base}/entropy"] = float(r["entropy"])
+        out[f"{base}/max_weight"] = float(r["max_weight"])
+        for label, w in zip(r["labels"], r["mean_weights"]):
+            out[f"{base}/weight/{label}"] = float(w)
+    for key in ("input_rms", "output_rms", "grad_norm"):
+        for l, value in enumerate(entry.get(key) or [], start=1):
+            if value is not None:
+                out[f"{prefix}/sublayer{l}/{key}"] = float(value)
+    out[f"{prefix}/collapsed_rows"] = float(len(entry.get("collapse", [])))
+    return out
+
+
+def write_entry(writer, entry: dict, prefix: str = "attnres") -> None:
+    """Send a history entry to a `SummaryWriter`-style writer at global step `entry["step"]`:
+    every `entry_scalars` value as `add_scalar`, and as `add_histogram` the mean weights of each
+    row (`{prefix}/row{r}/weights`) and the entropies of all rows (`{prefix}/entropy`)."""
+    for name in ("add_scalar", "add_histogram"):
+        if not callable(getattr(writer, name, None)):
+            raise TypeError(f"writer: expected an object with add_scalar and add_histogram (a "
+                            f"torch.utils.tensorboard.SummaryWriter), got {type(writer).__name__}")
+    step = entry["step"]
+    for tag, value in entry_scalars(entry, prefix).items():
+        writer.add_scalar(tag, value, step)
+    for r in entry["rows"]:
+        writer.add_histogram(f"{prefix}/row{r['row']}/weights",
+                             torch.tensor(r["mean_weights"], dtype=torch.float64), step)
+    if entry["rows"]:
+        writer.add_histogram(f"{prefix}/entropy",
+                             torch.tensor([r["entropy"] for r in entry["rows"]], dtype=torch.float64), step)
+
+
+def tensorboard_writer(log_dir=None, **kwargs):
+    """A `torch.utils.tensorboard.SummaryWriter`; TensorBoard is an optional dependency, and
+    without it this raises ImportError saying how to get it (or to pass any writer object)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError("tensorboard_writer: TensorBoard is not installed (pip install tensorboard); "
+                          "entry_scalars() gives the same metrics as a plain dict, and write_entry() "
+                          f"accepts any object with add_scalar/add_histogram ({exc})") from exc
+    return SummaryWriter(log_dir=log_dir, **kwargs)
 
 
 def weight_stats(weights: torch.Tensor) -> Dict[str, object]:
@@ -97,6 +332,9 @@ class DepthMonitor:
       sublayers: the L sublayer modules in order (e.g. `model.sublayers`) for the input / output
         RMS and gradient norms; empty to record depth weights only.
       collapse_threshold: warn when a row's token-averaged maximum weight exceeds it.
+      on_collapse: the response, a `CollapsePolicy` or "log" / "raise" (the other names need
+        arguments: `collapse_policy(name, optimizer)`).
+      writer: an optional `SummaryWriter`-style writer that receives every record (`write_entry`).
 
     While attached, the monitor is the router's `observer` (`DepthRouter.observer`, a
     `ScheduleObserver` of the shared schedule): `close()` before pickling or deep-copying the
@@ -104,7 +342,8 @@ class DepthMonitor:
     """
 
     def __init__(self, router: DepthRouter, sublayers: Sequence[nn.Module] = (), *,
-                 collapse_threshold: float = 0.99):
+                 collapse_threshold: float = 0.99,
+                 on_collapse: Union[str, CollapsePolicy] = "log", writer=None):
         if sublayers and len(sublayers) != router.num_layers:
             raise ValueError(f"sublayers: expected {router.num_layers} modules (one per sublayer), "
                              f"got {len(sublayers)}")
@@ -112,6 +351,13 @@ class DepthMonitor:
             raise ValueError(f"collapse_threshold: expected a value in (0, 1), got {collapse_threshold!r}")
         if router.observer is not None:
             raise ValueError("router: already watched by another DepthMonitor (close() it first)")
+        self.policy = collapse_policy(on_collapse)
+        if writer is not None:
+            for name in ("add_scalar", "add_histogram"):
+                if not callable(getattr(writer, name, None)):
+                    raise TypeError(f"writer: expected a SummaryWriter-style object with add_scalar and "
+                                    f"add_histogram, got {type(writer).__name__}")
+        self.writer = writer
         self.router, self.sublayers = router, list(sublayers)
         self.collapse_threshold = collapse_threshold
         self.history: List[dict] = []
@@ -121,9 +367,19 @@ class DepthMonitor:
         router.observer = self._observer
 
     def close(self) -> None:
-        """Detach from the router; it behaves as if never monitored."""
+        """Detach from the router (it behaves as if never monitored) and remove the policy's
+        hooks."""
         if self.router.observer is self._observer:
             self.router.observer = None
+        self.policy.close()
+
+    def metrics(self, entry: Optional[dict] = None) -> Dict[str, float]:
+        """`entry_scalars` of `entry` (default: the latest record)."""
+        if entry is None:
+            if not self.history:
+                raise ValueError("metrics: nothing recorded yet")
+            entry = self.history[-1]
+        return entry_scalars(entry)
 
     # -- recording ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -144,6 +400,8 @@ class DepthMonitor:
             self._current = None
         self.history.append(entry)
         self._check_collapse(entry)
+        if self.writer is not None:
+            write_entry(self.writer, entry)
 
     def _observe_row(self, row: int, labels: List[str], weights: torch.Tensor) -> None:
         stats = weight_stats(weights)
@@ -180,17 +438,29 @@ class DepthMonitor:
                                        for g in grads)))
         return norms or None
 
+    def _collapse_message(self, event: CollapseEvent) -> str:
+        where = ("the output aggregation" if event.row == self.router.num_layers
+                 else f"sublayer {event.row + 1}")
+        return (f"AttnRes depth weights collapsed at step {event.step}: {where} (row {event.row}) "
+                f"puts on average {event.max_weight:.4f} > {event.threshold} of its weight on a "
+                f"single one of its {event.num_sources} sources (mostly {event.label}), so it no "
+                "longer mixes depth (a learned choice or a sign of too large pseudo-query logits: "
+                "check the learning rate)")
+
     def _check_collapse(self, entry: dict) -> None:
+        entry["collapse"] = []
         for r in entry["rows"]:
             n = len(r["labels"])
-            if n > 1 and r["max_weight"] > self.collapse_threshold and r["row"] not in self._warned:
+            if n < 2 or r["max_weight"] <= self.collapse_threshold:
+                continue
+            event = CollapseEvent(entry["step"], r["row"], r["max_weight"], n,
+                                  r["labels"][r["argmax"]], self.collapse_threshold)
+            action = self.policy.respond(self, event)  # RaisePolicy raises here
+            entry["collapse"].append({"row": r["row"], "max_weight": r["max_weight"], "action": action})
+            if self.policy.warn and r["row"] not in self._warned:
                 self._warned.add(r["row"])
-                where = ("the output aggregation" if r["row"] == self.router.num_layers
-                         else f"sublayer {r['row'] + 1}")
-                warnings.warn(
-                    f"AttnRes depth weights collapsed at step {entry['step']}: {where} (row "
-                    f"{r['row']}) puts on average {r['max_weight']:.4f} > {self.collapse_threshold} "
-                    f"of its weight on a single one of its {n} sources (mostly "
-                    f"{r['labels'][r['argmax']]}), so it no longer mixes depth (a learned choice "
-                    "or a sign of too large pseudo-query logits: check the learning rate)",
-                    DepthCollapseWarning, stacklevel=4)  # 4: the caller's `with monitor.record`
+                message = self._collapse_message(event)
+                if self.policy.name != "log":
+                    message += f"; response ({self.policy.name}): {action}"
+                warnings.warn(message, DepthCollapseWarning,
+                              stacklevel=4)  # 4: the caller's `with monitor.record`

@@ -389,3 +389,37 @@ def test_tensorboard_writer_is_optional():
             with monitor.record(0):
                 router(emb, list(subs))
         writer.close()
+
+
+@pytest.mark.parametrize("policy", ["raise", "reset"])
+def test_example_trainer_collapse_policy_flag_on_a_forced_collapse(tmp_path, monkeypatch, policy):
+    """`--collapse-policy` reaches the trainer's monitor: the output row's query is blown up before
+    training (a huge-norm query), so the first record collapses; raise stops the run, reset puts
+    the query back to zero and the run finishes with the response in its diagnostics."""
+    import json
+
+    from attnres_torch.examples import train
+
+    real = train.DepthMonitor
+
+    def forced(router, *args, **kwargs):
+        with torch.no_grad():
+            router.queries[-1] = 1e4 * torch.randn(router.dim, generator=torch.Generator().manual_seed(0))
+        return real(router, *args, **kwargs)
+
+    monkeypatch.setattr(train, "DepthMonitor", forced)
+    argv = ["--residual", "block", "--seeds", "1", "--steps", "2", "--blocks", "2", "--dim", "16",
+            "--heads", "2", "--context", "8", "--batch", "2", "--eval-every", "2", "--eval-batches", "1",
+            "--corpus-bytes", "200000", "--no-plots", "--out", str(tmp_path), "--collapse-policy", policy]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DepthCollapseWarning)
+        if policy == "raise":
+            with pytest.raises(at.diagnostics.DepthCollapseError, match=r"the output aggregation \(row 4\)"):
+                train.main(argv)
+            return
+        assert train.main(argv) == 0
+    run = json.loads((tmp_path / "metrics.json").read_text())["runs"][0]
+    first = run["diagnostics"][0]
+    assert first["collapse"] == [{"row": 4, "max_weight": first["rows"][4]["max_weight"],
+                                  "action": "reset to uniform"}]
+    assert run["diagnostics"][-1]["rows"][4]["max_weight"] < 0.99

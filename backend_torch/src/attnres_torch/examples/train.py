@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from ..diagnostics import DepthCollapseWarning, DepthMonitor
+from ..diagnostics import POLICIES, DepthCollapseWarning, DepthMonitor, collapse_policy
 from ..schedules import MIX_SCHEDULES, TemperatureSchedule
 from . import report
 from .data import fixed_batches, load_stdlib_corpus, random_batch
@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="START:END:STEPS[:KIND]",
                    help="depth-attention logit scale from START to END over STEPS steps, KIND "
                         "linear|cosine|geometric (attention variants; default: the config's scale)")
+    p.add_argument("--collapse-policy", choices=POLICIES, default="log",
+                   help="response when a depth-attention row collapses (checked at each diagnostics "
+                        "record): log (a note), lr_scale (that query's lr x0.1), reset (query to "
+                        "uniform, its Adam state zeroed) or raise (stop the run); default: log")
     p.add_argument("--no-plots", action="store_true",
                    help="write metrics.json and summary.md only (the default when matplotlib is missing)")
     return p
@@ -204,7 +208,8 @@ def train_run(variant: str, seed: int, args: argparse.Namespace, corpus, val_bat
     model = ExampleLM(config, dim=args.dim, num_blocks=args.blocks, num_heads=args.heads,
                       context=args.context)
     optimizer = _optimizer(model, args.lr)
-    monitor = DepthMonitor(model.router, model.sublayers)
+    monitor = DepthMonitor(model.router, model.sublayers,
+                           on_collapse=collapse_policy(args.collapse_policy, optimizer))
     gen = torch.Generator().manual_seed(seed)
     diag_every = args.diag_every or args.eval_every
     mix_at, scale_at = _stability(config, args)

@@ -64,6 +64,12 @@ def naive_stack(config, params, emb, fs):
         for l in range(1, L_ + 1):
             v.append(fs[l - 1](da(v[:l], l - 1)))
         return da(v, L_)
+    if config.kind == "hybrid":  # M12: attend over the states, keep the residual path
+        states = [emb]
+        for l in range(1, L_ + 1):
+            c = da(states, l - 1)
+            states.append(c + fs[l - 1](c))
+        return da(states, L_)
     if config.kind == "window":
         def srcs(l):
             return [v[0]] + [v[j] for j in range(max(1, l - config.window), l)]

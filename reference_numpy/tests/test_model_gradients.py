@@ -38,6 +38,9 @@ CONFIGS += [
     ("shared_block_S3", ResidualConfig(kind="block", block_size=3, query_sharing="block")),
     ("shared_stack_window", ResidualConfig(kind="window", window=2, query_sharing="stack")),
     ("shared_block_input", ResidualConfig(kind="block", block_size=2, query_sharing="block", query="input")),
+    # M12 hybrid with the state as the query, and with one query for the stack.
+    ("hybrid_input", ResidualConfig(kind="hybrid", query="input")),
+    ("hybrid_shared_sigmoid", ResidualConfig(kind="hybrid", query_sharing="stack", activation="sigmoid")),
 ]
 
 
@@ -161,6 +164,7 @@ def test_mix_blends_every_input_literally(rng, config):
 
 @pytest.mark.parametrize("config,schedule,alpha", [
     (ResidualConfig.variant("full"), "direct", 0.3),
+    (ResidualConfig.variant("hybrid"), "direct", 0.55),
     (ResidualConfig.variant("block", block_size=2), "direct", 0.7),
     (ResidualConfig.variant("block", block_size=2), "two_phase", 0.45),
     (ResidualConfig.variant("input_query"), "direct", 0.2),

@@ -324,6 +324,9 @@ PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct", ()) for v in VARIANT_KIN
     ("probe/shared_queries", "S3-L5-D8-T2x3", "shared_queries", (("block_size", 3),), "direct", ()),
     ("probe/block_two_phase", "shared-S2-L5-D8-T2x3", "shared_queries", (), "two_phase", ()),
     ("probe/shared_queries", "stack-window-W2-L5-D8-T2x3", "window", (("query_sharing", "stack"),), "direct", ()),
+    # M12 hybrid: the state as the query (the variant row above has static queries).
+    ("probe/hybrid", "input-L5-D8-T2x3", "hybrid", (("query", "input"),), "direct", ()),
+    ("probe/mix", "hybrid-L5-D8-T2x3-mix0.4", "hybrid", (), "direct", (("mix", 0.4),)),
     # M10 call inputs: a blend, both exact ends, the two-phase blend, a per-call scale.
     ("probe/mix", "full-L5-D8-T2x3-mix0.3", "full", (), "direct", (("mix", 0.3),)),
     ("probe/mix", "block-L5-D8-T2x3-mix0", "block", (), "direct", (("mix", 0.0),)),

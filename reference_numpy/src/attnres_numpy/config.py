@@ -21,8 +21,8 @@ import numpy as np
 
 from .validation import check_floating
 
-KINDS = ("standard", "scalar", "gated", "static", "full", "block", "window")
-ATTENTION_KINDS = ("full", "block", "window")
+KINDS = ("standard", "scalar", "gated", "static", "full", "block", "window", "hybrid")
+ATTENTION_KINDS = ("full", "block", "window", "hybrid")
 QUERY_MODES = ("static", "input")
 QUERY_SHARING = ("none", "block", "stack")
 SCHEDULES = ("direct", "two_phase")
@@ -42,6 +42,7 @@ VARIANT_KINDS: Dict[str, dict] = {
     "no_key_norm": dict(kind="full", key_norm=False),
     "multihead": dict(kind="block", num_heads=2),
     "shared_queries": dict(kind="block", query_sharing="block"),
+    "hybrid": dict(kind="hybrid"),
 }
 
 
@@ -51,7 +52,8 @@ class ResidualConfig:
 
     kind: "standard" (PreNorm h + f(h)), "scalar" (h + a_l f(h)), "gated"
       (h + sigmoid(rmsnorm(h) @ W_l + b_l) * f(h)), "static" (DenseFormer-style learned scalars
-      over all sources), "full", "block" or "window" (depth attention; spec section 4).
+      over all sources), "full", "block" or "window" (depth attention; spec section 4), or
+      "hybrid" (depth attention over the hidden states, whose residual path is kept, M12).
     block_size: sublayers per block (kind="block"), S >= 1; the last block may be shorter.
     window: the W most recent layer outputs attended besides the embedding (kind="window").
     query: "static" (pseudo-query w_l) or "input" (q_l = rmsnorm(most recent source) @ W_l).

@@ -150,7 +150,7 @@ class ResidualStream:
       scale: M10 per-call logit scale replacing `config.scale` (None: keep it).
 
     State (read-only for callers): `layer` (the next sublayer l), `values` (v_0..v_{l-1}; full,
-    window, static), `blocks` (b_0..; block), `partial` (the running block sum or None), `h`
+    window, static; the states h_0..h_{l-1} for hybrid), `blocks` (b_0..; block), `partial` (the running block sum or None), `h`
     (the running state of the additive kinds).
     """
 
@@ -222,11 +222,12 @@ class ResidualStream:
             if self.partial is None:
                 return list(self.blocks), list(self.block_stats), labels
             return self.blocks + [self.partial], self.block_stats + [None], labels + ["partial"]
-        idx = list(range(layer))  # M2 full: [v_0..v_{l-1}]
+        idx = list(range(layer))  # M2 full: [v_0..v_{l-1}]; M12 hybrid: the states [h_0..h_{l-1}]
         if cfg.kind == "window":  # M5: [v_0] + [v_j : max(1, l - W) <= j <= l - 1]
             idx = [0] + list(range(max(1, layer - cfg.window), layer))
+        prefix = "h" if cfg.kind == "hybrid" else "v"
         return ([self.values[j] for j in idx], [self.value_stats[j] for j in idx],
-                [f"v{j}" for j in idx])
+                [f"{prefix}{j}" for j in idx])
 
     def _attend(self, row: int, layer: int) -> Array:
         """Depth attention of row r (sublayer r + 1; r = L: the output) over the sources of
@@ -325,6 +326,11 @@ class ResidualStream:
                 self.block_stats = self.block_stats + [self._stats(self.partial)]
                 self.partial = None
         else:
+            if cfg.kind == "hybrid":  # M12: the state h_l = (retrieved) input + output
+                if self._last_input is None:
+                    raise ValueError("push: kind='hybrid' adds v_l to its input h_l: call input() "
+                                     "before each push()")
+                v = ops.add(self._last_input, v)
             self.values = self.values + [v]
             self.value_stats = self.value_stats + [self._stats(v)]
         self._last_input = None

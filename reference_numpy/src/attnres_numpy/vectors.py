@@ -313,7 +313,8 @@ def golden_cases() -> List[GoldenCase]:
         merge_case(7, (4,), f64, token_query=True),
         *[probe_case(v) for v in ("standard", "scalar", "gated", "static", "full", "block",
                                   "window", "input_query", "sigmoid", "no_key_norm", "multihead",
-                                  "shared_queries")],
+                                  "shared_queries", "hybrid")],
+        probe_case("hybrid", mix=0.5, dtype=f64),  # M12 with the M10 blend
         probe_case("shared_queries", schedule="two_phase"),  # M11: one phase-1 query per block
         probe_case("block", block_size=1),  # S = 1 equals full
         probe_case("block", block_size=4),  # blocks of 4 and 1

@@ -210,3 +210,24 @@ def test_wrapper_and_router_argument_errors():
         router.load_stacked({"queries": torch.zeros(3, D), "norm_weights": torch.ones(4, D)})
     with pytest.raises(ValueError, match="params: expected names"):
         router.load_stacked({"queries": torch.zeros(4, D)})
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_hf_gpt_example_converts_in_place_and_matches_prenorm_at_init(per_layer):
+    from attnres_torch.examples import hf_gpt
+
+    config = hf_gpt.GPT2Config(n_embd=32, n_layer=3, n_head=2, layer_norm_epsilon=1e-12)
+    torch.manual_seed(0)
+    prenorm = hf_gpt.GPT2LMHeadModel(config).double()
+    model = hf_gpt.to_attnres(hf_gpt.GPT2LMHeadModel(config).double(),
+                              ResidualConfig(kind="block", block_size=2), per_layer=per_layer,
+                              dtype=torch.float64)
+    missing = model.load_state_dict(prenorm.state_dict(), strict=False).missing_keys
+    assert all("attnres" in k for k in missing) and missing
+    assert all(k in model.state_dict() for k in prenorm.state_dict())  # PreNorm keys unchanged
+    tokens = torch.randint(0, config.vocab_size, (2, 9))
+    out = model(tokens, output_hidden_states=True)
+    torch.testing.assert_close(out["logits"], prenorm(tokens)["logits"], atol=1e-9, rtol=1e-9)
+    assert len(out["hidden_states"]) == config.n_layer + 1
+    out["logits"].sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "attnres" in n and "query" in n)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from attnres_numpy.config import ResidualConfig
+from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 from attnres_torch import DepthRouter
 from attnres_torch.convert import DepthSite, PerLayerRouter, RowStack, wrap_prenorm
 from attnres_torch.examples.decoder import Decoder
 from torch import nn
 
-VARIANTS = ["standard", "scalar", "gated", "static", "full", "block", "window", "input_query",
-            "sigmoid", "no_key_norm", "multihead"]
+VARIANTS = [v for v in VARIANT_KINDS
+            if v != "shared_queries"]  # every variant of the spec with a row per sublayer
 
 
 def _random_router(name, L, D, seed):
@@ -210,6 +210,11 @@ def test_wrapper_and_router_argument_errors():
         router.load_stacked({"queries": torch.zeros(3, D), "norm_weights": torch.ones(4, D)})
     with pytest.raises(ValueError, match="params: expected names"):
         router.load_stacked({"queries": torch.zeros(4, D)})
+    if "shared_queries" in VARIANT_KINDS:
+        with pytest.raises(ValueError, match="query_sharing='block' shares rows"):
+            PerLayerRouter(ResidualConfig.variant("shared_queries"), 3, D)
+        stack = wrap_prenorm([GPT2ishBlock(D)], ResidualConfig.variant("shared_queries"), per_layer=False)
+        assert stack(torch.randn(2, D)).shape == (2, D)
 
 
 @pytest.mark.parametrize("per_layer", [True, False])

@@ -119,6 +119,10 @@ class PerLayerRouter(DepthRouter):
                  sites: Optional[Sequence[DepthSite]] = None):
         nn.Module.__init__(self)
         _check_dims(config, num_layers, dim)
+        if getattr(config, "query_sharing", "none") != "none":
+            raise ValueError(f"config: per-layer ownership gives every sublayer its own query row, but "
+                             f"query_sharing={config.query_sharing!r} shares rows between sublayers; "
+                             "use DepthRouter (wrap_prenorm(..., per_layer=False))")
         if schedule is not None:
             config.check_schedule(schedule)
         self.config, self.num_layers, self.dim, self.schedule = config, num_layers, dim, schedule

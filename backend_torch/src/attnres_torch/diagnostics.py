@@ -86,7 +86,10 @@ def _query_slot(router, row: int):
     """(parameter, index) holding row `row`'s query: index is the row of a stacked `[L+1, ...]`
     parameter (`DepthRouter`), None where the row is its own parameter (per-layer ownership:
     any router with `row_parameter(name, row)`)."""
-    name = "queries" if router.config.query == "static" else "query_weights"
+    config = router.config
+    name = "queries" if config.query == "static" else "query_weights"
+    if hasattr(config, "query_row"):  # M11: shared queries map sublayer rows onto fewer rows
+        row = config.query_row(row + 1, router.num_layers)
     if hasattr(router, "row_parameter"):
         return router.row_parameter(name, row), None
     return getattr(router, name), row

@@ -76,3 +76,28 @@ def test_export_vectors(tmp_path):
     assert "depth_attention__shapes__N33-T3-D123__bfloat16" in ids
     assert "probe__block_two_phase__S2-L5-D8-T2x3__bfloat16" in ids
     assert all(v.dtype == "bfloat16" for v in vectors) and len(vectors) > 40
+
+
+def test_progress_on_stderr_and_its_opt_out():
+    """A long run is never silent: the first case, then every 10 s, then the wall time."""
+    run = cli("--backend", "numpy", "--select", "probe/mix", "--dtype", "float64")
+    assert run.returncode == 0, run.stderr
+    lines = [l for l in run.stderr.splitlines() if l.startswith("attnres-conformance: numpy: ")]
+    assert lines[0].startswith("attnres-conformance: numpy: 1/") and "cases" in lines[0], lines
+    assert lines[-1].startswith("attnres-conformance: numpy: done in "), lines
+    quiet = cli("--backend", "numpy", "--select", "probe/mix", "--dtype", "float64", "--no-progress")
+    assert quiet.returncode == 0 and "cases (" not in quiet.stderr and "done in" not in quiet.stderr
+
+
+def test_progress_meter_throttles_and_estimates():
+    import io
+
+    from attnres_conformance.cli import Progress
+
+    out = io.StringIO()
+    meter = Progress("demo", every=3600.0, stream=out)
+    for done in range(1, 11):
+        meter(done, 10, f"case{done}")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "1/10 cases (10%)" in lines[0] and "10/10 cases (100%)" in lines[1]
+    assert "about 0 s left" in lines[1]

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -46,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only cases whose id starts with PREFIX (repeatable), e.g. probe/ or errors/")
     p.add_argument("--quick", action="store_true", help=QUICK_HELP)
     p.add_argument("--list", action="store_true", help="print the case ids and exit")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress lines on stderr (by default: cases done, elapsed, ETA every 10 s)")
     p.add_argument("--export-vectors", type=Path, metavar="DIR",
                    help="write every generated op/probe case with its reference results as golden vectors")
     return p
@@ -61,6 +64,32 @@ def _export(directory: Path, dtypes, quick: bool) -> int:
     path = write_vectors(directory, goldens)
     print(f"wrote {len(goldens)} cases to {path.parent}")
     return 0
+
+
+class Progress:
+    """Progress lines on stderr while a backend runs: at the first case, then at most every
+    `every` seconds (cases done / total, elapsed, an ETA from the rate so far), and its wall time
+    at the end."""
+
+    def __init__(self, name: str, every: float = 10.0, stream=None):
+        self.name, self.every = name, every
+        self.stream = sys.stderr if stream is None else stream
+        self.start = time.monotonic()
+        self.last = None
+
+    def __call__(self, done: int, total: int, case_id: str) -> None:
+        now = time.monotonic()
+        if self.last is not None and now - self.last < self.every and done < total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        eta = elapsed / done * (total - done)
+        print(f"attnres-conformance: {self.name}: {done}/{total} cases ({100 * done // total}%), "
+              f"{elapsed:.0f} s, about {eta:.0f} s left (last: {case_id})", file=self.stream, flush=True)
+
+    def finish(self) -> None:
+        print(f"attnres-conformance: {self.name}: done in {time.monotonic() - self.start:.0f} s",
+              file=self.stream, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -82,8 +111,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for spec in specs:
         try:
             backend = load_backend(spec)
+            meter = None if args.no_progress else Progress(spec)
             report = run_conformance(backend, dtypes=dtypes, devices=args.device, quick=args.quick,
-                                     skips=args.skips, case_ids=args.case, select=args.select, spec=spec)
+                                     skips=args.skips, case_ids=args.case, select=args.select, spec=spec,
+                                     progress=meter)
+            if meter is not None:
+                meter.finish()
         except (BackendSelectionError, BackendUnavailable, ImportError, ValueError, OSError) as exc:
             print(f"attnres-conformance: error: {exc}", file=sys.stderr)
             return 2

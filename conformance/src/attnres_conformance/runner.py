@@ -21,7 +21,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import __version__
 from . import cases as cases_mod
@@ -301,14 +301,16 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
                     devices: Optional[Iterable[str]] = None, quick: bool = False,
                     skips: Union[None, str, Path, Sequence[SkipRule]] = None,
                     case_ids: Optional[Sequence[str]] = None, select: Optional[Sequence[str]] = None,
-                    spec: Optional[str] = None, vectors_dir=None) -> Report:
+                    spec: Optional[str] = None, vectors_dir=None,
+                    progress: Optional[Callable[[int, int, str], None]] = None) -> Report:
     """Run the suite on `backend` (an object implementing `Backend`).
 
     dtypes: default all four (those the backend does not declare are reported as skipped);
     devices: default every declared device.  quick: the reduced grid.  skips: a skips file path or
     parsed rules.  case_ids: run only these cases; select: only cases whose id starts with one
     of these prefixes.  spec: how reproducers name the backend
-    (default: its registry name)."""
+    (default: its registry name).  progress: called as `progress(done, total, case_id)` after
+    every case (the CLI prints from it)."""
     if not backend.is_available():
         raise BackendUnavailable(f"backend {backend.name!r}: is_available() is False here")
     caps = backend.capabilities()
@@ -327,11 +329,15 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
         selected = [c for c in selected if c.id.startswith(tuple(select))]
     report = Report(backend.name, spec, dict(backend.versions()), _caps_dict(caps), devices, dtypes, quick)
     used = set()
+    total, done = len(devices) * len(selected), 0
     for device in devices:
         for case in selected:
             rule = match_rule(rules, case.id)
             if rule is not None:
                 used.add(rule)
             report.results.append(run_case(backend, case, device, spec=spec, rule=rule, caps=caps))
+            done += 1
+            if progress is not None:
+                progress(done, total, case.id)
     report.warnings += [f"skips line {r.line}: {r.prefix!r} matches no case" for r in rules if r not in used]
     return report

@@ -343,6 +343,13 @@ def _probe_cases(dtypes) -> List[Case]:
     cases = []
     for dtype in dtypes:
         for row, label, variant, overrides, schedule, call in PROBES:
+            if call and variant == "input_query" and dtype in ("float16", "bfloat16"):
+                # The input-query probe's low-precision gradients are ill-conditioned (rounding
+                # the per-token query flips signs: the rounded reference itself errs ~15 % in
+                # bf16, and its error jumps between 0.02 and 0.3 as alpha moves 0.5 -> 0.8), so
+                # a blended cell there measures luck, not the mix: M10 with an input query is
+                # checked in f64/f32; the low-precision mix by the full/block/window rows.
+                continue
             num_layers = 4 if label.startswith("S2-L4") else 5
             cases.append(_op_case(row, label, dtype, "probe", True, override="probe", variant=variant,
                                   num_layers=num_layers, overrides=overrides, schedule=schedule,

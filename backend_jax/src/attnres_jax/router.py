@@ -59,13 +59,8 @@ class JaxOps(ResidualOps):
     def sigmoid(self, x):
         return jax.nn.sigmoid(x)
 
-    def blend(self, standard, attended, alpha):
-        """M10 in the compute dtype with one cast (C10): a weakly typed `x * 0.2` on bfloat16
-        rounds the coefficients to bfloat16 first (0.2 -> 0.2002, 0.8 -> 0.8008), and that
-        bias compounds over the layers (seen: bf16 input-query gradients 5x off)."""
-        ct = jnp.dtype(compute_dtype_for(dtype_name(standard)))
-        out = standard.astype(ct) * (1.0 - alpha) + attended.astype(ct) * alpha
-        return out.astype(standard.dtype)
+    def to_compute(self, x):
+        return x.astype(jnp.dtype(compute_dtype_for(dtype_name(x))))
 
     def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights):
         result = depth_attention(list(sources), query, norm_weight, eps=config.eps,

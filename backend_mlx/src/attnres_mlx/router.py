@@ -58,10 +58,8 @@ class MlxOps(ResidualOps):
     def matmul(self, x, w):
         return x @ w.astype(x.dtype)
 
-    def blend(self, standard, attended, alpha):
-        c = ops.compute_dtype(standard.dtype)  # C10: the blend in the compute dtype, one cast
-        out = standard.astype(c) * (1.0 - alpha) + attended.astype(c) * alpha
-        return out.astype(standard.dtype)
+    def to_compute(self, x):
+        return x.astype(ops.compute_dtype(x.dtype))
 
     def sigmoid(self, x):
         return ops.sigmoid(x)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from attnres_numpy.schedule import ResidualOps
 
 from . import ops
+from ._args import compute_dtype
 
 
 class TorchOps(ResidualOps):
@@ -22,6 +23,9 @@ class TorchOps(ResidualOps):
 
     def cast_like(self, x, like):
         return x.to(like.dtype)
+
+    def to_compute(self, x):
+        return x.to(compute_dtype(x.dtype))
 
     def rmsnorm(self, x, eps):
         return F.rms_norm(x, (x.shape[-1],), eps=eps)

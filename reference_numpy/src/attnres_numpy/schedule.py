@@ -73,10 +73,17 @@ class ResidualOps:
         """Elementwise product (a scalar weight or a gate `[..., D]` times a value `[..., D]`)."""
         return a * b
 
+    def to_compute(self, x: Array) -> Array:
+        """x in the compute dtype (C10: float32; float64 stays float64).  Default: x as it is."""
+        return x
+
     def blend(self, standard: Array, attended: Array, alpha) -> Array:
         """M10: `(1 - alpha) * standard + alpha * attended`, alpha a Python float in (0, 1) (or
-        a 0-d array of the framework)."""
-        return standard * (1.0 - alpha) + attended * alpha
+        a 0-d array of the framework), computed in the compute dtype with one cast back (C10):
+        in bfloat16 a weakly typed `x * 0.2` would round the coefficients first (0.2 -> 0.2002,
+        0.8 -> 0.8008) and the bias compounds over the layers."""
+        c = self.to_compute
+        return self.cast_like(c(standard) * (1.0 - alpha) + c(attended) * alpha, standard)
 
     def take(self, x: Array, i: int) -> Array:
         """`x[i]`: one query's row of phase-1 results `[S, ...]`."""
@@ -247,7 +254,7 @@ class ResidualStream:
             self.observer.depth_attention(row, labels, sources, weights)
         return out
 
-    def _mix(self, row: int) -> Array:
+    def _weighted_sum(self, row: int) -> Array:
         """M7 static: h = sum_{i <= r} depth_weights[r, i] v_i (DenseFormer-style)."""
         ops = self.ops
         h = None
@@ -283,7 +290,7 @@ class ResidualStream:
         if kind in ADDITIVE_KINDS:
             h = self.h
         elif kind == "static":
-            h = self._mix(row)
+            h = self._weighted_sum(row)
         elif self._standard_only:  # M10 at alpha = 0: the standard scheme, no depth attention
             h = self.standard
         elif kind == "block" and self.two_phase:
@@ -344,7 +351,7 @@ class ResidualStream:
         if kind in ADDITIVE_KINDS:
             return self.h
         if kind == "static":
-            return self._mix(L)
+            return self._weighted_sum(L)
         if self._standard_only:
             return self.standard
         return self._blend(self._attend(L, L + 1))

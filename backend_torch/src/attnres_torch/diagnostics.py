@@ -88,8 +88,7 @@ def _query_slot(router, row: int):
     any router with `row_parameter(name, row)`)."""
     config = router.config
     name = "queries" if config.query == "static" else "query_weights"
-    if hasattr(config, "query_row"):  # M11: shared queries map sublayer rows onto fewer rows
-        row = config.query_row(row + 1, router.num_layers)
+    row = config.query_row(row + 1, router.num_layers)  # M11: shared rows serve several sublayers
     if hasattr(router, "row_parameter"):
         return router.row_parameter(name, row), None
     return getattr(router, name), row

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from attnres_numpy import validation
 from attnres_numpy.config import ResidualConfig
-from attnres_numpy.numerics import compute_dtype_for
 from attnres_numpy.schedule import ResidualStream
 
 from . import ops
@@ -65,7 +64,7 @@ def depth_attention_tp(sources, query, norm_weight=None, *, axis_name: str, eps:
         stacked=not isinstance(sources, (list, tuple)), eps=eps, scale=scale, num_heads=num_heads,
         activation=activation, key_norm=key_norm, return_lse=return_lse)
     h = geo.num_heads
-    cd = jnp.dtype(compute_dtype_for(ops.dtype_name(xs[0])))  # C10
+    cd = ops.compute_dtype(xs[0].dtype)  # C10
     m = _head_map(axis_name, local_dim, dim, h, cd)  # [D_r, H]
     x = jnp.stack([s.astype(cd) for s in xs])  # [N, ..., D_r]
     qg = query.astype(cd) if norm_weight is None else query.astype(cd) * norm_weight.astype(cd)

@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 from attnres_numpy import validation
 from attnres_numpy.config import ResidualConfig
-from attnres_numpy.numerics import compute_dtype_for
 from attnres_numpy.schedule import ResidualOps, ScheduleObserver, run_schedule
 
-from .ops import depth_attention, depth_attention_multi, dtype_name, merge_partial
+from .ops import compute_dtype, depth_attention, depth_attention_multi, dtype_name, merge_partial
 
 Sublayer = Callable[[jax.Array], jax.Array]
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -32,7 +31,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def rmsnorm(x, eps: float):
     """Gainless RMSNorm over the last axis, statistics in the compute dtype (C10: float32, float64
     for float64 x).  x `[..., D]` -> `[..., D]` in x's dtype."""
-    ct = jnp.dtype(compute_dtype_for(dtype_name(x)))
+    ct = compute_dtype(x.dtype)
     xc = x.astype(ct)
     return (xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
@@ -60,7 +59,7 @@ class JaxOps(ResidualOps):
         return jax.nn.sigmoid(x)
 
     def to_compute(self, x):
-        return x.astype(jnp.dtype(compute_dtype_for(dtype_name(x))))
+        return x.astype(compute_dtype(x.dtype))
 
     def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights):
         result = depth_attention(list(sources), query, norm_weight, eps=config.eps,
@@ -116,7 +115,7 @@ def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: S
     params = {k: jnp.asarray(v) for k, v in params.items()} if isinstance(params, Mapping) else params
     _check(config, params, embedding, len(sublayers), schedule)
     if hasattr(mix, "shape"):  # an array alpha (numpy or JAX, traced under jit), in the compute dtype
-        mix = jnp.asarray(mix, dtype=jnp.dtype(compute_dtype_for(dtype_name(embedding))))
+        mix = jnp.asarray(mix, dtype=compute_dtype(embedding.dtype))
     return run_schedule(config, JaxOps(params), embedding, list(sublayers), schedule=schedule,
                         observer=observer, mix=mix, scale=scale)
 

@@ -95,11 +95,18 @@ class OpResult:
     """outputs: "out" (and "lse", "weights" when asked; depth_attention_multi always has "lse").
     grads: one entry per differentiable input of the call, keyed like `OpCall.inputs`
       ("sources" in the form it was given: list or stacked); None for a None input.
-    inputs_after: every input read back from the backend's native arrays after the call."""
+    inputs_after: every input read back from the backend's native arrays after the call.
+    native_dtypes: the dtype name ("float32", "bfloat16", ...) of every native output and gradient
+      before read-back, keyed "out", "lse", "weights", "grad.<input>" (a list for list sources),
+      so the suite can check C10.3's result dtypes although the arrays come back upcast.
+    aliases: names of the outputs whose native memory overlaps any native input (C7a: every
+      output is a fresh array; frameworks with immutable arrays return an empty tuple)."""
 
     outputs: Dict[str, np.ndarray]
     grads: Dict[str, Any] = field(default_factory=dict)
     inputs_after: Dict[str, Any] = field(default_factory=dict)
+    native_dtypes: Dict[str, Any] = field(default_factory=dict)
+    aliases: tuple = ()
 
 
 @dataclass

@@ -37,6 +37,11 @@ def test_call_op_depth_attention(rng, dtype, strided, stacked):
     x64_before = jax.config.jax_enable_x64
     result = backend.call_op(call)
     assert jax.config.jax_enable_x64 == x64_before  # x64 only inside the call
+    kappa = "float64" if dtype == "float64" else "float32"  # C10.3: lse/weights in kappa
+    assert result.native_dtypes == {"out": dtype, "lse": kappa, "weights": kappa, "grad.sources":
+                                    dtype if stacked else [dtype] * 4, "grad.query": dtype,
+                                    "grad.norm_weight": None}
+    assert result.aliases == ()
     want = ref.depth_attention(sources, q, g, num_heads=2, return_lse=True, return_weights=True)
     tol = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2}[dtype]
     for name, value in zip(("out", "lse", "weights"), want):

@@ -53,3 +53,20 @@ def test_bad_input_raises_framework_error():
                                       "norm_weight": None}, input_dtypes={"query": "int32"})
     with pytest.raises(TypeError, match="query: expected a floating"):
         backend.call_op(call)
+
+
+def test_native_dtypes_and_aliases(monkeypatch):
+    """C10.3 dtypes are reported before read-back; an output sharing an input's storage (C7a) is
+    named in `aliases` (shown with an op that returns its source, the N = 1 shortcut C7a forbids)."""
+    xs = [np.ones((2, 4))]
+    call = OpCall("depth_attention", {"sources": xs, "query": np.ones(4), "norm_weight": None},
+                  attrs={"return_lse": True}, dtype="bfloat16",
+                  cotangents={"out": np.ones((2, 4)), "lse": np.ones(2)})
+    res = backend.call_op(call)
+    assert res.native_dtypes == {"out": "bfloat16", "lse": "float32", "grad.sources": ["bfloat16"],
+                                 "grad.query": "bfloat16", "grad.norm_weight": None}
+    assert res.aliases == ()
+    from attnres_torch import conformance
+    monkeypatch.setitem(conformance._OPS, "depth_attention", lambda s, q, g, **kw: s[0][:1])
+    res = backend.call_op(OpCall("depth_attention", {"sources": xs, "query": np.ones(4), "norm_weight": None}))
+    assert res.aliases == ("out",)

@@ -162,10 +162,16 @@ class JaxBackend:
             cotangents = {k: jnp.asarray(np.asarray(v, dtype=np.float64).astype(compute_dtype(call.dtype)))
                           for k, v in call.cotangents.items() if v is not None}  # C10: in kappa
         outs, grads = jax.jit(run)(native, cotangents)
-        result = OpResult(outputs={k: _to_numpy(v) for k, v in outs.items()})
+        # JAX arrays are immutable (no in-place writes exist), so no result can alias an input
+        # in a way a caller could observe (C7a): `aliases` stays empty.
+        result = OpResult(outputs={k: _to_numpy(v) for k, v in outs.items()},
+                          native_dtypes={k: str(v.dtype) for k, v in outs.items()})
         if grads is not None:
             result.grads = {k: (None if v is None else [_to_numpy(a) for a in v] if isinstance(v, list)
                                 else _to_numpy(v)) for k, v in grads.items()}
+            result.native_dtypes.update({
+                f"grad.{k}": (None if v is None else [str(a.dtype) for a in v] if isinstance(v, list)
+                              else str(v.dtype)) for k, v in grads.items()})
         result.inputs_after = {
             k: (None if v is None else [_to_numpy(_view(a, strided)) for a in v] if isinstance(v, list)
                 else _to_numpy(_view(v, strided))) for k, v in native.items()}

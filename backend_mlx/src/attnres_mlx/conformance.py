@@ -127,7 +127,7 @@ class MLXBackend:
         if attrs.get("return_weights"):
             keys.append("weights")
         outs = run(*natives)
-        grads = {}
+        grads, native_dtypes = {}, {k: dtype_name(o.dtype) for k, o in zip(keys, outs)}
         if call.cotangents is not None:
             def cot(key, like):
                 # Depth weights are not differentiable (C11): a zero cotangent.
@@ -137,8 +137,15 @@ class MLXBackend:
             for name, g in unpack(flat_grads).items():
                 grads[name] = None if g is None else (
                     [_to_np(x) for x in g] if isinstance(g, list) else _to_np(g))
+                native_dtypes[f"grad.{name}"] = None if g is None else (
+                    [dtype_name(x.dtype) for x in g] if isinstance(g, list) else dtype_name(g.dtype))
         after = unpack(natives)
+        # MLX arrays share no memory a caller could write through: `a[i] = v` rebinds `a` to a
+        # new array and never changes another array.  Only returning an input object itself
+        # would let a write into the result reach the argument (C7a), so that is what is checked.
+        aliases = tuple(k for k, o in zip(keys, outs) if any(o is x for x in natives))
         return OpResult(
+            native_dtypes=native_dtypes, aliases=aliases,
             outputs={k: _to_np(o) for k, o in zip(keys, outs)},
             grads=grads,
             inputs_after={k: None if v is None else ([_to_np(x) for x in v] if isinstance(v, list)

@@ -59,6 +59,28 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32).numpy()
 
 
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _span(t: torch.Tensor):
+    """(device, first byte, end byte) of the storage behind `t`."""
+    storage = t.untyped_storage()
+    return t.device, storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _aliases(named: List[tuple], native: Dict[str, Any]) -> tuple:
+    """Names of the (name, tensor) results whose storage overlaps any native input's (C7a)."""
+    spans = [_span(t) for v in native.values() if v is not None
+             for t in (v if isinstance(v, list) else [v])]
+    out = []
+    for name, t in named:
+        dev, lo, hi = _span(t)
+        if name not in out and any(d == dev and lo < h and l < hi for d, l, h in spans):
+            out.append(name)
+    return tuple(out)
+
+
 def _as_numpy(value):
     if value is None:
         return None
@@ -131,9 +153,18 @@ class TorchBackend:
         with torch.enable_grad():
             result = _OPS[call.op](*args, **attrs)
         outputs = self._outputs(call, result)
-        grads = self._grads(call, native, outputs) if grad else {}
+        native_grads = self._grads(call, native, outputs) if grad else {}
+        fresh = list(outputs.items()) + [(f"grad.{k}", g) for k, v in native_grads.items()
+                                         if v is not None for g in (v if isinstance(v, list) else [v])]
+        dtypes = {k: _dtype_name(v) for k, v in outputs.items()}
+        dtypes.update({f"grad.{k}": (None if v is None else [_dtype_name(g) for g in v]
+                                     if isinstance(v, list) else _dtype_name(v))
+                       for k, v in native_grads.items()})
+        grads = {k: None if v is None else ([_numpy(g) for g in v] if isinstance(v, list) else _numpy(v))
+                 for k, v in native_grads.items()}
         return OpResult(outputs={k: _numpy(v) for k, v in outputs.items()}, grads=grads,
-                        inputs_after={k: _as_numpy(v) for k, v in native.items()})
+                        inputs_after={k: _as_numpy(v) for k, v in native.items()},
+                        native_dtypes=dtypes, aliases=_aliases(fresh, native))
 
     @staticmethod
     def _outputs(call: OpCall, result) -> Dict[str, torch.Tensor]:
@@ -149,6 +180,7 @@ class TorchBackend:
 
     @staticmethod
     def _grads(call: OpCall, native: Dict[str, Any], outputs: Dict[str, torch.Tensor]):
+        """Native gradients by input name (a list for list sources; None for a None input)."""
         ys, cts = [], []
         for key, ct in call.cotangents.items():
             if ct is not None and key in outputs:
@@ -164,8 +196,8 @@ class TorchBackend:
         got = iter(torch.autograd.grad(ys, leaves, cts, allow_unused=True))
 
         def take(t):
-            g = next(got)
-            return np.zeros(t.shape, dtype=np.float64) if g is None else _numpy(g)
+            g = next(got)  # an unused input has a zero gradient
+            return torch.zeros_like(t).detach() if g is None else g
 
         grads = {}
         for name, value in native.items():

@@ -57,6 +57,34 @@ def _read_back(inputs: Dict[str, Any]) -> Dict[str, Any]:
             for k, v in inputs.items()}
 
 
+def _flat(outputs: Dict[str, Any], grads: Dict[str, Any]):
+    """(name, array) of every result: outputs by name, gradients as "grad.<input>"."""
+    pairs = list(outputs.items())
+    for k, v in grads.items():
+        if v is not None:
+            pairs.extend((f"grad.{k}", g) for g in (v if isinstance(v, list) else [v]))
+    return pairs
+
+
+def _native_dtypes(outputs: Dict[str, Any], grads: Dict[str, Any]) -> Dict[str, Any]:
+    dtypes = {k: np.asarray(v).dtype.name for k, v in outputs.items()}
+    dtypes.update({f"grad.{k}": None if v is None else ([np.asarray(g).dtype.name for g in v]
+                                                        if isinstance(v, list) else np.asarray(v).dtype.name)
+                   for k, v in grads.items()})
+    return dtypes
+
+
+def _aliases(outputs: Dict[str, Any], grads: Dict[str, Any], inputs: Dict[str, Any]) -> tuple:
+    """Names of the results whose memory may overlap a native input's (C7a; NumPy arrays are
+    mutable, so a view of an input would be a real alias)."""
+    natives = [a for v in inputs.values() if v is not None for a in (v if isinstance(v, list) else [v])]
+    names = []
+    for name, value in _flat(outputs, grads):
+        if name not in names and any(np.may_share_memory(value, a) for a in natives):
+            names.append(name)
+    return tuple(names)
+
+
 class ReferenceBackend:
     """`attnres_numpy` behind the `Backend` protocol (float64 only: it is the oracle)."""
 
@@ -101,7 +129,8 @@ class ReferenceBackend:
                 grads = ops.merge_partial_vjp(*args, cot["out"], cot.get("lse"), **vjp_attrs)
         else:
             raise ValueError(f"op: unknown op {call.op!r}")
-        return OpResult(outputs, grads, _read_back(x))
+        return OpResult(outputs, grads, _read_back(x), native_dtypes=_native_dtypes(outputs, grads),
+                        aliases=_aliases(outputs, grads, x))
 
     def call_probe(self, call: ProbeCall) -> ProbeResult:
         config = ResidualConfig.from_dict(call.config)

@@ -3,7 +3,7 @@
     nox -t tests            # every test session: the README's test command (CI runs exactly this)
     nox -s conformance      # the main job: conformance report over every backend -> reports/
     nox -s conformance -- torch jax    # only some backends
-    nox -s vectors          # regenerate spec/vectors from their case definitions
+    nox -s vectors          # regenerate the golden vectors (spec/vectors) from their definitions
     nox -s lint
 
 A reused virtualenv is not reinstalled when nothing it was installed from changed (the install
@@ -36,6 +36,8 @@ MLX = "mlx[cpu]>=0.25"
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
 BASE = ("-e", "reference_numpy", "-e", "conformance")
 DISTRIBUTIONS = ("reference_numpy", "conformance", "backend_torch", "backend_jax", "backend_mlx")
+#: The golden vectors: package data of the suite (its wheel ships them); spec/vectors links here.
+GOLDEN = "conformance/src/attnres_conformance/golden"
 
 BACKEND_INSTALL = {
     "numpy": (),
@@ -134,9 +136,10 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session(name="vectors")
 def vectors(session: nox.Session) -> None:
-    """Regenerate spec/vectors/ (manifest.json + one .npz per case) from the case definitions."""
+    """Regenerate the golden vectors (manifest.json + one .npz per case) from the case definitions,
+    in the suite's package data (spec/vectors links there), so its wheel ships them."""
     _install(session, "numpy")
-    session.run("python", "-m", "attnres_numpy.vectors", "spec/vectors", *session.posargs)
+    session.run("python", "-m", "attnres_numpy.vectors", GOLDEN, *session.posargs)
 
 
 @nox.session(name="lint")

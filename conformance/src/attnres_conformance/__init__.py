@@ -3,8 +3,12 @@
 Modules: `backend` (the protocol a port implements), `registry` (selecting a backend),
 `cases` (the generated cases), `checks` (running one), `tolerances` and `naive` (how results
 are judged), `runner` (`run_conformance` and the report), `cli` (`attnres-conformance`),
-`pytest_plugin` (`pytest --attnres-backend`), `reference_backend` (the reference as a backend).
+`pytest_plugin` (`pytest --attnres-backend`), `reference_backend` (the reference as a backend);
+`golden/` holds the golden vectors (package data; `spec/vectors` in a checkout links to it).
+`python -m attnres_conformance` runs the CLI.
 Importing this package imports nothing (the pytest plugin loads it in every pytest run).
 """
 
 __version__ = "0.1.0"
+#: The version of spec/SPEC.md the suite checks (its "Version" line).
+SPEC_VERSION = "0.1"

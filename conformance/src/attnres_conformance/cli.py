@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from . import SPEC_VERSION, __version__
 from .numerics import DTYPES
 from .registry import BACKENDS, ENV_VAR, BackendSelectionError, load_backend
 from .runner import BackendUnavailable, run_conformance
@@ -36,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", action="append", default=[], metavar="NAME|module:object",
                    help=f"backend to check (repeatable): one of {', '.join(BACKENDS)} or module:object "
                         f"(default: ${ENV_VAR})")
+    p.add_argument("--version", action="version", version=f"attnres-conformance {__version__} (spec {SPEC_VERSION})")
     p.add_argument("--dtype", action="append", choices=DTYPES,
                    help="dtype to check (repeatable; default: all four, undeclared ones reported as skipped)")
     p.add_argument("--device", action="append", help="device (repeatable; default: every declared device)")

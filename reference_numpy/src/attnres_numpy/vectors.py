@@ -407,17 +407,26 @@ def load_vectors(directory) -> List[GoldenCase]:
 
 
 def default_vectors_dir() -> Optional[Path]:
-    """$ATTNRES_VECTORS if set, else the first `spec/vectors` holding a manifest found walking up
-    from the cwd, then from this file (an editable checkout); None if there is none."""
+    """Where the golden vectors are, in this order (None if nowhere):
+
+    1. $ATTNRES_VECTORS (None if it holds no manifest: a wrong path is never silently replaced);
+    2. the first `spec/vectors` holding a manifest found walking up from the cwd (a checkout);
+    3. the copy shipped as package data of the installed suite, `attnres_conformance/golden/`
+       (in a checkout `spec/vectors` links to that folder), found without importing the suite,
+       so a port installed from wheels checks the vectors outside any checkout;
+    4. `spec/vectors` walking up from this file (an editable checkout without the suite).
+    """
+    import importlib.util  # here, not at the top: only this lookup needs it
+
     env = os.environ.get(ENV_VAR)
     if env:
         return Path(env) if (Path(env) / MANIFEST).is_file() else None
-    for start in (Path.cwd(), Path(__file__).resolve().parent):
-        for folder in (start, *start.parents):
-            candidate = folder / "spec" / "vectors"
-            if (candidate / MANIFEST).is_file():
-                return candidate
-    return None
+    candidates = [folder / "spec" / "vectors" for folder in (Path.cwd(), *Path.cwd().parents)]
+    suite = importlib.util.find_spec("attnres_conformance")
+    candidates += [Path(loc) / "golden" for loc in ((suite and suite.submodule_search_locations) or ())]
+    here = Path(__file__).resolve().parent
+    candidates += [folder / "spec" / "vectors" for folder in (here, *here.parents)]
+    return next((c for c in candidates if (c / MANIFEST).is_file()), None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

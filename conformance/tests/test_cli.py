@@ -2,9 +2,11 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+from attnres_conformance import SPEC_VERSION, __version__
 from attnres_numpy.vectors import load_vectors
 from conftest import TESTS
 
@@ -101,3 +103,48 @@ def test_progress_meter_throttles_and_estimates():
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and "1/10 cases (10%)" in lines[0] and "10/10 cases (100%)" in lines[1]
     assert "about 0 s left" in lines[1]
+
+
+def test_python_dash_m_and_version():
+    """`python -m attnres_conformance` is the script; --version names the suite and the spec."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    version = subprocess.run([sys.executable, "-m", "attnres_conformance", "--version"], capture_output=True,
+                             text=True, env=env, timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == f"attnres-conformance {__version__} (spec {SPEC_VERSION})"
+    spec = (TESTS.parents[1] / "spec" / "SPEC.md").read_text()
+    assert re.search(r"^Version (\S+) ", spec, re.M).group(1) == SPEC_VERSION
+    run = subprocess.run([sys.executable, "-m", "attnres_conformance", "--backend", "numpy", "--case",
+                          "invariants/identity/N1-T3-D16/float64"], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0 and "backend numpy (numpy)" in run.stdout, run.stderr
+    bad = subprocess.run([sys.executable, "-m", "attnres_conformance", "--backend", "nosuch"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "unknown name 'nosuch'" in bad.stderr
+
+
+def test_summary_paths_and_merge(tmp_path):
+    """The end of a run: one summary line per backend and the reports written (saying when one
+    replaced an earlier file); --merge makes one report of runs made in separate processes."""
+    case = "depth_attention/base/N5-T3-D16/float64"
+    good = cli("--backend", "numpy", "--case", case, "--json", str(tmp_path / "a.json"),
+               "--markdown", str(tmp_path / "a.md"))
+    assert good.returncode == 0, good.stderr
+    summary = good.stdout[good.stdout.index("attnres conformance summary (1 backend, "):]
+    lines = summary.splitlines()
+    assert lines[1].split()[:6] == ["backend", "cases", "pass", "fail", "skip", "xfail"]
+    assert lines[2].split()[:6] == ["numpy", "1", "1", "0", "0", "0"] and " s " in lines[2]
+    assert lines[3:] == [f"report written: {tmp_path / 'a.json'}", f"report written: {tmp_path / 'a.md'}"]
+    again = cli("--backend", "numpy", "--case", case, "--json", str(tmp_path / "a.json"))
+    assert f"report written: {tmp_path / 'a.json'} (replaced the earlier file)" in again.stdout
+    bad = cli("--backend", "adapters:broken_norm_weight_grad", "--case", case, "--json", str(tmp_path / "b.json"))
+    assert bad.returncode == 1
+    merged = cli("--merge", str(tmp_path / "a.json"), "--merge", str(tmp_path / "b.json"),
+                 "--markdown", str(tmp_path / "all.md"), "--json", str(tmp_path / "all.json"))
+    assert merged.returncode == 1, merged.stderr
+    assert "attnres conformance summary (2 backends" in merged.stdout
+    md = (tmp_path / "all.md").read_text()
+    assert "| numpy | 1 | 1 | 0 | 0 | 0 |" in md and "| adapters:broken_norm_weight_grad | 1 | 0 | 1 | 0 | 0 |" in md
+    assert [r["spec"] for r in json.loads((tmp_path / "all.json").read_text())["reports"]] == [
+        "numpy", "adapters:broken_norm_weight_grad"]
+    broken = tmp_path / "broken.json"
+    broken.write_text("{}")
+    assert cli("--merge", str(broken)).returncode == 2

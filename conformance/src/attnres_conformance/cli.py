@@ -5,6 +5,13 @@
     attnres-conformance --backend my_port.adapter:backend --skips my-port-skips.txt
     attnres-conformance --backend torch --case 'depth_attention/shapes/N130-T1-D4096/bfloat16'
     attnres-conformance --export-vectors DIR   # every generated case as golden vectors
+    attnres-conformance --merge a.json --merge b.json --markdown all.md   # one report of several runs
+    python -m attnres_conformance ...          # the same command
+
+While it runs: per backend, cases done / total, elapsed and an ETA on stderr (at the first case,
+then every 10 s; --no-progress silences it), and each backend's wall time.  At the end, on
+stdout: each backend's matrix, one summary line per backend (cases, pass, fail, skip, xfail,
+wall time, the implementation that ran) and the paths of the reports written.
 
 Exit status: 0 when nothing failed, 1 on any failure (or XPASS), 2 on a usage error (no backend
 selected, unknown backend or case, backend unavailable).
@@ -22,9 +29,10 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from . import SPEC_VERSION, __version__
+from .legend import document_dict, document_markdown, summary_text
 from .numerics import DTYPES
 from .registry import BACKENDS, ENV_VAR, BackendSelectionError, load_backend
-from .runner import BackendUnavailable, run_conformance
+from .runner import BackendUnavailable, Report, run_conformance
 
 QUICK_HELP = ("reduced grid for fast iteration: N in {1, 33}, D in {7, 123}, one token shape, the "
               "main option of each op, every probe variant, the spec errors, one determinism and "
@@ -51,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="print the case ids and exit")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress lines on stderr (by default: cases done, elapsed, ETA every 10 s)")
+    p.add_argument("--merge", action="append", type=Path, metavar="JSON",
+                   help="instead of running: read this JSON report (repeatable) and write/print them as one")
     p.add_argument("--export-vectors", type=Path, metavar="DIR",
                    help="write every generated op/probe case with its reference results as golden vectors")
     return p
@@ -90,8 +100,46 @@ class Progress:
               f"{elapsed:.0f} s, about {eta:.0f} s left (last: {case_id})", file=self.stream, flush=True)
 
     def finish(self) -> None:
-        print(f"attnres-conformance: {self.name}: done in {time.monotonic() - self.start:.0f} s",
+        print(f"attnres-conformance: {self.name}: done in {time.monotonic() - self.start:.1f} s",
               file=self.stream, flush=True)
+
+
+def _write(path: Path, text: str) -> str:
+    """Write a report; the line saying where, and that an earlier file was replaced."""
+    replaced = path.is_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return f"{path}{' (replaced the earlier file)' if replaced else ''}"
+
+
+def _finish(reports: List[Report], args, wall_time: Optional[float]) -> int:
+    """The cross-backend summary and the reports written; the exit status."""
+    print(f"\nattnres conformance summary ({len(reports)} backend{'s' * (len(reports) != 1)}"
+          + ("" if wall_time is None else f", {wall_time:.1f} s in all") + "):")
+    print(summary_text(reports), end="")
+    written = []
+    if args.json:
+        written.append(_write(args.json, json.dumps(document_dict(reports, wall_time), indent=1) + "\n"))
+    if args.markdown:
+        written.append(_write(args.markdown, document_markdown(reports, wall_time)))
+    for line in written:
+        print(f"report written: {line}")
+    return 1 if any(r.failed for r in reports) else 0
+
+
+def _merge(paths: Sequence[Path], args) -> int:
+    reports: List[Report] = []
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            reports += [Report.from_dict(r) for r in data["reports"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"attnres-conformance: error: --merge {path}: {exc!r}", file=sys.stderr)
+            return 2
+    for report in reports:
+        print(report.to_text())
+    walls = [r.wall_time for r in reports if r.wall_time is not None]
+    return _finish(reports, args, max(walls) if walls else None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -99,6 +147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dtypes = args.dtype or None
     if args.export_vectors:
         return _export(args.export_vectors, dtypes or DTYPES, args.quick)
+    if args.merge:
+        return _merge(args.merge, args)
     if args.list:
         from .cases import generate
         ids = [c.id for c in generate(dtypes=dtypes or DTYPES, quick=args.quick)]
@@ -109,7 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("attnres-conformance: error: no backend selected; pass --backend NAME "
               f"(one of {', '.join(BACKENDS)}) or --backend module:object, or set ${ENV_VAR}", file=sys.stderr)
         return 2
-    reports: List = []
+    reports: List[Report] = []
+    start = time.monotonic()
     for spec in specs:
         try:
             backend = load_backend(spec)
@@ -126,12 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"attnres-conformance: warning: {warning}", file=sys.stderr)
         print(report.to_text())
         reports.append(report)
-    if args.json:
-        args.json.write_text(json.dumps({"schema_version": 1, "reports": [r.to_dict() for r in reports]},
-                                        indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text("\n".join(r.to_markdown() for r in reports))
-    return 1 if any(r.failed for r in reports) else 0
+    return _finish(reports, args, time.monotonic() - start)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ invariants, golden, sweep), two columns per dtype (forward, gradient).  A cell a
 cases: FAIL if any failed, XPASS if an expected failure passed (an error), pass if the rest
 passed ("pass*" when some of them were skipped or xfailed), else xfail / skip; the number is
 the largest `tolerances.rel_err` among its cases (none for bitwise and exception checks).
+Counts (each in the report under its own name, so each adds up to what is listed): cases (one
+result each: `case_summary`), checks (forward + gradient of each case: `summary`) and matrix
+cells (`matrix_summary`, including the empty ones).  The legend is `legend.py`.
 
 Skips file (a port keeps its own): one test-id prefix per line, `#` starts a comment (the
 rest of the line is the reason); a line `xfail PREFIX` expects those cases to fail (if one
@@ -18,20 +21,26 @@ import dataclasses
 import json
 import math
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
-from . import __version__
+from . import SPEC_VERSION, __version__
 from . import cases as cases_mod
 from .checks import Cell, check_case
+from .legend import implementations_text
 from .numerics import DTYPES
+from .provenance import UNKNOWN, git_commit, source_file, utc_now
 from .registry import BACKENDS
 
 SCHEMA_VERSION = 1
 SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 FAILING = ("fail", "xpass")
+STATUSES = ("pass", "fail", "skip", "xfail", "xpass")
+#: Labels of a matrix cell (`Report.matrix_summary`), "empty" where no case fills it.
+MATRIX_LABELS = ("pass", "pass*", "FAIL", "XPASS", "xfail", "skip", "empty")
 
 
 class BackendUnavailable(RuntimeError):
@@ -85,6 +94,12 @@ class CaseResult:
     def failed(self) -> bool:
         return any(c.status in FAILING for c in self.cells)
 
+    @property
+    def status(self) -> str:
+        """The case's one status: fail > xpass > xfail > pass > skip over its cells."""
+        statuses = {c.status for c in self.cells}
+        return next(s for s in ("fail", "xpass", "xfail", "pass", "skip") if s in statuses)
+
     def describe(self) -> str:
         lines = [f"{self.id} [{self.device}]"]
         for name, c in (("forward", self.forward), ("gradient", self.gradient)):
@@ -136,16 +151,44 @@ class Report:
     quick: bool
     results: List[CaseResult] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
+    #: When the run started (UTC), how long it took (s), the commit of the adapter's checkout
+    #: ("unknown" outside one), and the backend's `implementations_used()` counts for this run
+    #: (None when it has no such method).
+    date: str = ""
+    wall_time: Optional[float] = None
+    commit: str = UNKNOWN
+    implementations: Optional[Dict[str, int]] = None
 
     @property
     def failed(self) -> bool:
         return any(r.failed for r in self.results)
 
-    def summary(self) -> Dict[str, int]:
-        counts = {s: 0 for s in ("pass", "fail", "skip", "xfail", "xpass")}
-        for r in self.results:
+    def _results(self, device: Optional[str]) -> List[CaseResult]:
+        return [r for r in self.results if device is None or r.device == device]
+
+    def summary(self, device: Optional[str] = None) -> Dict[str, int]:
+        """Checks (a case's forward and, when it has one, its gradient) by status."""
+        counts = dict.fromkeys(STATUSES, 0)
+        for r in self._results(device):
             for c in r.cells:
                 counts[c.status] += 1
+        return counts
+
+    def case_summary(self, device: Optional[str] = None) -> Dict[str, int]:
+        """Cases (one per result listed) by `CaseResult.status`: the values sum to the results."""
+        counts = dict.fromkeys(STATUSES, 0)
+        for r in self._results(device):
+            counts[r.status] += 1
+        return counts
+
+    def matrix_summary(self, device: str) -> Dict[str, int]:
+        """The matrix cells of `device` by the label shown (MATRIX_LABELS): they sum to rows x columns."""
+        counts = dict.fromkeys(MATRIX_LABELS, 0)
+        for row in self.rows():
+            for d in self._dtypes():
+                for col in ("forward", "gradient"):
+                    c = self.cell(row, d, col, device)
+                    counts["empty" if c is None else c.status.upper() if c.status in FAILING else c.status] += 1
         return counts
 
     def cell(self, row: str, dtype: str, column: str, device: Optional[str] = None) -> Optional[Cell]:
@@ -168,8 +211,11 @@ class Report:
     def rows(self) -> List[str]:
         return list(dict.fromkeys(r.row for r in self.results))
 
+    def _dtypes(self) -> List[str]:
+        return [d for d in DTYPES if d in self.dtypes]
+
     def _table(self, device: str) -> List[List[str]]:
-        dtypes = [d for d in DTYPES if d in self.dtypes]
+        dtypes = self._dtypes()
         header = ["row"] + [f"{SHORT[d]} {col}" for d in dtypes for col in ("fwd", "grad")]
         table = [header]
         for row in self.rows():
@@ -182,22 +228,34 @@ class Report:
             table.append(line)
         return table
 
-    def _title(self, device: str) -> str:
+    def _title(self, device: str) -> List[str]:
         versions = ", ".join(f"{k} {v}" for k, v in sorted(self.versions.items()))
-        s = self.summary()
-        return (f"attnres conformance: backend {self.backend} ({self.spec}) on {device}"
-                f"{' [quick]' if self.quick else ''}; {versions}\n"
-                f"cells: {s['pass']} pass, {s['fail']} fail, {s['skip']} skip, {s['xfail']} xfail, "
-                f"{s['xpass']} xpass")
+        cases, checks, matrix = self.case_summary(device), self.summary(device), self.matrix_summary(device)
+        wall = "" if self.wall_time is None else f", {self.wall_time:.1f} s"
+        count = lambda s: ", ".join(f"{n} {k}" for k, n in s.items())  # noqa: E731
+        return [f"attnres conformance: backend {self.backend} ({self.spec}) on {device}"
+                f"{' [quick]' if self.quick else ''}; {versions}",
+                f"run: {self.date or 'date unknown'}{wall}; commit {self.commit}; "
+                f"suite {__version__} (spec {SPEC_VERSION})",
+                f"implementation that ran: {implementations_text(self.implementations)}",
+                f"capabilities: {self._caps_text()}",
+                f"cases: {sum(cases.values())} listed: {count(cases)}",
+                f"checks (forward + gradient of each case): {sum(checks.values())}: {count(checks)}",
+                f"matrix cells: {len(self.rows())} rows x {2 * len(self._dtypes())} columns = "
+                f"{sum(matrix.values())}: {count(matrix)}"]
+
+    def _caps_text(self) -> str:
+        caps = self.capabilities
+        shown = lambda v: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)  # noqa: E731
+        return "; ".join(f"{k} {shown(v)}" for k, v in caps.items())
 
     def _notes(self) -> List[str]:
         lines = [f"warning: {w}" for w in self.warnings]
         reasons: Dict[str, int] = {}
         for r in self.results:
-            for c in r.cells:
-                if c.status == "skip":
-                    reasons[c.message] = reasons.get(c.message, 0) + 1
-        lines += [f"skipped {n} cells: {reason}" for reason, n in sorted(reasons.items())]
+            if r.status == "skip":
+                reasons[r.forward.message] = reasons.get(r.forward.message, 0) + 1
+        lines += [f"skipped {n} cases: {reason}" for reason, n in sorted(reasons.items())]
         for r in self.results:
             if r.failed:
                 lines += ["", f"FAILED {r.describe()}", "reproduce:", r.reproducer or ""]
@@ -208,7 +266,7 @@ class Report:
         for device in self.devices:
             table = self._table(device)
             widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-            out.append(self._title(device))
+            out += self._title(device)
             out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table]
         return "\n".join(out + self._notes()) + "\n"
 
@@ -216,7 +274,8 @@ class Report:
         out = []
         for device in self.devices:
             table = self._table(device)
-            out += [f"### {self._title(device)}".replace("\n", "  \n"), ""]
+            title = self._title(device)
+            out += [f"## {title[0]}", "", *(f"- {line}" for line in title[1:]), ""]
             out.append("| " + " | ".join(table[0]) + " |")
             out.append("|" + "---|" * len(table[0]))
             out += ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(line)) + " |"
@@ -228,13 +287,29 @@ class Report:
         return "\n".join(out) + "\n"
 
     def to_dict(self) -> dict:
-        return {"schema_version": SCHEMA_VERSION, "suite_version": __version__, "backend": self.backend,
-                "spec": self.spec, "versions": self.versions, "capabilities": self.capabilities, "devices": self.devices,
+        return {"schema_version": SCHEMA_VERSION, "suite_version": __version__, "spec_version": SPEC_VERSION,
+                "backend": self.backend, "spec": self.spec, "date": self.date, "commit": self.commit,
+                "wall_time_s": self.wall_time, "versions": self.versions, "capabilities": self.capabilities,
+                "implementations_used": self.implementations, "devices": self.devices,
                 "dtypes": self.dtypes, "quick": self.quick, "summary": self.summary(),
+                "case_summary": self.case_summary(), "matrix": {d: self.matrix_summary(d) for d in self.devices},
                 "warnings": self.warnings, "results": [r.to_dict() for r in self.results]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Report":
+        """The report `to_dict()` wrote (to merge reports run in separate processes)."""
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"report: schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+        err = lambda e: float("inf") if e == "inf" else e  # noqa: E731
+        cell = lambda c: None if c is None else Cell(c["status"], err(c["max_rel_err"]), c["message"])  # noqa: E731
+        results = [CaseResult(r["id"], r["row"], r["kind"], r["dtype"], r["device"], cell(r["forward"]),
+                              cell(r["gradient"]), r["reproducer"]) for r in data["results"]]
+        return cls(data["backend"], data["spec"], data["versions"], data["capabilities"], data["devices"],
+                   data["dtypes"], data["quick"], results, list(data["warnings"]), data.get("date", ""),
+                   data.get("wall_time_s"), data.get("commit", UNKNOWN), data.get("implementations_used"))
 
 
 def _caps_dict(caps) -> dict:
@@ -313,6 +388,7 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
     every case (the CLI prints from it)."""
     if not backend.is_available():
         raise BackendUnavailable(f"backend {backend.name!r}: is_available() is False here")
+    start, date = time.monotonic(), utc_now()
     caps = backend.capabilities()
     dtypes = list(dtypes) if dtypes else list(DTYPES)
     unknown = sorted(set(dtypes) - set(DTYPES))
@@ -327,7 +403,9 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
         selected = cases_mod.generate(dtypes=dtypes, quick=quick, caps=caps, vectors_dir=vectors_dir)
     if select:
         selected = [c for c in selected if c.id.startswith(tuple(select))]
-    report = Report(backend.name, spec, dict(backend.versions()), _caps_dict(caps), devices, dtypes, quick)
+    report = Report(backend.name, spec, dict(backend.versions()), _caps_dict(caps), devices, dtypes, quick,
+                    date=date, commit=git_commit(source_file(backend)))
+    before = _implementations(backend, report.warnings)
     used = set()
     total, done = len(devices) * len(selected), 0
     for device in devices:
@@ -340,4 +418,22 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
             if progress is not None:
                 progress(done, total, case.id)
     report.warnings += [f"skips line {r.line}: {r.prefix!r} matches no case" for r in rules if r not in used]
+    after = _implementations(backend, report.warnings)
+    if after is not None:
+        report.implementations = {k: n - (before or {}).get(k, 0) for k, n in after.items()
+                                  if n - (before or {}).get(k, 0) > 0}
+    report.wall_time = time.monotonic() - start
     return report
+
+
+def _implementations(backend, warnings: List[str]) -> Optional[Dict[str, int]]:
+    """The backend's optional `implementations_used() -> {implementation: calls so far}` (None
+    without it; a failing one is a warning, not a crash: it only describes the run)."""
+    method = getattr(backend, "implementations_used", None)
+    if not callable(method):
+        return None
+    try:
+        return {str(k): int(v) for k, v in dict(method()).items()}
+    except Exception as exc:  # noqa: BLE001
+        warnings.append(f"implementations_used() raised {type(exc).__name__}: {exc}")
+        return None

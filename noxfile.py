@@ -1,8 +1,9 @@
 """One session per backend, each in its own virtualenv (reused between runs).
 
     nox -t tests            # every test session: the README's test command (CI runs exactly this)
-    nox -s conformance      # the main job: conformance report over every backend -> reports/
-    nox -s conformance -- torch jax    # only some backends
+    nox -s conformance      # the main job: conformance report over every backend -> reports/conformance.md
+    nox -s conformance -- torch jax    # only some backends -> reports/conformance-torch-jax.md
+    nox -s conformance -- torch --quick   # options for attnres-conformance after the names
     nox -s vectors          # regenerate the golden vectors (spec/vectors) from their definitions
     nox -s lint
 
@@ -125,13 +126,30 @@ def tests_mlx(session: nox.Session) -> None:
 
 @nox.session(name="conformance")
 def conformance(session: nox.Session) -> None:
-    """The main job: the conformance report over every backend (or those named in posargs)."""
-    backends = session.posargs or ["numpy", "torch", "jax", "mlx"]
+    """The main job: the conformance report over every backend (or those named in posargs).
+
+    `nox -s conformance -- torch jax --quick`: backend names first, then options for
+    attnres-conformance.  Reports go to reports/, named by what they cover (conformance.md and
+    .json only for the full run; else e.g. conformance-torch.md), and the backends run
+    concurrently, one process each, as many at once as there are CPU cores."""
+    backends, options = _conformance_args(session)
     _install(session, *backends)
-    os.makedirs("reports", exist_ok=True)
     args = [a for b in backends for a in ("--backend", b)]
-    session.run("attnres-conformance", *args, "--json", "reports/conformance.json",
-                "--markdown", "reports/conformance.md")
+    jobs = str(min(len(backends), os.cpu_count() or 1))
+    session.run("attnres-conformance", *args, "--report-dir", "reports", "--jobs", jobs, *options)
+
+
+def _conformance_args(session: nox.Session) -> tuple:
+    """posargs -> (backend names, attnres-conformance options): names up to the first option;
+    a name that is not a backend ends the session with the valid names (not a KeyError)."""
+    posargs = list(session.posargs)
+    first = next((i for i, a in enumerate(posargs) if a.startswith("-")), len(posargs))
+    backends, options = posargs[:first] or list(BACKEND_INSTALL), posargs[first:]
+    unknown = [b for b in backends if b not in BACKEND_INSTALL]
+    if unknown:
+        session.error(f"unknown backend {', '.join(map(repr, unknown))}: choose from {', '.join(BACKEND_INSTALL)} "
+                      "(e.g. nox -s conformance -- torch jax; options for attnres-conformance after the names)")
+    return backends, options
 
 
 @nox.session(name="vectors")

@@ -148,3 +148,36 @@ def test_summary_paths_and_merge(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text("{}")
     assert cli("--merge", str(broken)).returncode == 2
+
+
+def test_report_dir_names_reports_by_what_they_cover(tmp_path):
+    """Before: `nox -s conformance -- torch` wrote reports/conformance.md over the four-backend one."""
+    from attnres_conformance.cli import _parser, report_name
+
+    args = lambda *a: _parser().parse_args(list(a))  # noqa: E731
+    assert report_name(["numpy", "torch", "jax", "mlx"], args()) == "conformance"
+    assert report_name(["mlx", "jax", "torch", "numpy"], args()) == "conformance"
+    assert report_name(["torch"], args()) == "conformance-torch"
+    assert report_name(["torch", "jax"], args("--quick")) == "conformance-torch-jax-quick"
+    assert report_name(["numpy", "torch", "jax", "mlx"], args("--dtype", "float32")) == "conformance-subset"
+    assert report_name(["my_port.adapter:backend"], args()) == "conformance-my_port.adapter_backend"
+    case = "depth_attention/base/N5-T3-D16/float64"
+    run = cli("--backend", "numpy", "--case", case, "--report-dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conformance-numpy-subset.json", "conformance-numpy-subset.md"]
+    assert f"report written: {tmp_path / 'conformance-numpy-subset.md'}\n" in run.stdout
+
+
+def test_jobs_runs_backends_in_separate_processes_and_merges(tmp_path):
+    case = "depth_attention/base/N5-T3-D16/float64"
+    run = cli("--backend", "numpy", "--backend", "adapters:broken_norm_weight_grad", "--case", case, "--jobs", "2",
+              "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md"))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "attnres-conformance: numpy: done in" in run.stderr
+    assert "attnres-conformance: adapters:broken_norm_weight_grad: done in" in run.stderr
+    assert f"FAILED {case}" in run.stdout and "attnres conformance summary (2 backends, " in run.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert [r["spec"] for r in data["reports"]] == ["numpy", "adapters:broken_norm_weight_grad"]
+    assert [r["case_summary"]["fail"] for r in data["reports"]] == [0, 1]
+    unknown = cli("--backend", "numpy", "--backend", "nosuch", "--case", case, "--jobs", "2")
+    assert unknown.returncode == 2 and "unknown name 'nosuch'" in unknown.stderr

@@ -6,12 +6,18 @@
     attnres-conformance --backend torch --case 'depth_attention/shapes/N130-T1-D4096/bfloat16'
     attnres-conformance --export-vectors DIR   # every generated case as golden vectors
     attnres-conformance --merge a.json --merge b.json --markdown all.md   # one report of several runs
+    attnres-conformance --backend numpy --backend torch --jobs 2 --report-dir reports
     python -m attnres_conformance ...          # the same command
 
 While it runs: per backend, cases done / total, elapsed and an ETA on stderr (at the first case,
 then every 10 s; --no-progress silences it), and each backend's wall time.  At the end, on
 stdout: each backend's matrix, one summary line per backend (cases, pass, fail, skip, xfail,
 wall time, the implementation that ran) and the paths of the reports written.
+
+--report-dir DIR names the reports by what they cover: DIR/conformance.md and .json only for the
+full run (every registered backend, every case); otherwise e.g. conformance-torch-jax.md,
+with "-quick" for --quick and "-subset" for --case/--select/--dtype/--device.  Replacing an
+earlier file is said, never silent.  --jobs N runs N backends at once, each in its own process.
 
 Exit status: 0 when nothing failed, 1 on any failure (or XPASS), 2 on a usage error (no backend
 selected, unknown backend or case, backend unavailable).
@@ -23,7 +29,9 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -40,8 +48,9 @@ QUICK_HELP = ("reduced grid for fast iteration: N in {1, 33}, D in {7, 123}, one
 
 
 def _parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: --jobs re-runs the command line per backend, dropping whole option names.
     p = argparse.ArgumentParser(prog="attnres-conformance", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--backend", action="append", default=[], metavar="NAME|module:object",
                    help=f"backend to check (repeatable): one of {', '.join(BACKENDS)} or module:object "
                         f"(default: ${ENV_VAR})")
@@ -50,7 +59,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype to check (repeatable; default: all four, undeclared ones reported as skipped)")
     p.add_argument("--device", action="append", help="device (repeatable; default: every declared device)")
     p.add_argument("--json", type=Path, metavar="FILE", help="write the JSON report here")
-    p.add_argument("--markdown", type=Path, metavar="FILE", help="write the markdown matrix here")
+    p.add_argument("--markdown", type=Path, metavar="FILE", help="write the markdown report here")
+    p.add_argument("--report-dir", type=Path, metavar="DIR",
+                   help="write both reports into DIR, named by the backends they cover (see above)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run up to N backends at once, each in its own process (default 1)")
     p.add_argument("--skips", type=Path, metavar="FILE", help="the port's skips/xfails file")
     p.add_argument("--case", action="append", metavar="ID", help="run only this case (repeatable)")
     p.add_argument("--select", action="append", metavar="PREFIX",
@@ -127,7 +140,34 @@ def _finish(reports: List[Report], args, wall_time: Optional[float]) -> int:
     return 1 if any(r.failed for r in reports) else 0
 
 
-def _merge(paths: Sequence[Path], args) -> int:
+def report_name(specs: Sequence[str], args) -> str:
+    """"conformance" for the full run over every registered backend, else named by what it covers."""
+    name = "conformance"
+    if sorted(specs) != sorted(BACKENDS):
+        name += "-" + "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", s) for s in specs)
+    if args.quick:
+        name += "-quick"
+    if args.case or args.select or args.dtype or args.device:
+        name += "-subset"
+    return name
+
+
+def _parallel(specs: Sequence[str], argv: Sequence[str], args) -> int:
+    from .parallel import run_children
+
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="attnres-conformance-") as tmp:
+        runs = run_children(specs, argv, args.jobs, Path(tmp))
+        for run in runs:
+            if run.returncode not in (0, 1) or not run.json.is_file():
+                print(run.stdout, end="")
+                print(f"attnres-conformance: error: backend {run.spec}: exit status {run.returncode}, no report",
+                      file=sys.stderr)
+                return 2
+        return _merge([run.json for run in runs], args, time.monotonic() - start)
+
+
+def _merge(paths: Sequence[Path], args, wall_time: Optional[float] = None) -> int:
     reports: List[Report] = []
     for path in paths:
         try:
@@ -138,11 +178,11 @@ def _merge(paths: Sequence[Path], args) -> int:
             return 2
     for report in reports:
         print(report.to_text())
-    walls = [r.wall_time for r in reports if r.wall_time is not None]
-    return _finish(reports, args, max(walls) if walls else None)
+    return _finish(reports, args, wall_time)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     dtypes = args.dtype or None
     if args.export_vectors:
@@ -159,6 +199,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("attnres-conformance: error: no backend selected; pass --backend NAME "
               f"(one of {', '.join(BACKENDS)}) or --backend module:object, or set ${ENV_VAR}", file=sys.stderr)
         return 2
+    if args.report_dir:
+        name = report_name(specs, args)
+        args.json = args.json or args.report_dir / f"{name}.json"
+        args.markdown = args.markdown or args.report_dir / f"{name}.md"
+    if args.jobs > 1 and len(specs) > 1:
+        return _parallel(specs, argv, args)
     reports: List[Report] = []
     start = time.monotonic()
     for spec in specs:

@@ -1,0 +1,58 @@
+"""`attnres-conformance --jobs N`: several backends at once, each in its own process.
+
+Each backend runs as `python -m attnres_conformance --backend NAME --json FILE <the other
+options>`; its progress lines (stderr) pass straight through, each prefixed with its backend's
+name, and its stdout is kept for when it fails to produce a report.  The CLI then merges the JSON
+reports into one (`--merge`).  Processes, not threads: the frameworks keep global state (JAX's
+compilation cache, torch's thread pool) and a crash in one must not take the others down.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence
+
+#: Options of the parent that a child must not get: it runs one backend and writes one JSON.
+PARENT_ONLY = ("--backend", "--jobs", "--json", "--markdown", "--report-dir", "--merge")
+
+
+@dataclass
+class ChildRun:
+    spec: str
+    returncode: int
+    json: Path
+    stdout: str
+
+
+def child_argv(argv: Sequence[str]) -> List[str]:
+    """`argv` without the parent-only options (`--opt VALUE` and `--opt=VALUE` forms)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in PARENT_ONLY:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def run_children(specs: Sequence[str], argv: Sequence[str], jobs: int, workdir: Path) -> List[ChildRun]:
+    """Run one child per backend spec, at most `jobs` at a time; results in the order of `specs`."""
+    rest = child_argv(argv)
+
+    def one(item) -> ChildRun:
+        index, spec = item
+        report = workdir / f"{index}.json"
+        run = subprocess.run([sys.executable, "-m", "attnres_conformance", "--backend", spec, "--json", str(report),
+                              *rest], stdout=subprocess.PIPE, text=True)
+        return ChildRun(spec, run.returncode, report, run.stdout)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, enumerate(specs)))

@@ -151,3 +151,69 @@ def test_router_errors():
     stream = router.stream(torch.randn(4))
     with pytest.raises(ValueError, match="0 of 2 sublayers"):
         stream.output()
+
+
+# -- AttnResTransformer positional option ----------------------------------------------------
+def test_rope_scores_depend_on_relative_position_only():
+    # <rope(q, m), rope(k, n)> = f(q, k, m - n): shifting every position by s keeps the scores,
+    # and the rotation keeps norms.  float64, so equality up to rounding.
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 7, 16, generator=g, dtype=torch.float64).unbind(0)
+    scores = at.modules.apply_rope(q) @ at.modules.apply_rope(k).transpose(-1, -2)
+    for s in (1, 5, 1000):
+        shifted = at.modules.apply_rope(q, s) @ at.modules.apply_rope(k, s).transpose(-1, -2)
+        torch.testing.assert_close(shifted, scores, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(at.modules.apply_rope(q, 3).norm(dim=-1), q.norm(dim=-1), rtol=1e-12, atol=0)
+    # it is a position encoding: absolute scores change with the rotation, position 0 is the identity
+    assert not torch.allclose(scores, q @ k.transpose(-1, -2), atol=1e-3)
+    assert torch.equal(at.modules.apply_rope(q[..., :1, :]), q[..., :1, :])
+    with pytest.raises(ValueError, match="even last dimension"):
+        at.modules.apply_rope(torch.zeros(2, 3, 5))
+
+
+def test_rope_attention_is_shift_invariant_and_transformer_uses_it():
+    torch.manual_seed(0)
+    attn = at.modules.CausalSelfAttention(16, 2, rope=True).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    torch.testing.assert_close(attn(x, offset=11), attn(x), rtol=1e-9, atol=1e-12)
+    cfg = ResidualConfig.variant("block")
+    torch.manual_seed(1)
+    plain = at.AttnResTransformer(40, 16, 2, 2, cfg)
+    torch.manual_seed(1)
+    rope = at.AttnResTransformer(40, 16, 2, 2, cfg, positional="rope")
+    # same parameters (RoPE has none), same weights for a seed, different function
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in rope.named_parameters()]
+    rope.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 40, (2, 9))
+    assert rope(tokens).shape == (2, 9, 40)
+    assert not torch.allclose(rope(tokens), plain(tokens), atol=1e-4)
+    # without positions the causal model cannot tell order apart beyond the mask: a sequence of
+    # one repeated token gives the same logits at every position; RoPE alone does not change that
+    # (relative positions only), but the learned table does
+    same = torch.full((1, 5), 7)
+    torch.testing.assert_close(plain(same)[0], plain(same)[0, :1].expand(5, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_learned_positions_shape_params_and_errors():
+    cfg = ResidualConfig.variant("full")
+    torch.manual_seed(2)
+    plain = at.AttnResTransformer(40, 16, 2, 2, cfg)
+    torch.manual_seed(2)
+    learned = at.AttnResTransformer(40, 16, 2, 2, cfg, positional="learned", context=12)
+    assert learned.pos.weight.shape == (12, 16)
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n(learned) == n(plain) + 12 * 16 and not hasattr(plain, "pos")
+    # the table is created last: every other weight of the seed is unchanged
+    for name, value in plain.state_dict().items():
+        assert torch.equal(learned.state_dict()[name], value), name
+    same = torch.full((1, 5), 7)
+    out = learned(same)[0]
+    assert out.shape == (5, 40) and not torch.allclose(out, out[:1].expand(5, -1), atol=1e-4)
+    with pytest.raises(ValueError, match=r"T <= context = 12.*\(1, 13\)"):
+        learned(torch.zeros(1, 13, dtype=torch.long))
+    with pytest.raises(ValueError, match="context"):
+        at.AttnResTransformer(40, 16, 2, 2, cfg, positional="learned")
+    with pytest.raises(ValueError, match="positional"):
+        at.AttnResTransformer(40, 16, 2, 2, cfg, positional="alibi")
+    with pytest.raises(ValueError, match="even head size"):
+        at.AttnResTransformer(40, 12, 2, 4, cfg, positional="rope")

@@ -118,18 +118,36 @@ class PreNorm(nn.Module):
         return self.fn(self.norm(h))
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention on `[B, T, D]`."""
+def apply_rope(x: torch.Tensor, offset: int = 0, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (RoFormer) on `[..., T, Dh]` (Dh even): the pair (x_i, x_{i+Dh/2})
+    of the token at position p = offset + t is rotated by the angle p * base^(-2i/Dh).  Rotations
+    preserve norms, and <rope(q, m), rope(k, n)> depends on m - n only (the relative position)."""
+    T, dh = x.shape[-2], x.shape[-1]
+    if dh % 2:
+        raise ValueError(f"x: RoPE needs an even last dimension, got shape {tuple(x.shape)}")
+    inv = base ** (-torch.arange(0, dh // 2, device=x.device, dtype=torch.float64) / (dh // 2))
+    pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float64)
+    angle = torch.outer(pos, inv)  # [T, Dh/2], float64 so long positions keep their precision
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
-    def __init__(self, dim: int, num_heads: int):
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention on `[B, T, D]`; rope=True rotates queries and keys by
+    their positions (`apply_rope`; `offset` is the first token's position)."""
+
+    def __init__(self, dim: int, num_heads: int, rope: bool = False):
         super().__init__()
-        self.num_heads = num_heads
+        self.num_heads, self.rope = num_heads, rope
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
                    for t in self.qkv(x).chunk(3, dim=-1))
+        if self.rope:
+            q, k = apply_rope(q, offset), apply_rope(k, offset)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).flatten(-2))
 
@@ -144,31 +162,62 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+#: The position options of `AttnResTransformer`.
+POSITIONALS = ("rope", "learned", None)
+
+
 class AttnResTransformer(nn.Module):
     """A small PreNorm Transformer with a `DepthRouter` in place of the residual stream.
 
     tokens `[B, T]` (int64) -> logits `[B, T, vocab_size]`.  `num_blocks` Transformer blocks give
     L = 2 * num_blocks sublayers (attention, MLP), each with its own pre-norm; then a final
     RMSNorm and the LM head.  `ResidualConfig(kind="standard")` is the plain PreNorm baseline.
+
+    positional: None (default: no position information beyond the causal mask), "rope" (rotary
+      embeddings on every attention's queries and keys, no parameters) or "learned" (a
+      `pos = nn.Embedding(context, dim)` table added to the token embedding; needs `context`,
+      the longest T).  The learned table is created last, so the other weights of a seed are the
+      same with and without it.
     """
 
     def __init__(self, vocab_size: int, dim: int, num_blocks: int, num_heads: int,
                  config: ResidualConfig, *, mlp_ratio: int = 4, eps: float = 1e-6,
-                 schedule: Optional[str] = None):
+                 schedule: Optional[str] = None, positional: Optional[str] = None,
+                 context: Optional[int] = None):
         super().__init__()
+        if positional not in POSITIONALS:
+            raise ValueError(f"positional: expected one of {POSITIONALS}, got {positional!r}")
+        if positional == "learned" and (not isinstance(context, int) or context < 1):
+            raise ValueError(f"context: positional='learned' needs an int context >= 1, got {context!r}")
+        if positional == "rope" and (dim // num_heads) % 2:
+            raise ValueError(f"dim, num_heads: RoPE needs an even head size, got dim {dim} / "
+                             f"num_heads {num_heads}")
+        self.positional, self.context = positional, context
         self.embed = nn.Embedding(vocab_size, dim)
         sublayers = []
         for _ in range(num_blocks):
-            sublayers.append(PreNorm(dim, CausalSelfAttention(dim, num_heads), eps))
+            sublayers.append(PreNorm(dim, CausalSelfAttention(dim, num_heads, rope=positional == "rope"), eps))
             sublayers.append(PreNorm(dim, MLP(dim, mlp_ratio * dim), eps))
         self.sublayers = nn.ModuleList(sublayers)
         self.router = DepthRouter(config, len(sublayers), dim, schedule=schedule)
         self.norm = nn.RMSNorm(dim, eps=eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         nn.init.normal_(self.embed.weight, std=1.0 / math.sqrt(dim))
+        if positional == "learned":
+            self.pos = nn.Embedding(context, dim)
+            nn.init.normal_(self.pos.weight, std=1.0 / math.sqrt(dim))
 
     def forward(self, tokens: torch.Tensor, *, mix: Optional[float] = None,
                 scale: Optional[float] = None) -> torch.Tensor:
-        """mix, scale: the router's M10 per-call inputs (progressive introduction, temperature)."""
-        h = self.router(self.embed(tokens), list(self.sublayers), mix=mix, scale=scale)
+        """tokens `[B, T]` (T <= context for positional="learned") -> logits `[B, T, vocab]`.
+        mix, scale: the router's M10 per-call inputs (progressive introduction, temperature)."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected [B, T], got shape {tuple(tokens.shape)}")
+        h = self.embed(tokens)
+        if self.positional == "learned":
+            if tokens.shape[1] > self.context:
+                raise ValueError(f"tokens: expected [B, T] with T <= context = {self.context}, "
+                                 f"got shape {tuple(tokens.shape)}")
+            h = h + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        h = self.router(h, list(self.sublayers), mix=mix, scale=scale)
         return self.head(self.norm(h))

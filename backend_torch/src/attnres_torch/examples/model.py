@@ -1,4 +1,4 @@
-"""The example language model: `AttnResTransformer` plus learned position embeddings.
+"""The example language model: `AttnResTransformer` with learned position embeddings.
 
 tokens `[B, T]` (int64 bytes) -> logits `[B, T, vocab_size]`.  L = 2 * num_blocks PreNorm
 sublayers (causal self-attention, MLP), the `DepthRouter` of the chosen residual variant in place of
@@ -10,11 +10,10 @@ sublayer, embedding and head weights.
 
 from __future__ import annotations
 
-import math
+from typing import Optional
 
 import torch
 from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
-from torch import nn
 
 from ..modules import AttnResTransformer
 
@@ -37,24 +36,23 @@ def variant_config(name: str, num_layers: int, *, block_size: int = 4, window: i
 
 
 class ExampleLM(AttnResTransformer):
-    """GPT-style byte-level LM over any residual variant.
+    """GPT-style byte-level LM over any residual variant: `AttnResTransformer` with learned
+    position embeddings (`positional="learned"`, table `pos` `[context, dim]`) by default.
 
     Args:
       config: the residual scheme.
       vocab_size, dim, num_blocks, num_heads, mlp_ratio, eps: as `AttnResTransformer`
         (L = 2 * num_blocks sublayers).
-      context: the longest sequence T (learned position embeddings `[context, dim]`).
+      context: the longest sequence T.
       schedule: the router's schedule (None: two-phase Block inference in eval mode).
+      positional: "learned" (default), "rope" or None (see `AttnResTransformer`).
     """
 
     def __init__(self, config: ResidualConfig, *, vocab_size: int = 256, dim: int = 256,
                  num_blocks: int = 8, num_heads: int = 4, context: int = 128, mlp_ratio: int = 4,
-                 eps: float = 1e-6, schedule=None):
+                 eps: float = 1e-6, schedule=None, positional: Optional[str] = "learned"):
         super().__init__(vocab_size, dim, num_blocks, num_heads, config, mlp_ratio=mlp_ratio,
-                         eps=eps, schedule=schedule)
-        self.context = context
-        self.pos = nn.Embedding(context, dim)
-        nn.init.normal_(self.pos.weight, std=1.0 / math.sqrt(dim))
+                         eps=eps, schedule=schedule, positional=positional, context=context)
 
     def forward(self, tokens: torch.Tensor, *, mix=None, scale=None) -> torch.Tensor:
         """tokens `[B, T]`, T <= context -> logits `[B, T, vocab_size]`.  mix, scale: the
@@ -62,7 +60,4 @@ class ExampleLM(AttnResTransformer):
         if tokens.dim() != 2 or tokens.shape[1] > self.context:
             raise ValueError(f"tokens: expected [B, T] with T <= context = {self.context}, "
                              f"got shape {tuple(tokens.shape)}")
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.router(self.embed(tokens) + self.pos(positions), list(self.sublayers), mix=mix,
-                        scale=scale)
-        return self.head(self.norm(h))
+        return super().forward(tokens, mix=mix, scale=scale)

@@ -191,6 +191,28 @@ def test_plain_progress_fallback(monkeypatch, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 21 and lines[0].startswith("[1/40")  # a line after the first step
     assert lines[-1].startswith("[40/40 100%") and "block seed 0 loss 1.0" in lines[-1]
+    # every line has an ETA (mean rate so far x remaining work); none left at the end
+    assert all(re.search(r"s, ETA \d+s\]", line) for line in lines) and "ETA 0s]" in lines[-1]
+
+
+def test_example_model_uses_the_learned_position_option():
+    cfg = variant_config("block", 2 * TINY["num_blocks"], block_size=2)
+    model = ExampleLM(cfg, **TINY)
+    assert model.positional == "learned" and model.pos.weight.shape == (TINY["context"], TINY["dim"])
+    rope = ExampleLM(cfg, positional="rope", **TINY)
+    assert not hasattr(rope, "pos") and rope(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 256)
+    with pytest.raises(ValueError, match=r"T <= context = 8"):
+        rope(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_train_model_returns_the_trained_model(tmp_path):
+    args = train.build_parser().parse_args(["--blocks", "1", "--dim", "16", "--heads", "2", "--steps", "2",
+                                            "--context", "8", "--batch", "2", "--eval-batches", "1"])
+    corpus = data.load_stdlib_corpus(300_000)
+    val = data.fixed_batches(corpus.val, 1, 2, 8)
+    model, run = train.train_model("block", 0, args, corpus, val, train._PlainProgress(2))
+    assert isinstance(model, ExampleLM) and run["val"][-1]["step"] == 2
+    assert run["val"][-1]["loss"] == pytest.approx(train.evaluate(model, val))
 
 
 def test_log_ticks_are_round_and_enough():

@@ -20,7 +20,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +117,9 @@ def _say(text: str) -> None:
 
 
 class _PlainProgress:
-    """Fallback progress bar when tqdm is not installed: a line after the first step, every ~5% of
-    the work, and at least every `interval` seconds."""
+    """Fallback progress bar when tqdm is not installed: a line (done/total, elapsed, ETA at the
+    mean rate so far) after the first step, every ~5% of the work, and at least every `interval`
+    seconds."""
 
     def __init__(self, total: int, interval: float = 10.0):
         self.total, self.n, self.every, self.interval = total, 0, max(1, total // 20), interval
@@ -137,7 +138,9 @@ class _PlainProgress:
         if self.n == 1 or self.n % self.every == 0 or self.n == self.total or now - self.last >= self.interval:
             self.last = now
             elapsed = now - self.start
-            print(f"[{self.n}/{self.total} {100 * self.n / self.total:3.0f}% {elapsed:.0f}s] "
+            eta = elapsed / self.n * (self.total - self.n)
+            print(f"[{self.n:.0f}/{self.total:.0f} {100 * self.n / self.total:3.0f}% {elapsed:.0f}s, "
+                  f"ETA {eta:.0f}s] "
                   f"{self.desc} {self.postfix}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -202,6 +205,12 @@ def _optimizer(model: ExampleLM, lr: float) -> torch.optim.Optimizer:
 
 def train_run(variant: str, seed: int, args: argparse.Namespace, corpus, val_batches, progress) -> dict:
     """One training run; returns its metrics (losses, timings, diagnostics history)."""
+    return train_model(variant, seed, args, corpus, val_batches, progress)[1]
+
+
+def train_model(variant: str, seed: int, args: argparse.Namespace, corpus, val_batches,
+                progress) -> Tuple[ExampleLM, dict]:
+    """One training run; returns (the trained model, its metrics as `train_run`)."""
     num_layers = 2 * args.blocks
     config = variant_config(variant, num_layers, block_size=args.block_size, window=args.window)
     torch.manual_seed(seed)
@@ -249,7 +258,7 @@ def train_run(variant: str, seed: int, args: argparse.Namespace, corpus, val_bat
         progress.set_postfix_str(f"loss {train_loss[-1]:.3f}, val {val[-1]['loss']:.3f} at step {val[-1]['step']}")
         progress.update(1)
     monitor.close()
-    return {"variant": variant, "seed": seed, "config": config.to_dict(),
+    return model, {"variant": variant, "seed": seed, "config": config.to_dict(),
             "params": sum(p.numel() for p in model.parameters()),
             "router_params": sum(p.numel() for p in model.router.parameters()),
             "train_loss": train_loss, "val": val, "wall_s": time.perf_counter() - start,

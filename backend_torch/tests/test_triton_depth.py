@@ -214,3 +214,57 @@ def test_supports():
     assert not td.supports([xs[0], xs[1].half()], q, g, **opts)
     assert not td.supports([xs[0], torch.randn(2, 8)], q, g, **opts)
     assert not td.supports(xs, torch.randn(5), g, **opts)
+
+
+# -- issue 17's numerical defects (see test_numerics_defects.py for the CPU implementations) ------
+
+@pytest.mark.parametrize("kernels", ["one_tile", "d_tiles"], indirect=True)
+@pytest.mark.parametrize("n", [1, 4])
+def test_weights_at_large_logits_are_the_p_of_the_lse(kernels, n):
+    """return_weights: the kernel's own p (same logits, max and sum as lse): exactly 1 at N = 1,
+    summing to 1, within the fp32 tolerance at |z| ~ 50-300."""
+    gen = torch.Generator().manual_seed(5)
+    dim = 512
+    xs = [rand(gen, (3, dim), torch.float32) for _ in range(n)]
+    q = rand(gen, (dim,), torch.float32, scale=8.0)
+    out, lse, w = td.forward(xs, q, None, EPS, 1.0, with_weights=True)
+    _no_nan(out, lse, w)
+    ref_out, ref_lse, ref_w = ops.depth_attention(f64(xs), f64(q), None, eps=EPS, scale=1.0,
+                                                  return_lse=True, return_weights=True)
+    assert float(abs(ref_lse).max()) > 50
+    assert w.shape == (n, 3) and w.dtype == torch.float32
+    if n == 1:
+        assert torch.equal(w, torch.ones_like(w)) and torch.equal(out, xs[0])
+    assert float((w.double().sum(0) - 1).abs().max()) <= 1e-6
+    assert_close(w, ref_w, "float32", "weights")
+    assert_close(lse, ref_lse, "float32", "lse")
+    assert_close(out, ref_out, "float32", "out")
+
+
+@pytest.mark.parametrize("kernels", ["one_tile", "d_tiles"], indirect=True)
+@pytest.mark.parametrize("magnitude", [1e18, 1e25])
+def test_huge_fp32_sources_keep_their_key_norm(kernels, magnitude):
+    """C10.6: the fp32 sum of squares overflows from |x| ~ 1.8e19; the key norm must not go to 0
+    (uniform weights).  Forward, merge and gradients against the reference on both sides."""
+    gen = torch.Generator().manual_seed(6)
+    dim = 33
+    xs = [rand(gen, (4, dim), torch.float32, scale=magnitude) for _ in range(3)]
+    q = rand(gen, (dim,), torch.float32, scale=0.2)
+    g = rand(gen, (dim,), torch.float32, scale=0.1) + 1.0
+    out, lse, w = td.forward(xs, q, g, EPS, 1.0, with_weights=True)
+    ref_out, ref_lse, ref_w = ops.depth_attention(f64(xs), f64(q), f64(g), eps=EPS, scale=1.0,
+                                                  return_lse=True, return_weights=True)
+    assert_close(w, ref_w, "float32", "weights")
+    assert_close(lse, ref_lse, "float32", "lse")
+    assert_close(out / magnitude, ref_out / magnitude, "float32", "out")
+    d_out = rand(gen, (4, dim), torch.float32)
+    d_src, d_q, d_g = td.backward(xs, q, g, out, lse, d_out, None, EPS, 1.0)
+    ref = ops.depth_attention_vjp(f64(xs), f64(q), f64(g), f64(d_out), None, eps=EPS, scale=1.0)
+    assert_close(d_src, ref["sources"], "float32", "d_sources")
+    assert_close([d_q / magnitude, d_g / magnitude],
+                 [ref["query"] / magnitude, ref["norm_weight"] / magnitude], "float32", "d_qg")
+    m_out, m_lse = td.merge_forward(out, lse, xs[0], q, g, EPS, 1.0)
+    r_m_out, r_m_lse = ops.merge_partial(f64(out), f64(lse), f64(xs[0]), f64(q), f64(g), eps=EPS,
+                                         scale=1.0, return_lse=True)
+    assert_close(m_lse, r_m_lse, "float32", "merge lse")
+    assert_close(m_out / magnitude, r_m_out / magnitude, "float32", "merge out")

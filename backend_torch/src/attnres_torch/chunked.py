@@ -33,8 +33,15 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_inv(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """r = 1 / sqrt(mean(x^2) + eps) per row, `[C]` fp32."""
-    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square_() / x.shape[-1] + eps)
+    """r = 1 / sqrt(mean(x^2) + eps) per row, `[C]` fp32.  Rows whose fp32 sum of squares
+    overflows (|x| >= ~1.8e19) take it in float64 instead: the key norm is scale-invariant and
+    must not collapse to r = 0 (C10.6).  One check per chunk; no cost otherwise."""
+    ms = torch.linalg.vector_norm(x, dim=-1).square_().div_(x.shape[-1])
+    r = torch.rsqrt(ms + eps)
+    big = torch.isinf(ms)
+    if bool(big.any()):
+        r[big] = torch.rsqrt(x[big].double().square().mean(-1) + eps).float()
+    return r
 
 
 def _f32(chunk: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -49,8 +56,11 @@ def _rows(t: Optional[torch.Tensor], t0: int, t1: int) -> Optional[torch.Tensor]
 
 @torch.no_grad()
 def forward_into(sources: List[torch.Tensor], qg: torch.Tensor, eps: float, scale: float,
-                 out: torch.Tensor, lse: torch.Tensor) -> None:
-    """out `[T, D]` (source dtype) and lse `[T]` (fp32) of depth attention over N x `[T, D]`.
+                 out: torch.Tensor, lse: torch.Tensor,
+                 weights: Optional[torch.Tensor] = None) -> None:
+    """out `[T, D]` (source dtype) and lse `[T]` (fp32) of depth attention over N x `[T, D]`;
+    with `weights` (`[N, T]` fp32) also the softmax weights p of that lse (same logits, max and
+    sum: they sum to 1, and are exactly 1 at N = 1).
 
     Per chunk: pass 1 reads each source chunk once from memory for its logits z `[N, C]`
     (r and <qg, x> per row); softmax over depth in fp32; pass 2 accumulates sum_i p_i x_i from
@@ -73,6 +83,8 @@ def forward_into(sources: List[torch.Tensor], qg: torch.Tensor, eps: float, scal
         l = p.sum(0)
         p.div_(l)
         lse[t0:t1] = m + torch.log(l)
+        if weights is not None:
+            weights[:, t0:t1] = p
         acc = out[t0:t1] if direct else acc_buf[: t1 - t0]
         torch.mul(_f32(sources[0][t0:t1], x_buf), p[0].unsqueeze(1), out=acc)
         for i in range(1, len(sources)):

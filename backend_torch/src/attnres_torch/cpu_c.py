@@ -108,7 +108,7 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.attnres_set_hugepages(int(os.environ.get("ATTNRES_TORCH_HUGEPAGES", "0") == "1"))
     f64 = ctypes.c_double
     lib.attnres_forward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, f64, f64, ptr,
-                                    i64, f32p, ctypes.c_int]
+                                    i64, f32p, f32p, ctypes.c_int]
     lib.attnres_backward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, ptr, i64, f32p,
                                      f64, f64, ptr, ptr, f32p, ctypes.c_int]
     lib.attnres_multi_forward.argtypes = [ctypes.c_int, i64, i64, i64, i64, ptr, ptr, f32p, f64, f64,
@@ -214,16 +214,24 @@ def _done(rc: int, name: str) -> None:
 
 @torch.no_grad()
 def forward_into(sources: List[torch.Tensor], qg: torch.Tensor, eps: float, scale: float,
-                 out: torch.Tensor, lse: torch.Tensor) -> None:
-    """out `[T, D]` (sources' dtype) and lse `[T]` (fp32, contiguous) of depth attention."""
+                 out: torch.Tensor, lse: torch.Tensor,
+                 weights: Optional[torch.Tensor] = None) -> None:
+    """out `[T, D]` (sources' dtype) and lse `[T]` (fp32, contiguous) of depth attention; with
+    `weights` (`[N, T]` fp32, contiguous) also the softmax weights, taken from the same logits,
+    max and sum as lse (so they sum to 1 and are exactly 1 at N = 1)."""
     lib = _library_or_raise()
     rows, dim, dtype = _check_common(sources, qg)
     _check("out", out, dtype, (rows, dim))
     _check("lse", lse, torch.float32, (rows,))
+    if weights is not None:
+        _check("weights", weights, torch.float32, (len(sources), rows))
+        if not weights.is_contiguous():
+            raise ValueError(f"weights: expected a contiguous [N, T], got strides {weights.stride()}")
     src, src_rs = _pointers(sources)
     rc = lib.attnres_forward(_DTYPES[dtype], len(sources), rows, dim, src, src_rs, qg.data_ptr(),
                              _qg_row_stride(qg), eps, scale, out.data_ptr(), out.stride(0),
-                             lse.data_ptr(), torch.get_num_threads())
+                             lse.data_ptr(), None if weights is None else weights.data_ptr(),
+                             torch.get_num_threads())
     _done(rc, "attnres_forward")
 
 

@@ -167,10 +167,12 @@ class TritonImpl(Impl):
 
     @staticmethod
     def forward(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor], eps: float,
-                scale: float) -> Tuple[Tensor, Tensor]:
-        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1)."""
-        out, lse = triton_kernels().forward(sources, query, norm_weight, eps, scale)
-        return out.contiguous(), lse.contiguous()
+                scale: float, with_weights: bool = False) -> Tuple[Tensor, ...]:
+        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1), and with `with_weights`
+        the weights `[N, ...]` fp32 of that lse."""
+        res = triton_kernels().forward(sources, query, norm_weight, eps, scale,
+                                       with_weights=with_weights)
+        return tuple(t.contiguous() for t in res)
 
     @staticmethod
     def backward(sources, query, norm_weight, out, lse, d_out, d_lse, eps, scale) -> List[Tensor]:
@@ -213,14 +215,18 @@ class CpuKernelImpl(Impl):
         return None
 
     def forward(self, sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
-                eps: float, scale: float) -> Tuple[Tensor, Tensor]:
-        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1)."""
+                eps: float, scale: float, with_weights: bool = False) -> Tuple[Tensor, ...]:
+        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1), and with `with_weights`
+        the weights `[N, ...]` fp32 of that lse (written by the kernel from the same logits)."""
         x0 = sources[0]
         out = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
         lse = torch.empty(x0.shape[:-1], dtype=torch.float32, device=x0.device)
+        weights = (torch.empty((len(sources),) + tuple(x0.shape[:-1]), dtype=torch.float32,
+                               device=x0.device) if with_weights else None)
         self.kernels.forward_into([_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
-                                  eps, scale, _flat(out), lse.view(-1))
-        return out, lse
+                                  eps, scale, _flat(out), lse.view(-1),
+                                  None if weights is None else weights.view(len(sources), -1))
+        return (out, lse) if weights is None else (out, lse, weights)
 
     def backward(self, sources, query, norm_weight, out, lse, d_out, d_lse, eps,
                  scale) -> List[Tensor]:

@@ -5,6 +5,7 @@ single graph nodes and CUDA graphs can capture them.
 Ops (namespace `attnres`):
   depth_attention(sources N x [..., D], query [D] | [..., D], norm_weight [D]?, eps, scale, impl)
       -> (out [..., D] source dtype, lse [...] fp32)
+  depth_attention_weights(same arguments) -> (out, lse, weights [N, ...] fp32 of that lse)
   depth_attention_backward(sources, query, norm_weight, out, lse, d_out, d_lse?, eps, scale, impl)
       -> [d_source_0 .. d_source_{N-1}, d_query (fp32, query's shape), d_norm_weight (fp32 [D])]
   depth_attention_multi(sources, queries [S, D], norm_weights [S, D]?, eps, scale, impl)
@@ -78,6 +79,34 @@ def _backward(ctx, d_out, d_lse):
 
 
 depth_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("attnres::depth_attention_weights", mutates_args=())
+def depth_attention_weights_op(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
+                               eps: float, scale: float, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+    """`depth_attention` plus the softmax weights `[N, ...]` fp32 that the kernel's own pass
+    produced with its lse (same logits, max and sum); the weights take no gradient (C11)."""
+    return dispatch.kernel(impl).forward(list(sources), query, norm_weight, eps, scale,
+                                         with_weights=True)
+
+
+@depth_attention_weights_op.register_fake
+def _(sources, query, norm_weight, eps, scale, impl):
+    x0 = sources[0]
+    return (x0.new_empty(x0.shape), x0.new_empty(x0.shape[:-1], dtype=torch.float32),
+            x0.new_empty((len(sources),) + tuple(x0.shape[:-1]), dtype=torch.float32))
+
+
+def _setup_weights(ctx, inputs, output):
+    _setup(ctx, inputs, output[:2])
+
+
+def _backward_weights(ctx, d_out, d_lse, d_weights):
+    """The weights' cotangent is dropped: they are not differentiable (C11)."""
+    return _backward(ctx, d_out, d_lse)
+
+
+depth_attention_weights_op.register_autograd(_backward_weights, setup_context=_setup_weights)
 
 
 @torch.library.custom_op("attnres::depth_attention_multi", mutates_args=())

@@ -61,6 +61,10 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
             activation=activation, key_norm=key_norm)
         if lse is not None and geo.num_heads == 1:
             lse = lse[..., 0]
+    elif return_weights:  # the kernel's own weights: the p of its lse (same logits, max, sum)
+        out, lse, weights = library.depth_attention_weights_op(xs, query, norm_weight, eps, scale,
+                                                               impl.name)
+        weights = weights.unsqueeze(-1)
     else:
         out, lse = library.depth_attention_op(xs, query, norm_weight, eps, scale, impl.name)
         weights = None
@@ -68,20 +72,9 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
     if return_lse:
         extra.append(lse)
     if return_weights:
-        if weights is None:
-            weights = _weights(xs, query, norm_weight, lse, eps=eps, scale=scale)
         weights = weights.detach()
         extra.append(weights[..., 0] if geo.num_heads == 1 else weights)
     return (out, *extra) if extra else out
-
-
-@torch.no_grad()
-def _weights(xs, query, norm_weight, lse, *, eps, scale):
-    """Softmax depth weights `[N, ..., 1]` of a fast-path call: p_i = exp(z_i - lse), one source
-    at a time (no stack of the sources)."""
-    z = torch.cat([composite.logits([x], query, norm_weight, eps=eps, scale=scale, num_heads=1,
-                                    key_norm=True, cdtype=torch.float32) for x in xs])
-    return torch.exp(z - lse.unsqueeze(0).unsqueeze(-1))
 
 
 def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=None, *,

@@ -16,7 +16,10 @@
  *   forward   pass 1 reads x_i once for s_i = <x_i, qg> and |x_i|^2 (both sums in one sweep),
  *             z_i = scale * s_i * r_i, r_i = 1 / sqrt(|x_i|^2 / D + eps); max-subtracted softmax
  *             (C10.4; NaN-propagating max for C12); pass 2: out = sum_i p_i x_i from cache,
- *             a [OUT_VECS x VW] column tile in registers at a time.
+ *             a [OUT_VECS x VW] column tile in registers at a time.  On request the p_i of
+ *             that softmax are written as the weights (return_weights: same logits, max, sum).
+ *   key norm  |x_i|^2 whose fp32 runs overflow (|x| >= ~1.8e19) is re-summed in float64
+ *             (sumsq_f64, only then): the key norm is scale-invariant (spec C10.6).
  *   backward  pass 1: s_i, |x_i|^2 and dp_i = <x_i, d_out> in one sweep, p_i recomputed from the
  *             logits (not from the fp32 lse); pass 2 writes dx_i = p_i d_out + a_i qg - b_i x_i
  *             and accumulates d_qg += a_i x_i (spec 2.3), the rows again from cache.
@@ -144,6 +147,19 @@ INLINE vd4 widen(vf a, int half) { /* lanes 4 half .. 4 half + 3 of a, as float6
     return __builtin_convertvector(h, vd4);
 }
 
+/* <x, x> with every square and sum in float64: the key norm of a row whose fp32 squares
+ * overflow (|x_k| >= ~1.8e19).  The key norm is scale-invariant, so it must not go to r = 0
+ * there (spec C10.6); float64 holds the sum of D squares of any finite fp32 (C10.2 allows the
+ * wider sum).  Only called when the fast fp32 sum came out infinite: no cost otherwise. */
+static double sumsq_f64(int dt, const void *x, int64_t d) {
+    double acc = 0.0;
+    for (int64_t j = 0; j < d; j++) {
+        const double v = ld(dt, x, j);
+        acc += v * v;
+    }
+    return acc;
+}
+
 INLINE void row_sums(int dt, const void *x, const float *q, const void *g, int64_t d, double *s,
                      double *ss, double *dp, const char *pf_x, const char *pf_g) {
     vd4 ds = {0}, dq = {0}, dg = {0};
@@ -178,7 +194,10 @@ INLINE void row_sums(int dt, const void *x, const float *q, const void *g, int64
         if (g) tg += v * ld(dt, g, j);
     }
     *s = hsum(ds) + ts;
-    if (ss) *ss = hsum(dq) + tq;
+    if (ss) {
+        *ss = hsum(dq) + tq;
+        if (isinf(*ss)) *ss = sumsq_f64(dt, x, d); /* an fp32 square overflowed: C10.6 */
+    }
     if (g) *dp = hsum(dg) + tg;
 }
 
@@ -193,6 +212,7 @@ typedef struct {
     /* forward: S = nq >= 1 queries qg + k * qg_qs (phase 1 when S > 1), out + k * out_qs,
      * lse + k * lse_qs */
     int64_t nq, qg_qs, out_qs, lse_qs;
+    float *weights; /* [N, T] fp32 (row stride T) or NULL: query 0's p, the ones of its lse */
     void *out;
     int64_t out_rs;
     float *lse;
@@ -273,6 +293,8 @@ INLINE void forward_rows(int dt, job_t *j, double *z, float *p) {
         }
         for (int64_t k = 0; k < nq; k++) {
             j->lse[k * j->lse_qs + t] = (float)softmax_row(z + k * n, n, p);
+            if (k == 0 && j->weights) /* the p of this lse: same logits, max and sum */
+                for (int64_t i = 0; i < n; i++) j->weights[i * j->rows + t] = p[i];
             weighted_row(dt, j, t, p, (char *)j->out + (k * j->out_qs + t * j->out_rs) * es);
         }
     }
@@ -454,16 +476,17 @@ static void advise_huge(const void *p, int64_t bytes) {
 
 static int64_t elsize_of(int dtype) { return dtype == DT_F32 ? 4 : 2; }
 
-/* out [T, D] (sources' dtype) and lse [T] (fp32, contiguous). Returns 0 or -1. */
+/* out [T, D] (sources' dtype), lse [T] (fp32, contiguous) and, when weights is not NULL, the
+ * softmax weights [N, T] (fp32, contiguous) of that lse. Returns 0 or -1. */
 int attnres_forward(int dtype, int64_t n, int64_t rows, int64_t dim, const void *const *src,
                     const int64_t *src_rs, const float *qg, int64_t qg_rs, double eps, double scale,
-                    void *out, int64_t out_rs, float *lse, int threads) {
+                    void *out, int64_t out_rs, float *lse, float *weights, int threads) {
     job_t j;
     memset(&j, 0, sizeof j);
     j.n = n, j.rows = rows, j.dim = dim, j.dtype = dtype, j.elsize = elsize_of(dtype);
     j.nblk = num_blocks(rows);
     j.src = src, j.src_rs = src_rs, j.qg = qg, j.qg_rs = qg_rs, j.eps = eps, j.scale = scale;
-    j.nq = 1, j.out = out, j.out_rs = out_rs, j.lse = lse;
+    j.nq = 1, j.out = out, j.out_rs = out_rs, j.lse = lse, j.weights = weights;
     advise_huge(out, rows > 0 ? ((rows - 1) * out_rs + dim) * j.elsize : 0);
     return run_blocks(&j, threads, forward_worker);
 }

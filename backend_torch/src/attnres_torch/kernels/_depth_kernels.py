@@ -54,9 +54,21 @@ def _to_elt(x, ELT: tl.constexpr):
 
 
 @triton.jit
-def _rsqrt_mean(ss, D, eps):
-    """r = 1 / sqrt(sum(x^2) / D + eps) (spec 2.1), in fp32."""
-    return 1.0 / tl.sqrt_rn(ss / D + eps)
+def _sumsq(x, AXIS: tl.constexpr):
+    """(sum x^2, sum (2^-80 x)^2) over AXIS, both fp32: the second is the key norm's fallback
+    where the first overflows (|x| >= ~1.8e19; C10.6), finite for every finite fp32 x."""
+    xl = x * 8.271806125530277e-25                                 # 2^-80, exact
+    return tl.sum(x * x, axis=AXIS), tl.sum(xl * xl, axis=AXIS)
+
+
+@triton.jit
+def _rsqrt_mean(ss, ss_lo, D, eps):
+    """r = 1 / sqrt(sum(x^2) / D + eps) (spec 2.1), in fp32, from `_sumsq`'s pair.  Where the
+    fp32 sum of squares overflowed, r = 2^-80 / sqrt(sum((2^-80 x)^2) / D): the key norm is
+    scale-invariant and must not collapse to 0 (C10.6; eps is far below the mean there)."""
+    big = ss == float("inf")
+    lo = 8.271806125530277e-25 / tl.sqrt_rn(tl.where(big, ss_lo, 1.0) / D)
+    return tl.where(big, lo, 1.0 / tl.sqrt_rn(ss / D + eps))
 
 
 @triton.jit
@@ -78,17 +90,20 @@ def _depth_fwd_kernel(
     q_ptr, q_stride,                # queries [S, D] (shared) or one per-token query [T, D] (S = 1)
     g_ptr, g_stride,                # gains [S, D] (HAS_GAIN)
     out_ptr, lse_ptr, acc_ptr,      # out [S, T, D] source dtype; lse [S, T] fp32; acc [S, T, D] fp32
+    w_ptr,                          # WEIGHTS: [N, S, T] fp32, the softmax weights of lse
     N, T, S, D, eps, scale,
     ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, PER_TOKEN: tl.constexpr,
     HAS_GAIN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    ONE_TILE: tl.constexpr,
+    ONE_TILE: tl.constexpr, WEIGHTS: tl.constexpr,
 ):
     """Forward and phase 1 (spec 2.1 and 3.1): one online-softmax pass over the N sources for
     BLOCK_S queries at once; each source row is loaded once and used by all of them.
 
     Grid (cdiv(S, BLOCK_S) * cdiv(T, BLOCK_T),), one axis (no 65535 limit on T); the query
     group varies fastest so the groups that share rows run together.  acc_ptr is touched only
-    when not ONE_TILE.
+    when not ONE_TILE.  WEIGHTS: each z_i is parked in w_ptr during the pass, then replaced by
+    p_i = exp(z_i - m) / l with the final m and l of lse (the same logits, max and sum; exactly
+    1 at N = 1).
     """
     num_groups = tl.cdiv(S, BLOCK_S)
     rows = (tl.program_id(0) // num_groups) * BLOCK_T + tl.arange(0, BLOCK_T)   # [BLOCK_T]
@@ -113,8 +128,11 @@ def _depth_fwd_kernel(
             base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
             x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
                         other=0.0).to(tl.float32)                  # [BLOCK_T, 1, BLOCK_D]
-            r = _rsqrt_mean(tl.sum(x * x, axis=2), D, eps)         # [BLOCK_T, 1]
+            ss, ss_lo = _sumsq(x, 2)
+            r = _rsqrt_mean(ss, ss_lo, D, eps)                     # [BLOCK_T, 1]
             z = scale * r * tl.sum(x * qg, axis=2)                 # [BLOCK_T, BLOCK_S]
+            if WEIGHTS:
+                tl.store(w_ptr + (q2 + i * S) * T + row2, z, mask=mask2)
             m_new = tl.maximum(m, z)
             alpha = tl.exp(m - m_new)
             beta = tl.exp(z - m_new)
@@ -127,6 +145,7 @@ def _depth_fwd_kernel(
         for i in range(N):
             base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
             ss = tl.zeros([BLOCK_T, 1], tl.float32)
+            ss_lo = tl.zeros([BLOCK_T, 1], tl.float32)
             s = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
             for d0 in range(0, D, BLOCK_D):                        # walk 1: sum(x^2), <qg, x>
                 col3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
@@ -135,9 +154,13 @@ def _depth_fwd_kernel(
                               cmask3, PER_TOKEN, HAS_GAIN)
                 x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
                             other=0.0).to(tl.float32)              # [BLOCK_T, 1, BLOCK_D]
-                ss += tl.sum(x * x, axis=2)
+                sq, sq_lo = _sumsq(x, 2)
+                ss += sq
+                ss_lo += sq_lo
                 s += tl.sum(x * qg, axis=2)
-            z = scale * _rsqrt_mean(ss, D, eps) * s                # [BLOCK_T, BLOCK_S]
+            z = scale * _rsqrt_mean(ss, ss_lo, D, eps) * s         # [BLOCK_T, BLOCK_S]
+            if WEIGHTS:
+                tl.store(w_ptr + (q2 + i * S) * T + row2, z, mask=mask2)
             m_new = tl.maximum(m, z)
             alpha = tl.exp(m - m_new)                              # [BLOCK_T, BLOCK_S]
             beta = tl.exp(z - m_new)
@@ -159,6 +182,10 @@ def _depth_fwd_kernel(
             acc = tl.load(acc_ptr + out_row3 + col3, mask=wmask, other=0.0)
             tl.store(out_ptr + out_row3 + col3, _to_elt(acc / l[:, :, None], ELT), mask=wmask)
     tl.store(lse_ptr + q2 * T + row2, m + tl.log(l), mask=mask2)
+    if WEIGHTS:                                                    # z_i -> p_i of that lse
+        for i in range(N):
+            w_at = w_ptr + (q2 + i * S) * T + row2
+            tl.store(w_at, tl.exp(tl.load(w_at, mask=mask2, other=0.0) - m) / l, mask=mask2)
 
 
 @triton.jit
@@ -179,8 +206,10 @@ def _qg_rows(q_ptr, q_stride, g_ptr, row2, col2, mask2, cmask2, PER_TOKEN: tl.co
 def _bwd_row_sums(base, stride, q_ptr, q_stride, g_ptr, dout_ptr, dout_stride, row2, rmask2, D,
                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PER_TOKEN: tl.constexpr,
                   HAS_GAIN: tl.constexpr):
-    """Walk D in `[BLOCK_T, BLOCK_D]` tiles: sum(x^2), <qg, x>, <go, x>, each `[BLOCK_T]`."""
+    """Walk D in `[BLOCK_T, BLOCK_D]` tiles: `_sumsq`'s pair, <qg, x>, <go, x>, each
+    `[BLOCK_T]`."""
     ss = tl.zeros([BLOCK_T], tl.float32)
+    ss_lo = tl.zeros([BLOCK_T], tl.float32)
     s = tl.zeros([BLOCK_T], tl.float32)
     dp = tl.zeros([BLOCK_T], tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -190,10 +219,12 @@ def _bwd_row_sums(base, stride, q_ptr, q_stride, g_ptr, dout_ptr, dout_stride, r
         _, qg = _qg_rows(q_ptr, q_stride, g_ptr, row2, col2, mask2, cmask2, PER_TOKEN, HAS_GAIN)
         x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
         go = tl.load(dout_ptr + row2 * dout_stride + col2, mask=mask2, other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
+        sq, sq_lo = _sumsq(x, 1)
+        ss += sq
+        ss_lo += sq_lo
         s += tl.sum(x * qg, axis=1)
         dp += tl.sum(x * go, axis=1)
-    return ss, s, dp
+    return ss, ss_lo, s, dp
 
 
 @triton.jit
@@ -241,7 +272,8 @@ def _depth_bwd_kernel(
                 for i in range(N):
                     base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
                     x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
-                    r = _rsqrt_mean(tl.sum(x * x, axis=1), D, eps)
+                    ss, ss_lo = _sumsq(x, 1)
+                    r = _rsqrt_mean(ss, ss_lo, D, eps)
                     delta += tl.exp(scale * r * tl.sum(x * qg, axis=1) - shift) * tl.sum(x * go, axis=1)
             if HAS_DLSE:
                 delta -= tl.load(dlse_ptr + rows, mask=rmask, other=0.0)
@@ -249,7 +281,8 @@ def _depth_bwd_kernel(
             for i in range(N):
                 base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
                 x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
-                r = _rsqrt_mean(tl.sum(x * x, axis=1), D, eps)             # [BLOCK_T]
+                ss, ss_lo = _sumsq(x, 1)
+                r = _rsqrt_mean(ss, ss_lo, D, eps)                         # [BLOCK_T]
                 s = tl.sum(x * qg, axis=1)
                 p = tl.exp(scale * r * s - shift)
                 c = p * (tl.sum(x * go, axis=1) - delta) * scale * r       # dz_i scale r_i
@@ -287,10 +320,10 @@ def _depth_bwd_kernel(
             else:
                 for i in range(N):
                     base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
-                    ss, s, dp = _bwd_row_sums(base, stride, q_ptr, q_stride, g_ptr, dout_ptr,
-                                              dout_stride, row2, rmask2, D, BLOCK_T, BLOCK_D,
-                                              PER_TOKEN, HAS_GAIN)
-                    delta += tl.exp(scale * _rsqrt_mean(ss, D, eps) * s - shift) * dp
+                    ss, ss_lo, s, dp = _bwd_row_sums(base, stride, q_ptr, q_stride, g_ptr,
+                                                     dout_ptr, dout_stride, row2, rmask2, D,
+                                                     BLOCK_T, BLOCK_D, PER_TOKEN, HAS_GAIN)
+                    delta += tl.exp(scale * _rsqrt_mean(ss, ss_lo, D, eps) * s - shift) * dp
             if HAS_DLSE:
                 delta -= tl.load(dlse_ptr + rows, mask=rmask, other=0.0)
             if PER_TOKEN:                                          # dq rows accumulate dqg
@@ -300,10 +333,10 @@ def _depth_bwd_kernel(
                              mask=rmask2 & (col2 < D))
             for i in range(N):
                 base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
-                ss, s, dp = _bwd_row_sums(base, stride, q_ptr, q_stride, g_ptr, dout_ptr,
-                                          dout_stride, row2, rmask2, D, BLOCK_T, BLOCK_D,
-                                          PER_TOKEN, HAS_GAIN)     # walk 1
-                r = _rsqrt_mean(ss, D, eps)
+                ss, ss_lo, s, dp = _bwd_row_sums(base, stride, q_ptr, q_stride, g_ptr, dout_ptr,
+                                                 dout_stride, row2, rmask2, D, BLOCK_T, BLOCK_D,
+                                                 PER_TOKEN, HAS_GAIN)     # walk 1
+                r = _rsqrt_mean(ss, ss_lo, D, eps)
                 p = tl.exp(scale * r * s - shift)
                 c = p * (dp - delta) * scale * r
                 dbase = tl.load(dsrc_ptrs + i).to(tl.pointer_type(ELT))
@@ -381,11 +414,13 @@ def _merge_kernel(
         qg = tl.load(q_ptr + row2 * q_stride + col2, mask=mask2, other=0.0).to(tl.float32)
         if HAS_GAIN:
             qg = qg * tl.load(g_ptr + col2, mask=col2 < D, other=0.0).to(tl.float32)
-        z2 = scale * _rsqrt_mean(tl.sum(b * b, axis=1), D, eps) * tl.sum(b * qg, axis=1)
+        bb, bb_lo = _sumsq(b, 1)
+        z2 = scale * _rsqrt_mean(bb, bb_lo, D, eps) * tl.sum(b * qg, axis=1)
         w1 = 1.0 / (1.0 + tl.exp(z2 - lse1))
         _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, row2, col2, mask2, D, ELT)
     else:
         ss = tl.zeros([BLOCK_T], tl.float32)
+        ss_lo = tl.zeros([BLOCK_T], tl.float32)
         s = tl.zeros([BLOCK_T], tl.float32)
         for d0 in range(0, D, BLOCK_D):                            # walk 1: sum(b^2), <qg, b>
             col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
@@ -394,9 +429,11 @@ def _merge_kernel(
             qg = tl.load(q_ptr + row2 * q_stride + col2, mask=mask2, other=0.0).to(tl.float32)
             if HAS_GAIN:
                 qg = qg * tl.load(g_ptr + col2, mask=col2 < D, other=0.0).to(tl.float32)
-            ss += tl.sum(b * b, axis=1)
+            sq, sq_lo = _sumsq(b, 1)
+            ss += sq
+            ss_lo += sq_lo
             s += tl.sum(b * qg, axis=1)
-        z2 = scale * _rsqrt_mean(ss, D, eps) * s
+        z2 = scale * _rsqrt_mean(ss, ss_lo, D, eps) * s
         w1 = 1.0 / (1.0 + tl.exp(z2 - lse1))
         for d0 in range(0, D, BLOCK_D):                            # walk 2: the merged output
             col2 = d0 + tl.arange(0, BLOCK_D)[None, :]

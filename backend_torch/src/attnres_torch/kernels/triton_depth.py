@@ -130,24 +130,29 @@ def _as_list(sources) -> List[Tensor]:
 
 
 def _run_forward(table: _SourceTable, q: Tensor, q_stride: int, g: Optional[Tensor], g_stride: int,
-                 num_queries: int, per_token: bool, eps: float, scale: float):
-    """out `[S, T, D]` (source dtype), lse `[S, T]` fp32."""
+                 num_queries: int, per_token: bool, eps: float, scale: float,
+                 with_weights: bool = False):
+    """out `[S, T, D]` (source dtype), lse `[S, T]` fp32, weights `[N, S, T]` fp32 of that lse
+    (None unless `with_weights`)."""
     x0 = table.views[0]
     num_rows, dim = x0.shape
     dev = x0.device
     out = _alloc((num_queries, num_rows, dim), table.dtype, dev)
     lse = _alloc((num_queries, num_rows), torch.float32, dev)
+    w = (_alloc((len(table.views), num_queries, num_rows), torch.float32, dev) if with_weights
+         else None)
     if num_rows == 0:
-        return out, lse
+        return out, lse, w
     bt, bs, bd, one_tile, warps = _tiles(num_rows, dim, num_queries)
     acc = out if one_tile else _alloc((num_queries, num_rows, dim), torch.float32, dev)
     grid = (triton.cdiv(num_queries, bs) * triton.cdiv(num_rows, bt),)
     _launch(_k._depth_fwd_kernel, grid, table.ptrs, table.strides, q, q_stride,
-            q if g is None else g, g_stride, out, lse, acc, len(table.views), num_rows, num_queries,
-            dim, float(eps), float(scale), ELT=table.elt, VEC=table.vec, ALIGNED=table.aligned,
-            PER_TOKEN=per_token, HAS_GAIN=g is not None, BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd,
-            ONE_TILE=one_tile, num_warps=warps)
-    return out, lse
+            q if g is None else g, g_stride, out, lse, acc, lse if w is None else w,
+            len(table.views), num_rows, num_queries, dim, float(eps), float(scale), ELT=table.elt,
+            VEC=table.vec, ALIGNED=table.aligned, PER_TOKEN=per_token, HAS_GAIN=g is not None,
+            BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, ONE_TILE=one_tile, WEIGHTS=w is not None,
+            num_warps=warps)
+    return out, lse, w
 
 
 def _vec(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -155,16 +160,19 @@ def _vec(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def forward(sources, query: Tensor, norm_weight: Optional[Tensor], eps: float,
-            scale: float) -> Tuple[Tensor, Tensor]:
-    """Depth attention (spec 2.1): out `[..., D]` in the sources' dtype, lse `[...]` fp32."""
+            scale: float, with_weights: bool = False) -> Tuple[Tensor, ...]:
+    """Depth attention (spec 2.1): out `[..., D]` in the sources' dtype, lse `[...]` fp32, and
+    with `with_weights` the softmax weights `[N, ...]` fp32 of that lse (same logits, max, sum)."""
     sources = _as_list(sources)
     shape, dim = sources[0].shape, sources[0].shape[-1]
     table = _SourceTable(sources, dim)
     per_token = query.ndim > 1
     q = _rows(query, dim) if per_token else query.contiguous()
-    out, lse = _run_forward(table, q, q.stride(0) if per_token else 0, _vec(norm_weight), 0, 1,
-                            per_token, eps, scale)
-    return out.view(shape), lse.view(shape[:-1])
+    out, lse, w = _run_forward(table, q, q.stride(0) if per_token else 0, _vec(norm_weight), 0, 1,
+                               per_token, eps, scale, with_weights)
+    if w is None:
+        return out.view(shape), lse.view(shape[:-1])
+    return out.view(shape), lse.view(shape[:-1]), w.view((len(sources),) + tuple(shape[:-1]))
 
 
 def multi_forward(sources, queries: Tensor, norm_weights: Optional[Tensor], eps: float,
@@ -177,7 +185,7 @@ def multi_forward(sources, queries: Tensor, norm_weights: Optional[Tensor], eps:
     table = _SourceTable(sources, dim)
     q = queries.contiguous()
     g = _vec(norm_weights)
-    out, lse = _run_forward(table, q, dim, g, dim, num_q, False, eps, scale)
+    out, lse, _ = _run_forward(table, q, dim, g, dim, num_q, False, eps, scale)
     return out.view((num_q,) + tuple(shape)), lse.view((num_q,) + tuple(shape[:-1]))
 
 

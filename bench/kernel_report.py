@@ -253,8 +253,10 @@ def source_reads(name: str, meta: dict, case: Case) -> int:
     return 1
 
 
-def _widths(counter: collections.Counter) -> str:
-    return " ".join(f"{b}Bx{n}" for b, n in sorted(counter.items(), reverse=True)) or "-"
+def _widths(counter: dict) -> str:
+    """{bytes: count} (keys int, or str after a JSON round trip) -> "16Bx10 8Bx2", widest first."""
+    items = sorted(((int(b), n) for b, n in counter.items()), reverse=True)
+    return " ".join(f"{b}Bx{n}" for b, n in items) or "-"
 
 
 def analyze_launch(case: Case, kernel, grid, args, meta, ptxas: str) -> dict:
@@ -349,8 +351,8 @@ def triton_markdown(part: dict) -> str:
         lines.append(
             f"| {r['case']} | {r['kernel']} | {r['grid']} | {r['tile']} | {r['num_warps']} | "
             f"{r['registers']} | {r['spill_stores']}/{r['spill_loads']} | {r['smem']} | "
-            f"{r['ctas_per_sm']} ({r['limiter']}) | {_widths(collections.Counter(r['loads']))} | "
-            f"{_widths(collections.Counter(r['stores']))} | {r['source_reads']} | {'yes' if r['pipelined'] else 'no'} | "
+            f"{r['ctas_per_sm']} ({r['limiter']}) | {_widths(r['loads'])} | "
+            f"{_widths(r['stores'])} | {r['source_reads']} | {'yes' if r['pipelined'] else 'no'} | "
             f"{_kb(r['in_flight_per_sm'])} | {ratio} |")
     return "\n".join(lines)
 
@@ -402,16 +404,17 @@ def pallas_request(case: PallasCase, platform: str):
 
 
 def pallas_plan(case: PallasCase, platform: str):
-    """(None or the reason the plan routes the call to XLA, the tile TB the plan picks)."""
+    """(None or the reason the plan routes the call to XLA, the `Pallas` implementation resolved
+    for the call: its tile TB and kernel settings)."""
     from attnres_jax.pallas.impl import Pallas
     request = pallas_request(case, platform)
-    reason = Pallas().supports(request)
-    return reason, Pallas().resolve(request).tile
+    return Pallas().supports(request), Pallas().resolve(request)
 
 
-def pallas_lower(case: PallasCase, platform: str, tb: int, mosaic_gpu: Optional[bool] = None) -> Optional[str]:
-    """Lower the kernel for `platform` ("tpu", "cuda") on abstract bf16 inputs: None, or the
-    first line of the error."""
+def pallas_lower(case: PallasCase, platform: str, impl, mosaic_gpu: Optional[bool] = None) -> Optional[str]:
+    """Lower the kernel for `platform` ("tpu", "cuda") on abstract bf16 inputs, with the keyword
+    arguments `impl` (a resolved `Pallas`) passes to the kernels (tile, compute dtype, ...):
+    None, or the first line of the error.  `mosaic_gpu`: force `jax_pallas_use_mosaic_gpu`."""
     import jax
     import jax.numpy as jnp
     from attnres_jax.pallas import kernels
@@ -419,7 +422,7 @@ def pallas_lower(case: PallasCase, platform: str, tb: int, mosaic_gpu: Optional[
     n, t, d, s = case.n, case.t, case.d, case.s
     f32, bf16 = jnp.float32, jnp.bfloat16
     a = jax.ShapeDtypeStruct
-    common = dict(tb=tb, ct=f32, interpret=False, poison=False)
+    common = impl._kw(f32)                 # exactly what the Pallas entry points pass
     if case.kernel == "forward":
         fn = lambda xs, qg: kernels.forward(xs, qg, per_token=False, eps=EPS, scale=SCALE, softmax=True,
                                             key_norm=True, **common)
@@ -461,11 +464,11 @@ def pallas_rows(cases=PALLAS_CASES, targets=PALLAS_TARGETS) -> List[dict]:
     rows = []
     for case in cases:
         for label, platform, plan_platform, mosaic in targets:
-            reason, tb = pallas_plan(case, plan_platform)
+            reason, impl = pallas_plan(case, plan_platform)
             t0 = time.time()
-            err = pallas_lower(case, platform, tb, mosaic)
+            err = pallas_lower(case, platform, impl, mosaic)
             log(f"  {case.name} on {label}: {'lowered' if err is None else 'refused'} ({time.time() - t0:.1f} s)")
-            rows.append({"case": case.name, "kernel": case.kernel, "target": label, "tile": tb,
+            rows.append({"case": case.name, "kernel": case.kernel, "target": label, "tile": impl.tile,
                          "plan": "pallas" if reason is None else f"xla: {reason}",
                          "lowered": err is None, "error": err})
     return rows

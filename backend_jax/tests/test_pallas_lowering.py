@@ -3,8 +3,8 @@
 issue 13).  Lowered on the CPU for abstract bf16 inputs with
 `jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`, no device needed.
 
-* The plan accepts the shape -> the kernel must lower, at the tile the plan picks, with the
-  lowering `pallas_call` uses for the kernels as they are called (on cuda: JAX's default, which
+* The plan accepts the shape -> the kernel must lower, with the tile and settings the resolved
+  `Pallas` passes to it, with the lowering `pallas_call` uses for the kernels as they are called (on cuda: JAX's default, which
   is Mosaic GPU unless `jax_pallas_use_mosaic_gpu` is False).
 * The plan refuses the shape -> the lowering the plan's reason is about must refuse it too
   (TPU: Mosaic; GPU: the Triton lowering, whose power-of-two rule the plan states).
@@ -34,15 +34,15 @@ CASES = report.PALLAS_CASES
 
 
 def _check(case, plan_platform, platform, refusal_lowering):
-    reason, tb = report.pallas_plan(case, plan_platform)
+    reason, impl = report.pallas_plan(case, plan_platform)
     if reason is None:
-        err = report.pallas_lower(case, platform, tb)
+        err = report.pallas_lower(case, platform, impl)
         assert err is None, (f"plan runs {case.name} on {plan_platform} with the Pallas kernel "
-                             f"(TB = {tb}), but the {platform} lowering refuses it: {err}")
+                             f"(TB = {impl.tile}), but the {platform} lowering refuses it: {err}")
     else:
-        err = report.pallas_lower(case, platform, tb, refusal_lowering)
+        err = report.pallas_lower(case, platform, impl, refusal_lowering)
         assert err is not None, (f"plan routes {case.name} on {plan_platform} to XLA ({reason}), "
-                                 f"but the kernel lowers for {platform} (TB = {tb})")
+                                 f"but the kernel lowers for {platform} (TB = {impl.tile})")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

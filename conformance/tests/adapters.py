@@ -43,17 +43,40 @@ class Rounding:
             return [Rounding._upcast(name, d, case_dtype) for d in dtype]
         return "float64" if dtype == case_dtype or name == "lse1" else dtype
 
+    #: The dtype "out" is rounded to (None: the case dtype, C10.3).
+    out_dtype = None
+
     def call_op(self, call):
         dt = call.dtype
         compute = "float64" if dt == "float64" else "float32"
-        inner = dataclasses.replace(call, dtype="float64",
+        own = {k: (v if isinstance(v, str) else dt) for k, v in call.input_dtypes.items()}
+        # C10.1: an input wider than kappa (a float64 query with float32 sources) is converted to it.
+        inputs = {k: round_to(v, compute) if own.get(k) == "float64" and compute == "float32" else v
+                  for k, v in call.inputs.items()}
+        inner = dataclasses.replace(call, dtype="float64", inputs=inputs,
                                     input_dtypes={k: self._upcast(k, v, dt) for k, v in call.input_dtypes.items()})
         r = self.inner.call_op(inner)
-        r.outputs = {k: round_to(v, compute if k in ("lse", "weights") else dt) for k, v in r.outputs.items()}
-        r.grads = {k: None if v is None else [round_to(x, dt) for x in v] if isinstance(v, list)
-                   else round_to(v, compute if k == "lse1" else dt) for k, v in r.grads.items()}
-        r.inputs_after = {k: None if v is None else [round_to(x, dt) for x in v] if isinstance(v, list)
-                          else round_to(v, compute if k == "lse1" else dt) for k, v in r.inputs_after.items()}
+        native = {}
+
+        def rounded(key, v, dtype):
+            if v is None:
+                return None
+            if isinstance(v, (list, tuple)):
+                native[key] = [dtype] * len(v)
+                return [round_to(x, dtype) for x in v]
+            native[key] = dtype
+            return round_to(v, dtype)
+
+        out_dtype = self.out_dtype or dt
+        r.outputs = {k: rounded(k, v, compute if k in ("lse", "weights") else out_dtype)
+                     for k, v in r.outputs.items()}
+        r.grads = {k: rounded(f"grad.{k}", v, own.get(k, dt)) for k, v in r.grads.items()}
+        r.inputs_after = {k: None if v is None else [round_to(x, own.get(k, dt)) for x in v]
+                          if isinstance(v, list) else round_to(v, own.get(k, dt)) for k, v in r.inputs_after.items()}
+        for k in call.inputs:  # the converted inputs were the port's own copies; its natives are the given ones
+            if inputs[k] is not call.inputs[k]:
+                r.inputs_after[k] = np.asarray(call.inputs[k], np.float64).copy()
+        r.native_dtypes, r.aliases = native, ()  # every result is a fresh rounded copy
         return r
 
     def call_probe(self, call):
@@ -98,23 +121,31 @@ class BrokenLogitScale(ReferenceBackend):
 
 
 class BrokenDropPast32(ReferenceBackend):
-    """Silently ignores every source past index 31 (a hard-coded 32-source cap, no error)."""
+    """Silently ignores every source past index `cap` - 1 (a hard-coded source cap, no error)."""
 
     name = "broken_drop_past_32"
+    cap = 32
 
     def call_op(self, call):
-        src = call.inputs.get("sources")
-        if src is None or len(src) <= 32:
+        src, cap = call.inputs.get("sources"), self.cap
+        if src is None or len(src) <= cap:
             return super().call_op(call)
-        kept = src[:32]
+        kept = src[:cap]
         result = super().call_op(dataclasses.replace(call, inputs=dict(call.inputs, sources=kept)))
-        result.inputs_after["sources"] = ([*result.inputs_after["sources"], *src[32:]]
-                                          if isinstance(src, list) else np.asarray(src, np.float64))
+        result.inputs_after["sources"] = ([*result.inputs_after["sources"], *src[cap:]]
+                                          if isinstance(src, (list, tuple)) else np.asarray(src, np.float64))
         if "sources" in result.grads:
             g = result.grads["sources"]
-            zeros = np.zeros_like(np.asarray(src[32:], np.float64))
-            result.grads["sources"] = [*g, *zeros] if isinstance(src, list) else np.concatenate([g, zeros])
+            zeros = np.zeros_like(np.asarray(src[cap:], np.float64))
+            result.grads["sources"] = [*g, *zeros] if isinstance(src, (list, tuple)) else np.concatenate([g, zeros])
         return result
+
+
+class BrokenDropPast256(BrokenDropPast32):
+    """A 256-source tile with no fallback: sources past index 255 are silently dropped (C16)."""
+
+    name = "broken_drop_past_256"
+    cap = 256
 
 
 class BrokenEmbedding(ReferenceBackend):
@@ -226,6 +257,232 @@ class OverflowingBackward(ReferenceBackend):
         return result
 
 
+# -- the holes of issue 17: each adapter carries one defect a port was seen to have -----------------
+def _token_count(call) -> int:
+    x = call.inputs.get("sources", call.inputs.get("partial"))
+    shape = np.shape(x[0]) if isinstance(x, (list, tuple)) else np.shape(x)[call.op != "merge_partial":]
+    return int(np.prod(shape[:-1]))
+
+
+class NanToNum(ReferenceBackend):
+    """Inspects values (C12): replaces NaN / Inf in every input by 0 before the op."""
+
+    name = "nan_to_num"
+
+    def call_op(self, call):
+        clean = lambda v: None if v is None else (type(v)(np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in v)
+                                                  if isinstance(v, (list, tuple))
+                                                  else np.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0))
+        result = super().call_op(dataclasses.replace(call, inputs={k: clean(v) for k, v in call.inputs.items()}))
+        result.inputs_after = {k: None if v is None else [np.asarray(x, np.float64) for x in v]
+                               if isinstance(v, (list, tuple)) else np.asarray(v, np.float64)
+                               for k, v in call.inputs.items()}
+        return result
+
+
+_REAL_WEIGHTS, _REAL_LSE = ops._weights, ops._lse
+
+
+class GlobalMax(ReferenceBackend):
+    """Subtracts one maximum over every token instead of each token's own (exact for finite
+    logits), so one token's NaN reaches every token (C12: only the affected tokens)."""
+
+    name = "global_max"
+
+    @staticmethod
+    def _weights(z, activation):
+        if activation == "sigmoid":
+            return _REAL_WEIGHTS(z, activation)
+        with np.errstate(invalid="ignore", over="ignore"):
+            e = np.exp(z - np.max(z))
+            return e / np.sum(e, axis=0, keepdims=True)
+
+    def call_op(self, call):
+        with mock.patch.object(ops, "_weights", self._weights):
+            return super().call_op(call)
+
+
+class NoMaxSubtraction(Rounding):
+    """An honest low-precision port except that its softmax and lse exponentiate the raw logits
+    in kappa (no max subtraction, C10.4): exp overflows past 88 in float32, 709 in float64."""
+
+    def __init__(self):
+        super().__init__(ReferenceBackend(), name="no_max_subtraction")
+
+    def call_op(self, call):
+        kappa = np.float64 if call.dtype == "float64" else np.float32
+
+        def weights(z, activation):
+            if activation == "sigmoid":
+                return _REAL_WEIGHTS(z, activation)
+            with np.errstate(invalid="ignore", over="ignore"):
+                e = np.exp(z.astype(kappa)).astype(np.float64)
+                return e / np.sum(e, axis=0, keepdims=True)
+
+        def lse(z):
+            with np.errstate(over="ignore", divide="ignore"):
+                return np.log(np.sum(np.exp(z.astype(kappa)).astype(np.float64), axis=0))
+
+        with mock.patch.object(ops, "_weights", weights), mock.patch.object(ops, "_lse", lse):
+            return super().call_op(call)
+
+
+class RmsOverFirst4096(ReferenceBackend):
+    """The key norm's mean square runs over the first 4096 channels only (a fixed-width tile)."""
+
+    name = "rms_over_first_4096"
+
+    @staticmethod
+    def _stats(x, q, g, *, eps, scale, num_heads, key_norm):
+        r, qg, s, z = _REAL_STATS(x, q, g, eps=eps, scale=scale, num_heads=num_heads, key_norm=key_norm)
+        if key_norm and x.shape[-1] > 4096:
+            r = 1.0 / np.sqrt(np.mean(x[..., :4096] ** 2, axis=-1) + eps)
+            z = scale * r * s
+        return r, qg, s, z
+
+    def call_op(self, call):
+        with mock.patch.object(ops, "_stats", self._stats):
+            return super().call_op(call)
+
+
+class NondeterministicAtLargeT(Rounding):
+    """An honest float32-capable port whose d_query changes by an ulp run to run once there are
+    4096 tokens or more (a reduction split over threads only at production sizes)."""
+
+    def __init__(self):
+        super().__init__(ReferenceBackend(), name="nondeterministic_at_large_t")
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        if _token_count(call) >= 4096:
+            for key in ("query", "queries"):
+                g = result.grads.get(key)
+                if g is not None:
+                    noise = 1.0 + 1e-6 * np.random.default_rng().standard_normal(g.shape)
+                    result.grads[key] = round_to(g * noise, call.input_dtypes.get(key, call.dtype))
+        return result
+
+
+class RejectsEmptyTokens(ReferenceBackend):
+    """Its VJP divides by the token count (JAX's multi VJP did): T = 0 raises ZeroDivisionError."""
+
+    name = "rejects_empty_tokens"
+
+    def call_op(self, call):
+        if call.cotangents is not None and _token_count(call) == 0:
+            raise ZeroDivisionError("division by zero")
+        return super().call_op(call)
+
+
+class RejectsTuples(ReferenceBackend):
+    """Accepts sources as a list or stacked array only (section 1: a tuple is a list)."""
+
+    name = "rejects_tuples"
+
+    def call_op(self, call):
+        if isinstance(call.inputs.get("sources"), tuple):
+            raise TypeError("sources: expected a list or an array, got tuple")
+        return super().call_op(call)
+
+
+class RejectsQueryDtype(Rounding):
+    """An honest port except that it requires the query in the sources' dtype (C10.1 allows any
+    floating dtype)."""
+
+    def __init__(self):
+        super().__init__(ReferenceBackend(), name="rejects_query_dtype")
+
+    def call_op(self, call):
+        for key in ("query", "queries"):
+            if call.input_dtypes.get(key, call.dtype) != call.dtype and key in call.inputs:
+                raise TypeError(f"{key}: dtype {call.input_dtypes[key]} differs from the sources' {call.dtype}")
+        return super().call_op(call)
+
+
+class Float32Out(Rounding):
+    """An honest port except that `out` comes back in float32 for fp16 / bf16 sources (C10.3:
+    the sources' dtype); values are *more* accurate, so only the dtype check can see it."""
+
+    def __init__(self):
+        super().__init__(ReferenceBackend(), name="float32_out")
+
+    def call_op(self, call):
+        self.out_dtype = "float32" if call.dtype in ("float16", "bfloat16") else None
+        return super().call_op(call)
+
+
+class AliasesAtN1(ReferenceBackend):
+    """At N = 1 depth_attention returns the source array itself as `out` (C6 holds bitwise, but
+    writing into the result would change the input: C7a)."""
+
+    name = "aliases_at_n1"
+
+    def call_op(self, call):
+        real = ops.depth_attention
+
+        def same_array(sources, *args, **kwargs):
+            result = real(sources, *args, **kwargs)
+            if len(sources) == 1 and kwargs.get("activation", "softmax") == "softmax":
+                return (sources[0], *result[1:]) if isinstance(result, tuple) else sources[0]
+            return result
+
+        with mock.patch.object(ops, "depth_attention", same_array):
+            return super().call_op(call)
+
+
+class WeightsFromSeparatePass(Rounding):
+    """An honest low-precision port except that `return_weights` recomputes the logits in a
+    separate float32 pass and subtracts the kernel's lse (the torch fast paths' defect): at
+    N = 1 the weights miss 1 by the two passes' rounding difference."""
+
+    def __init__(self):
+        super().__init__(ReferenceBackend(), name="weights_from_separate_pass")
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        a = call.attrs
+        if call.op != "depth_attention" or "weights" not in result.outputs or a.get("num_heads", 1) != 1 \
+                or a.get("activation", "softmax") != "softmax" or not a.get("key_norm", True) or call.dtype == "float64":
+            return result
+        f = np.float32
+        x = np.stack([np.asarray(v, f) for v in call.inputs["sources"]])
+        g = np.ones(x.shape[-1], f) if call.inputs["norm_weight"] is None else np.asarray(call.inputs["norm_weight"], f)
+        r = f(1) / np.sqrt(np.mean(x * x, axis=-1) + f(a.get("eps", 1e-6)))
+        z = f(a.get("scale", 1.0)) * r * np.sum(np.asarray(call.inputs["query"], f) * g * x, axis=-1)
+        x64 = np.stack([np.asarray(v, np.float64) for v in call.inputs["sources"]])
+        lse = ops.depth_attention(x64, np.asarray(call.inputs["query"], np.float64),
+                                  call.inputs["norm_weight"], **dict(a, return_weights=False, return_lse=True))[1]
+        result.outputs["weights"] = round_to(np.exp(z.astype(np.float64) - lse), "float32")
+        return result
+
+
+class MergeIgnoresEpsScale(ReferenceBackend):
+    """merge_partial runs with the default eps and scale whatever the call says."""
+
+    name = "merge_ignores_eps_scale"
+
+    def call_op(self, call):
+        if call.op == "merge_partial":
+            call = dataclasses.replace(call, attrs={k: v for k, v in call.attrs.items() if k not in ("eps", "scale")})
+        return super().call_op(call)
+
+
+class MergeUncheckedNormWeight(ReferenceBackend):
+    """merge_partial never validates norm_weight: a wrong-shape one is dropped (gain 1), an
+    integer one used as floats (no error, C5)."""
+
+    name = "merge_unchecked_norm_weight"
+
+    def call_op(self, call):
+        g = call.inputs.get("norm_weight")
+        if call.op == "merge_partial" and g is not None:
+            dim = np.shape(call.inputs["partial"])[-1]
+            inputs = dict(call.inputs, norm_weight=g if np.shape(g) == (dim,) else None)
+            dtypes = {k: v for k, v in call.input_dtypes.items() if k != "norm_weight"}
+            call = dataclasses.replace(call, inputs=inputs, input_dtypes=dtypes)
+        return super().call_op(call)
+
+
 reference = ReferenceBackend()
 rounding = Rounding(ReferenceBackend())
 broken_eps = BrokenEps()
@@ -241,3 +498,17 @@ rounding_broken_eps = Rounding(BrokenEps(), name="rounding_broken_eps")
 mutates_input = MutatesInput()
 fewer_options = FewerOptions()
 rounding_overflowing_backward = Rounding(OverflowingBackward(), name="rounding_overflowing_backward")
+nan_to_num = NanToNum()
+global_max = GlobalMax()
+no_max_subtraction = NoMaxSubtraction()
+rounding_drop_past_256 = Rounding(BrokenDropPast256(), name="rounding_drop_past_256")
+rounding_rms_over_first_4096 = Rounding(RmsOverFirst4096(), name="rounding_rms_over_first_4096")
+nondeterministic_at_large_t = NondeterministicAtLargeT()
+rejects_empty_tokens = RejectsEmptyTokens()
+rejects_tuples = RejectsTuples()
+rejects_query_dtype = RejectsQueryDtype()
+float32_out = Float32Out()
+aliases_at_n1 = AliasesAtN1()
+weights_from_separate_pass = WeightsFromSeparatePass()
+merge_ignores_eps_scale = MergeIgnoresEpsScale()
+merge_unchecked_norm_weight = MergeUncheckedNormWeight()

@@ -7,6 +7,10 @@ reference runs on exactly those values.  Op and probe cases are `GoldenCase`s of
 `attnres_numpy.vectors` (so `--export-vectors` writes them as golden vectors, and the committed
 `spec/vectors` run through the same checks).
 
+Beyond the option grid: non-finite inputs (C12), large logits (C10.4), sizes large in each
+axis (C16), empty token axes, tuple sources, a query dtype other than the sources' (C10.1);
+every op case also checks C10.3's result dtypes and C7a (no result aliases an input).
+
 Kinds: "op" and "probe" (forward and gradient vs the reference), "error" (a spec error: type,
 argument name, inputs untouched), "determinism" (two runs bitwise equal), "invariant" (N = 1
 identity, two-phase equals direct, weights sum to 1, zero query is uniform) and "golden" (a
@@ -39,6 +43,22 @@ MAGNITUDES = (("float64", 1e100, "tolerance"), ("float32", 1e30, "finite"),
               ("float16", 1e3, "tolerance"), ("bfloat16", 1e4, "tolerance"),
               ("bfloat16", 1e30, "finite"))
 SWEEP_EXAMPLES, QUICK_SWEEP_EXAMPLES = 24, 6
+#: The largest logit of the large-logit cases (the query rescaled to reach it): real models see
+#: 50-150 (scale 1, D = 4096-7168, trained queries), and an fp32 softmax or lse without max
+#: subtraction overflows past 88 (C10.4); float64's past 709, so its own case reaches 1000.
+LARGE_LOGITS = 120.0
+#: One case per op large in each axis (float32, one option set, forward and gradient): N past a
+#: 256-source tile, D past 4096 (every channel must reach the key norm), production token counts.
+LARGE_N, LARGE_D, LARGE_T = 300, 4100, 4096
+LARGE_DTYPES = ("float32",)
+#: Dtypes of the rows whose defect does not depend on the dtype (forms, empty axes).
+FORM_DTYPES = ("float64", "float32")
+#: (sources' dtype, query's dtype) pairs of C10.1: the query converted to kappa.
+QUERY_DTYPES = (("bfloat16", "float32"), ("float16", "float32"), ("float32", "float64"),
+                ("float64", "float32"))
+#: C12 poison: NaN in one source at token 0, +Inf / -Inf in others at tokens 1 and 2; token 3 clean.
+NONFINITE_SOURCES = (("sources", (1, 0, 3), float("nan")), ("sources", (2, 1, 5), float("inf")),
+                     ("sources", (0, 2, 0), float("-inf")))
 
 
 def seed_of(case_id: str) -> int:
@@ -220,8 +240,9 @@ def _tok(tokens) -> str:
 
 
 def _op_case(row, label, dtype, builder, quick=False, *, strided=False, check="tolerance",
-             override=None, **kwargs) -> Case:
-    spec = dict(builder=builder, kwargs=kwargs, strided=strided, check=check, override=override)
+             override=None, input_dtypes=None, **kwargs) -> Case:
+    spec = dict(builder=builder, kwargs=kwargs, strided=strided, check=check, override=override,
+                input_dtypes=dict(input_dtypes or {}))
     return Case(f"{row}/{label}/{dtype}", "probe" if builder == "probe" else "op", dtype, spec, quick)
 
 
@@ -306,6 +327,88 @@ def _multi_merge_cases(dtypes) -> List[Case]:
             _op_case(f"{p}/shapes", "T1-D4096", dtype, "merge", False, tokens=(1,), dim=4096),
             _op_case(f"{p}/shapes", "T3-D1", dtype, "merge", False, tokens=(3,), dim=1),
         ]
+    return cases
+
+
+def _hole_cases(dtypes) -> List[Case]:
+    """The categories a broken port slipped through before (issue 17): C12 non-finite inputs,
+    large logits (C10.4), merge_partial's eps / scale, sizes large in each axis (C16), empty
+    token axes, tuple sources, and a query dtype other than the sources' (C10.1)."""
+    da, mu, me = "depth_attention", "depth_attention_multi", "merge_partial"
+    z = LARGE_LOGITS  # the largest logit of the case
+    cases = []
+    for dtype in dtypes:
+        cases += [
+            # C12: NaN / +-Inf propagate to the poisoned tokens only; token 3 stays finite.
+            _op_case(f"{da}/nonfinite", "N4-T4-D16-nan-inf", dtype, "da", True, n=4, tokens=(4,), dim=16,
+                     lse=True, weights=True, nonfinite=NONFINITE_SOURCES),
+            _op_case(f"{da}/nonfinite", "N4-T3-D16-tokq-nan", dtype, "da", False, n=4, tokens=(3,), dim=16,
+                     token_query=True, lse=True, nonfinite=(("query", (1, 2), float("nan")),)),
+            _op_case(f"{mu}/nonfinite", "N4-S2-T3-D16-nan", dtype, "multi", True, n=4, s=2, tokens=(3,),
+                     dim=16, nonfinite=(("sources", (2, 1, 7), float("nan")),)),
+            _op_case(f"{me}/nonfinite", "T3-D16-nan", dtype, "merge", True, tokens=(3,), dim=16,
+                     nonfinite=(("partial", (0, 4), float("nan")), ("out1", (2, 9), float("nan")))),
+            # C10.4: |z| ~ 50-150 (an fp32 exp overflows past 88 without max subtraction).
+            _op_case(f"{da}/large_logits", f"N5-T3-D64-z{z:g}", dtype, "da", True, n=5, tokens=(3,), dim=64,
+                     lse=True, weights=True, logit_max=z),
+            _op_case(f"{da}/large_logits", f"N5-T3-D64-z-{z:g}-scale4", dtype, "da", False, n=5,
+                     tokens=(3,), dim=64, lse=True, weights=True, logit_max=-z, scale=4.0),
+            # merge_partial's own eps and scale (the phase-1 inputs use the same ones).
+            _op_case(f"{me}/eps_scale", "T3-D16-eps1e-2-scale0.37", dtype, "merge", True, tokens=(3,),
+                     dim=16, eps=1e-2, scale=0.37),
+            _op_case(f"{me}/eps_scale", "T3-D16-eps1e-6-scale-2.5", dtype, "merge", False, tokens=(3,),
+                     dim=16, scale=-2.5),
+        ]
+        if dtype in ("float64", "float32"):
+            cases += [
+                _op_case(f"{mu}/large_logits", f"N5-S2-T3-D64-z{z:g}", dtype, "multi", False, n=5, s=2,
+                         tokens=(3,), dim=64, logit_max=z),
+                _op_case(f"{me}/large_logits", f"T3-D64-z{z:g}", dtype, "merge", False, tokens=(3,), dim=64,
+                         logit_max=z),
+            ]
+        if dtype == "float32":
+            cases.append(_op_case(f"{da}/large_logits", f"N5-T3-D4096-z{z:g}", dtype, "da", False, n=5,
+                                  tokens=(3,), dim=4096, lse=True, weights=True, logit_max=z))
+        if dtype == "float64":  # float64's exp overflows past 709 without max subtraction
+            cases.append(_op_case(f"{da}/large_logits", "N5-T3-D64-z1000", dtype, "da", False, n=5,
+                                  tokens=(3,), dim=64, lse=True, weights=True, logit_max=1000.0))
+        if dtype in LARGE_DTYPES:
+            n, d, t = LARGE_N, LARGE_D, LARGE_T
+            cases += [
+                _op_case(f"{da}/large", f"N{n}-T2-D8", dtype, "da", False, n=n, tokens=(2,), dim=8, lse=True),
+                _op_case(f"{da}/large", f"N3-T2-D{d}", dtype, "da", False, n=3, tokens=(2,), dim=d, lse=True),
+                _op_case(f"{da}/large", f"N3-T{t}-D8", dtype, "da", False, n=3, tokens=(t,), dim=8, lse=True),
+                _op_case(f"{mu}/large", f"N{n}-S2-T2-D8", dtype, "multi", False, n=n, s=2, tokens=(2,), dim=8),
+                _op_case(f"{mu}/large", f"N3-S2-T2-D{d}", dtype, "multi", False, n=3, s=2, tokens=(2,), dim=d),
+                _op_case(f"{mu}/large", f"N3-S2-T{t}-D8", dtype, "multi", False, n=3, s=2, tokens=(t,), dim=8),
+                _op_case(f"{me}/large", f"T2-D{d}", dtype, "merge", False, tokens=(2,), dim=d),
+                _op_case(f"{me}/large", f"T{t}-D8", dtype, "merge", False, tokens=(t,), dim=8),
+            ]
+        if dtype in FORM_DTYPES:
+            cases += [
+                # An empty token axis: empty outputs and gradients (zeros for d_query / d_norm_weight).
+                _op_case(f"{da}/empty_tokens", "N3-T0-D8", dtype, "da", True, n=3, tokens=(0,), dim=8,
+                         lse=True, weights=True),
+                _op_case(f"{da}/empty_tokens", "N3-T2x0-D8-tokq-stacked", dtype, "da", False, n=3,
+                         tokens=(2, 0), dim=8, token_query=True, layout="stacked"),
+                _op_case(f"{mu}/empty_tokens", "N3-S2-T0-D8", dtype, "multi", True, n=3, s=2, tokens=(0,),
+                         dim=8),
+                _op_case(f"{me}/empty_tokens", "T0-D8", dtype, "merge", True, tokens=(0,), dim=8),
+                # Sources as a tuple (a list or tuple is a list, section 1).
+                _op_case(f"{da}/tuple_sources", "N5-T3-D16", dtype, "da", True, n=5, tokens=(3,), dim=16,
+                         layout="tuple", lse=True),
+                _op_case(f"{mu}/tuple_sources", "N4-S2-T3-D16", dtype, "multi", False, n=4, s=2, tokens=(3,),
+                         dim=16, layout="tuple"),
+            ]
+    for dtype, qdtype in QUERY_DTYPES:  # C10.1: the query's dtype independent of the sources'
+        if dtype in dtypes:
+            cases.append(_op_case(f"{da}/query_dtype", f"N5-T3-D16-query_{qdtype}", dtype, "da", False, n=5,
+                                  tokens=(3,), dim=16, lse=True, query_dtype=qdtype,
+                                  input_dtypes={"query": qdtype}))
+            if qdtype == "float64":
+                cases.append(_op_case(f"{mu}/query_dtype", f"N4-S2-T3-D16-queries_{qdtype}", dtype, "multi",
+                                      False, n=4, s=2, tokens=(3,), dim=16, query_dtype=qdtype,
+                                      input_dtypes={"queries": qdtype}))
     return cases
 
 
@@ -402,7 +505,10 @@ def _error_specs(dtype: str) -> List[Tuple[str, str, dict, dict, dict, str, str]
         ("out1_dtype", P, me(), {}, {"out1": other}, "TypeError", "out1"),
         ("partial_int", P, me(), {}, {"partial": "int32"}, "TypeError", "partial"),
         ("query_shape", P, me(query=np.ones(5)), {}, {}, "ValueError", "query"),
+        ("norm_weight_shape", P, me(norm_weight=np.ones(3)), {}, {}, "ValueError", "norm_weight"),
+        ("norm_weight_int", P, me(), {}, {"norm_weight": "int32"}, "TypeError", "norm_weight"),
         ("scale_nan", P, me(), dict(scale=float("nan")), {}, "ValueError", "scale"),
+        ("eps_zero", P, me(), dict(eps=0.0), {}, "ValueError", "eps"),
     ]
 
 
@@ -452,9 +558,11 @@ def _determinism_cases(dtypes) -> List[Case]:
         ("merge_partial-T3-D16", "merge", dict(tokens=(3,), dim=16), False),
         ("probe-block-S2-L5-D8", "probe", dict(variant="block", overrides=(("block_size", 2),)), True),
     ]
+    # A reduction order that changes only at production token counts (split over threads).
+    large_t = ("depth_attention-N5-T4096-D16-lse", "da", dict(n=5, tokens=(LARGE_T,), dim=16, lse=True), False)
     cases = []
     for dtype in dtypes:
-        for label, builder, kwargs, quick in runs:
+        for label, builder, kwargs, quick in runs + [large_t] * (dtype in LARGE_DTYPES):
             spec = dict(builder=builder, kwargs=kwargs, deterministic=True, strided=False)
             cases.append(Case(f"determinism/{label}/{dtype}", "determinism", dtype, spec, quick))
     return cases
@@ -465,11 +573,20 @@ def _invariant_cases(dtypes) -> List[Case]:
         ("identity", "N1-T3-D16", "da", dict(n=1, tokens=(3,), dim=16), True),
         ("identity", "N1-T2x3-D16-H2-tokq-stacked", "da",
          dict(n=1, tokens=(2, 3), dim=16, num_heads=2, token_query=True, layout="stacked"), False),
+        # C6 also fixes weights = 1 and lse = z_0, at ordinary and at large logits.
+        ("identity", "N1-T3-D16-lse-weights", "da", dict(n=1, tokens=(3,), dim=16, lse=True, weights=True),
+         True),
+        ("identity", f"N1-T3-D64-lse-weights-z{LARGE_LOGITS:g}", "da",
+         dict(n=1, tokens=(3,), dim=64, lse=True, weights=True, logit_max=LARGE_LOGITS), False),
+        ("identity", "N1-T2x3-D16-H2-lse-weights-stacked", "da",
+         dict(n=1, tokens=(2, 3), dim=16, num_heads=2, lse=True, weights=True, layout="stacked"), False),
         ("two_phase", "N4-S3-T3-D16", "multi", dict(n=4, s=3, tokens=(3,), dim=16), True),
         ("two_phase", "N33-S2-T2-D123-stacked", "multi", dict(n=33, s=2, tokens=(2,), dim=123,
                                                               layout="stacked"), False),
         ("weights_sum", "N33-T3-D16", "da", dict(n=33, tokens=(3,), dim=16, weights=True), True),
         ("weights_sum", "N5-T3-D16-H4", "da", dict(n=5, tokens=(3,), dim=16, num_heads=4, weights=True), False),
+        ("weights_sum", f"N5-T3-D64-z{LARGE_LOGITS:g}", "da",
+         dict(n=5, tokens=(3,), dim=64, weights=True, logit_max=LARGE_LOGITS), False),
         ("zero_query_uniform", "N7-T3-D16", "da", dict(n=7, tokens=(3,), dim=16, weights=True,
                                                        query="zero"), True),
     ]
@@ -549,7 +666,8 @@ def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities]
     """Every case for `dtypes` (the `--quick` subset when quick); `caps` adds the declared-limit
     edges; vectors_dir: golden vectors (default: `attnres_numpy.vectors.default_vectors_dir()`)."""
     dtypes = tuple(dtypes)
-    cases = (_depth_attention_cases(dtypes) + _multi_merge_cases(dtypes) + _probe_cases(dtypes)
+    cases = (_depth_attention_cases(dtypes) + _multi_merge_cases(dtypes) + _hole_cases(dtypes)
+             + _probe_cases(dtypes)
              + _error_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
              + (_limit_cases(caps, dtypes) if caps is not None else [])
              + _golden_cases(vectors_dir, dtypes) + (_sweep_cases(dtypes, quick) if sweep else []))

@@ -54,18 +54,22 @@ def _array_dtype(golden, name: str) -> str:
 
 
 # -- calls ---------------------------------------------------------------------------------------
-def op_call(golden, device: str = "cpu", *, backward: bool, strided: bool = False) -> OpCall:
-    """The backend call of an op golden case (fresh copies of its inputs)."""
+def op_call(golden, device: str = "cpu", *, backward: bool, strided: bool = False,
+            input_dtypes: Optional[dict] = None) -> OpCall:
+    """The backend call of an op golden case (fresh copies of its inputs); sources as a list,
+    tuple or stacked array as the case says.  input_dtypes: per-input dtypes other than the
+    case's (a query in its own dtype, C10.1)."""
     a = golden.arrays
     inputs = {}
     for name in INPUTS[golden.op]:
         value = a.get(f"input.{name}")
-        if value is not None and name == "sources" and golden.sources_layout == "list":
-            inputs[name] = [s.copy() for s in value]
+        if value is not None and name == "sources" and golden.sources_layout in ("list", "tuple"):
+            inputs[name] = (list if golden.sources_layout == "list" else tuple)(s.copy() for s in value)
         else:
             inputs[name] = None if value is None else value.copy()
     compute = compute_dtype_for(golden.dtype)
-    input_dtypes = {"lse1": compute} if golden.op == "merge_partial" and compute != golden.dtype else {}
+    input_dtypes = dict({"lse1": compute} if golden.op == "merge_partial" and compute != golden.dtype else {},
+                        **(input_dtypes or {}))
     cot = ({k.split(".", 1)[1]: v.copy() for k, v in a.items() if k.startswith("cotangent.")}
            if backward else None)
     return OpCall(golden.op, inputs, dict(golden.attrs), golden.dtype, input_dtypes, device, strided, cot)
@@ -82,11 +86,11 @@ def probe_call(golden, device: str = "cpu", *, backward: bool) -> ProbeCall:
                      mix=golden.attrs.get("mix"), scale=golden.attrs.get("scale"))
 
 
-def _call(backend, golden, device, *, backward, strided=False):
+def _call(backend, golden, device, *, backward, strided=False, input_dtypes=None):
     if golden.op == "probe":
         call = probe_call(golden, device, backward=backward)
         return call, backend.call_probe(call)
-    call = op_call(golden, device, backward=backward, strided=strided)
+    call = op_call(golden, device, backward=backward, strided=strided, input_dtypes=input_dtypes)
     return call, backend.call_op(call)
 
 
@@ -134,6 +138,51 @@ def _untouched(call, before, result) -> List[str]:
     return failures
 
 
+def expected_dtypes(call: OpCall) -> dict:
+    """C10.3: the dtype of every result of `call`: "out" in the sources' dtype (merge_partial:
+    the partial's), "lse" / "weights" in kappa, "grad.<input>" in that input's dtype (a list
+    for list / tuple sources)."""
+    source = "partial" if call.op == "merge_partial" else "sources"
+    src = call.input_dtypes.get(source, call.dtype)
+    src = src[0] if isinstance(src, (list, tuple)) else src
+    kappa = compute_dtype_for(src)
+    expected = {"out": src, "lse": kappa, "weights": kappa}
+    for name, value in call.inputs.items():
+        if value is not None:
+            dtype = call.input_dtypes.get(name, call.dtype)
+            if name == "sources" and isinstance(value, (list, tuple)) and isinstance(dtype, str):
+                dtype = [dtype] * len(value)
+            expected[f"grad.{name}"] = dtype
+    return expected
+
+
+def _contract(call: OpCall, result, backward: bool) -> List[str]:
+    """C10.3 (every result in its dtype, as the adapter reports it before read-back) and C7a (no
+    result shares memory with an input)."""
+    failures = []
+    reported = getattr(result, "native_dtypes", None) or {}
+    expected = expected_dtypes(call)
+    names = [k for k in result.outputs if result.outputs[k] is not None]
+    if backward:
+        names += [f"grad.{k}" for k, v in result.grads.items() if v is not None]
+    for name in names:
+        want = expected.get(name)
+        if want is None:
+            continue
+        if reported.get(name) is None:
+            failures.append(f"adapter did not report the native dtype of {name!r} (OpResult.native_dtypes, C10.3)")
+            continue
+        got = reported[name]
+        if isinstance(want, list):
+            got = [got] * len(want) if isinstance(got, str) else list(got)
+        if got != want:
+            failures.append(f"C10.3: {name!r} is {got}, expected {want}")
+    aliased = [a for a in getattr(result, "aliases", ()) if backward or not a.startswith("grad.")]
+    if aliased:
+        failures.append(f"C7a: {', '.join(map(repr, aliased))} share memory with an input (results must be fresh)")
+    return failures
+
+
 def _stacked(value):
     return np.stack([np.asarray(v) for v in value]) if isinstance(value, (list, tuple)) else value
 
@@ -152,8 +201,13 @@ def _compare_outputs(golden, result, override) -> Tuple[List[Comparison], List[s
     return comps, failures
 
 
-def _compare_grads(golden, result, override) -> Tuple[List[Comparison], List[str]]:
+def _compare_grads(golden, result, override, input_dtypes=None) -> Tuple[List[Comparison], List[str]]:
+    """Every gradient vs the reference, each held to its input's dtype (C10.3: a float32 query's
+    gradient is float32 whatever the sources' dtype), or to kappa's when the input is wider (a
+    float64 query's gradient is computed in float32 for float32 sources, C10.1)."""
     comps, failures = [], []
+    kappa = compute_dtype_for(golden.dtype)
+    input_dtypes = {k: kappa if v == "float64" else v for k, v in (input_dtypes or {}).items()}
     for key, ref in golden.arrays.items():
         if key.startswith("grad."):
             name = key.split(".", 1)[1]
@@ -161,11 +215,13 @@ def _compare_grads(golden, result, override) -> Tuple[List[Comparison], List[str
             if got is None:
                 failures.append(f"gradient {name!r} missing")
                 continue
-            if name == "sources" and golden.op != "probe" and golden.sources_layout == "list" \
+            if name == "sources" and golden.op != "probe" and golden.sources_layout in ("list", "tuple") \
                     and not isinstance(got, (list, tuple)):
-                failures.append("gradient 'sources' must be a list when sources were given as a list")
+                failures.append(f"gradient 'sources' must be a list when sources were given as a "
+                                f"{golden.sources_layout}")
                 continue
-            comps.append(compare(f"d_{name}", _stacked(got), ref, _array_dtype(golden, name), grad=True,
+            dtype = input_dtypes.get(name) if isinstance(input_dtypes.get(name), str) else None
+            comps.append(compare(f"d_{name}", _stacked(got), ref, dtype or _array_dtype(golden, name), grad=True,
                                  override=override))
     return comps, failures
 
@@ -210,8 +266,9 @@ def _finite(name, value) -> List[str]:
 
 
 def check_reference(backend, golden, device, *, strided=False, check="tolerance", override=None,
-                    gradient=True) -> Tuple[Cell, Optional[Cell]]:
-    """Forward (a call without cotangents) and gradient (a call with them) vs the reference."""
+                    gradient=True, input_dtypes=None) -> Tuple[Cell, Optional[Cell]]:
+    """Forward (a call without cotangents) and gradient (a call with them) vs the reference;
+    for ops also the result dtypes (C10.3) and no aliasing (C7a)."""
     if override is None and golden.op == "probe":
         override = "probe"
     flash = (check == "tolerance" and golden.dtype in LOW_PRECISION
@@ -221,14 +278,22 @@ def check_reference(backend, golden, device, *, strided=False, check="tolerance"
                    and check == "tolerance" else None)
     cells = []
     for backward in (False, True) if gradient else (False,):
-        call = (op_call(golden, device, backward=backward, strided=strided) if golden.op != "probe"
-                else probe_call(golden, device, backward=backward))
+        call = (op_call(golden, device, backward=backward, strided=strided, input_dtypes=input_dtypes)
+                if golden.op != "probe" else probe_call(golden, device, backward=backward))
         before = _snapshot(call.inputs) if isinstance(call, OpCall) else _snapshot(call)
-        result = backend.call_op(call) if isinstance(call, OpCall) else backend.call_probe(call)
+        try:
+            result = backend.call_op(call) if isinstance(call, OpCall) else backend.call_probe(call)
+        except Exception as exc:  # noqa: BLE001 - a crash in the VJP fails the gradient cell only
+            if not backward:
+                raise
+            cells.append(Cell("fail", None, f"the call with cotangents raised {type(exc).__name__}: {exc}"))
+            continue
         failures = _untouched(call, before, result)
+        if isinstance(call, OpCall):
+            failures += _contract(call, result, backward)
         comps, missing = _compare_outputs(golden, result, override)
         if backward:
-            grad_comps, grad_missing = _compare_grads(golden, result, override)
+            grad_comps, grad_missing = _compare_grads(golden, result, override, input_dtypes)
             comps, missing = comps + grad_comps, missing + grad_missing
         if check == "finite":
             outputs = result.outputs if hasattr(result, "outputs") else {"out": result.out}
@@ -268,7 +333,8 @@ def check_determinism(backend, case: Case, device) -> Tuple[Cell, Cell]:
     golden = case.golden()
     cells = []
     for backward in (False, True):
-        runs = [_call(backend, golden, device, backward=backward)[1] for _ in range(2)]
+        runs = [_call(backend, golden, device, backward=backward,
+                      input_dtypes=case.spec.get("input_dtypes"))[1] for _ in range(2)]
         what, first, second = (("gradient", runs[0].grads, runs[1].grads) if backward else
                                ("output", *[r.outputs if hasattr(r, "outputs") else {"out": r.out} for r in runs]))
         failures = [f"{what} {k!r} differs between two identical runs" for k in first
@@ -309,16 +375,39 @@ def _two_phase(backend, golden, device) -> Cell:
     return _cell(comps, [])
 
 
+def _identity(golden, call: OpCall, result) -> Cell:
+    """C6 at N = 1: out is the source bitwise, weights are exactly 1, lse is z_0 (the
+    reference's lse, to tolerance); C7a: out is a fresh array even though it equals the source."""
+    failures, comps = _contract(call, result, backward=False), []
+    out = result.outputs.get("out")
+    if out is None or not _same(np.asarray(out, np.float64), golden.arrays["input.sources"][0]):
+        failures.append("N = 1 must return the source exactly (C6)")
+    if "output.weights" in golden.arrays:
+        w = result.outputs.get("weights")
+        if w is None or not _same(np.asarray(w, np.float64), np.ones(golden.arrays["output.weights"].shape)):
+            bad = "missing" if w is None else f"in [{np.min(w):.9g}, {np.max(w):.9g}]"
+            failures.append(f"N = 1 must give weights exactly 1 (C6); got {bad}")
+    if "output.lse" in golden.arrays:
+        lse = result.outputs.get("lse")
+        if lse is None:
+            failures.append("output 'lse' missing")
+        else:
+            comps.append(compare("lse = z_0", lse, golden.arrays["output.lse"],
+                                 compute_dtype_for(golden.dtype), grad=False))
+    cell = _cell(comps, failures)
+    if cell.err is None and cell.status == "pass":
+        cell.err = 0.0
+    return cell
+
+
 def check_invariant(backend, case: Case, device) -> Cell:
     golden, inv = case.golden(), case.spec["invariant"]
     if inv == "two_phase":
         return _two_phase(backend, golden, device)
-    result = backend.call_op(op_call(golden, device, backward=False))
+    call = op_call(golden, device, backward=False)
+    result = backend.call_op(call)
     if inv == "identity":
-        src = golden.arrays["input.sources"][0]
-        ok = _same(np.asarray(result.outputs["out"], np.float64), src)
-        return Cell("pass" if ok else "fail", 0.0 if ok else None,
-                    "" if ok else "N = 1 must return the source exactly (C6)")
+        return _identity(golden, call, result)
     w = np.asarray(result.outputs["weights"], dtype=np.float64)
     compute = compute_dtype_for(golden.dtype)
     if inv == "weights_sum":
@@ -339,4 +428,4 @@ def check_case(backend, case: Case, device: str = "cpu") -> Tuple[Cell, Optional
     spec = case.spec
     return check_reference(backend, case.golden(), device, strided=spec.get("strided", False),
                            check=spec.get("check", "tolerance"), override=spec.get("override"),
-                           gradient=case.has_gradient)
+                           gradient=case.has_gradient, input_dtypes=spec.get("input_dtypes"))

@@ -127,16 +127,50 @@ def _stack(sources) -> np.ndarray:
     return sources if isinstance(sources, np.ndarray) else np.stack(sources)
 
 
+def _logits_to(target: float, q: np.ndarray, x: np.ndarray, g, *, eps: float, scale: float,
+               key_norm: bool, dtype: str, multi: bool = False) -> np.ndarray:
+    """The query (H = 1; `[D]`, `[..., D]`, or `[S, D]` queries when `multi`; x `[N, ..., D]`) rescaled so that the
+    logit of largest magnitude over every source, token (and query) is `target`, then rounded
+    to `dtype` (so the largest logit is `target` up to that rounding)."""
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps) if key_norm else np.ones(x.shape[:-1])
+    u = q * (1.0 if g is None else g)
+    if multi:  # [S, D] queries: z [S, N, ...]
+        z = scale * r[None] * np.einsum("sd,n...d->sn...", u, x)
+    else:
+        z = scale * r * np.sum(u * x, axis=-1)
+    worst = z.flat[np.argmax(np.abs(z))]
+    return round_to_dtype(q * (target / worst), dtype)
+
+
+def _layout(x: np.ndarray, layout: str):
+    """`[N, ..., D]` in the form a port is given: a list, a tuple or the stacked array."""
+    return list(x) if layout == "list" else tuple(x) if layout == "tuple" else x
+
+
+def _poison(arrays: Dict[str, np.ndarray], nonfinite) -> list:
+    """Copies of `arrays` (in order) with each `(name, index, value)` of `nonfinite` written in."""
+    arrays = {k: v.copy() for k, v in arrays.items()}
+    for name, index, value in nonfinite:
+        arrays[name][tuple(index)] = value
+    return list(arrays.values())
+
+
 def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *, num_heads=1,
                          activation="softmax", key_norm=True, token_query=False, gain=True,
                          lse=False, weights=False, eps=1e-6, scale=1.0, spread=2.0,
                          tag="", case_id=None, magnitude=1.0, zero_sources=False,
-                         zero_query=False) -> GoldenCase:
+                         zero_query=False, query_dtype=None, nonfinite=(), logit_max=None) -> GoldenCase:
     """A `depth_attention` case: n sources `[*tokens, dim]`, id built from every option (plus
     `tag` for the eps/scale/spread knobs).  spread: the std of the logits the query produces.
 
     case_id: an id chosen by the caller (the conformance suite's grid) instead of the built one;
     magnitude / zero_sources: see `_draw_sources`; zero_query: an all-zero query (uniform weights).
+    layout: "list", "tuple" or "stacked" (how the sources are passed).
+    query_dtype: the query's own dtype when it differs from the sources' (C10.1): its values are
+      drawn exact in it, and the reference sees them converted to the compute dtype.
+    nonfinite: `(name, index, value)` entries written into the drawn inputs ("sources" indexed
+      `[N, ..., D]`, "query") before the reference runs (C12).
+    logit_max: the query rescaled so that the largest logit is this (H = 1; C10.4's large logits).
     """
     tokens = tuple(tokens)
     parts = [f"depth_attention_N{n}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}_{layout}"]
@@ -148,13 +182,17 @@ def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *,
     rng = np.random.default_rng(seed)
     compute = compute_dtype_for(dtype)
     x = _draw_sources(rng, n, tokens + (dim,), dtype, magnitude, zero_sources)
-    q = _draw_query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype, spread)
+    q = _draw_query(rng, tokens + (dim,) if token_query else (dim,), dim, query_dtype or dtype, spread)
     q = np.zeros_like(q) if zero_query else q
     g = _draw_gain(rng, (dim,), dtype) if gain else None
+    if logit_max is not None:
+        q = _logits_to(logit_max, q, x, g, eps=eps, scale=scale, key_norm=key_norm, dtype=query_dtype or dtype)
+    x, q = _poison(dict(sources=x, query=q), nonfinite)
+    q_seen = round_to_dtype(q, compute) if query_dtype else q  # C10.1: converted to kappa
     attrs = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation,
                  key_norm=key_norm, return_lse=lse, return_weights=weights)
-    sources = list(x) if layout == "list" else x
-    result = ops.depth_attention(sources, q, g, **attrs)
+    sources = _layout(x, layout)
+    result = ops.depth_attention(sources, q_seen, g, **attrs)
     out, *extra = result if isinstance(result, tuple) else (result,)
     arrays = {"input.sources": x, "input.query": q, "output.out": out}
     if g is not None:
@@ -166,7 +204,7 @@ def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *,
         arrays["output.weights"] = extra.pop(0)
     arrays["cotangent.out"] = _draw_cotangent(rng, out.shape, dtype)
     grads = ops.depth_attention_vjp(
-        sources, q, g, arrays["cotangent.out"], arrays.get("cotangent.lse"), eps=eps, scale=scale,
+        sources, q_seen, g, arrays["cotangent.out"], arrays.get("cotangent.lse"), eps=eps, scale=scale,
         num_heads=num_heads, activation=activation, key_norm=key_norm)
     arrays["grad.sources"] = _stack(grads["sources"])
     arrays["grad.query"] = grads["query"]
@@ -176,21 +214,30 @@ def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *,
 
 
 def multi_case(n, num_queries, dim, tokens=(4,), dtype="float32", layout="list", *, gain=True,
-               eps=1e-6, scale=1.0, case_id=None) -> GoldenCase:
-    """A `depth_attention_multi` case: S = num_queries pseudo-queries over n sources."""
+               eps=1e-6, scale=1.0, case_id=None, spread=2.0, query_dtype=None,
+               nonfinite=(), logit_max=None) -> GoldenCase:
+    """A `depth_attention_multi` case: S = num_queries pseudo-queries over n sources.
+
+    spread, query_dtype (the queries' own dtype), nonfinite ("sources", "queries"), logit_max:
+    as in `depth_attention_case`."""
     tokens = tuple(tokens)
     case_id = case_id or (f"depth_attention_multi_N{n}_S{num_queries}_D{dim}_T{_tokens_tag(tokens)}_"
                f"{SHORT_DTYPE[dtype]}_{layout}" + "_nogain" * (not gain))
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)
     x = _draw_sources(rng, n, tokens + (dim,), dtype)
-    qs = _draw_query(rng, (num_queries, dim), dim, dtype)
+    qs = _draw_query(rng, (num_queries, dim), dim, query_dtype or dtype, spread)
     gs = _draw_gain(rng, (num_queries, dim), dtype) if gain else None
-    sources = list(x) if layout == "list" else x
-    out, lse = ops.depth_attention_multi(sources, qs, gs, eps=eps, scale=scale)
+    if logit_max is not None:
+        qs = _logits_to(logit_max, qs, x, gs, eps=eps, scale=scale, key_norm=True,
+                        dtype=query_dtype or dtype, multi=True)
+    x, qs = _poison(dict(sources=x, queries=qs), nonfinite)
+    qs_seen = round_to_dtype(qs, compute_dtype_for(dtype)) if query_dtype else qs  # C10.1
+    sources = _layout(x, layout)
+    out, lse = ops.depth_attention_multi(sources, qs_seen, gs, eps=eps, scale=scale)
     d_out = _draw_cotangent(rng, out.shape, dtype)
     d_lse = _draw_cotangent(rng, lse.shape, compute_dtype_for(dtype))
-    grads = ops.depth_attention_multi_vjp(sources, qs, gs, d_out, d_lse, eps=eps, scale=scale)
+    grads = ops.depth_attention_multi_vjp(sources, qs_seen, gs, d_out, d_lse, eps=eps, scale=scale)
     arrays = {"input.sources": x, "input.queries": qs, "output.out": out, "output.lse": lse,
               "cotangent.out": d_out, "cotangent.lse": d_lse,
               "grad.sources": _stack(grads["sources"]), "grad.queries": grads["queries"]}
@@ -202,8 +249,12 @@ def multi_case(n, num_queries, dim, tokens=(4,), dtype="float32", layout="list",
 
 
 def merge_case(dim, tokens=(5,), dtype="float32", *, token_query=False, gain=True, lse=True,
-               eps=1e-6, scale=1.0, case_id=None) -> GoldenCase:
-    """A `merge_partial` case: out1/lse1 are a real phase 1 over 3 sources (rounded), plus a partial."""
+               eps=1e-6, scale=1.0, case_id=None, spread=2.0, nonfinite=(), logit_max=None) -> GoldenCase:
+    """A `merge_partial` case: out1/lse1 are a real phase 1 over 3 sources (rounded), plus a partial.
+
+    spread, logit_max: as in `depth_attention_case` (over the 3 phase-1 sources and the partial);
+    nonfinite: `(name, index, value)` written into "out1",
+    "partial" or "query" before the merge's reference runs (C12)."""
     tokens = tuple(tokens)
     case_id = case_id or (f"merge_partial_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
                + "_tokq" * token_query + "_nogain" * (not gain) + "_lse" * lse)
@@ -211,10 +262,13 @@ def merge_case(dim, tokens=(5,), dtype="float32", *, token_query=False, gain=Tru
     rng = np.random.default_rng(seed)
     compute = compute_dtype_for(dtype)
     x = _draw_sources(rng, 4, tokens + (dim,), dtype)  # 3 phase-1 sources and the partial
-    q = _draw_query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype)
+    q = _draw_query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype, spread)
     g = _draw_gain(rng, (dim,), dtype) if gain else None
+    if logit_max is not None:
+        q = _logits_to(logit_max, q, x, g, eps=eps, scale=scale, key_norm=True, dtype=dtype)
     o1, l1 = ops.depth_attention(list(x[:3]), q, g, eps=eps, scale=scale, return_lse=True)
     o1, l1, partial = round_to_dtype(o1, dtype), round_to_dtype(l1, compute), x[3]
+    o1, partial, q = _poison(dict(out1=o1, partial=partial, query=q), nonfinite)
     attrs = dict(eps=eps, scale=scale, return_lse=lse)
     result = ops.merge_partial(o1, l1, partial, q, g, **attrs)
     out = result[0] if lse else result

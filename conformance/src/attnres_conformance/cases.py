@@ -350,9 +350,9 @@ def _hole_cases(dtypes) -> List[Case]:
                      nonfinite=(("partial", (0, 4), float("nan")), ("out1", (2, 9), float("nan")))),
             # C10.4: |z| ~ 50-150 (an fp32 exp overflows past 88 without max subtraction).
             _op_case(f"{da}/large_logits", f"N5-T3-D64-z{z:g}", dtype, "da", True, n=5, tokens=(3,), dim=64,
-                     lse=True, weights=True, logit_max=z),
+                     lse=True, weights=True, logit_max=z, override="large_logits"),
             _op_case(f"{da}/large_logits", f"N5-T3-D64-z-{z:g}-scale4", dtype, "da", False, n=5,
-                     tokens=(3,), dim=64, lse=True, weights=True, logit_max=-z, scale=4.0),
+                     tokens=(3,), dim=64, lse=True, weights=True, logit_max=-z, scale=4.0, override="large_logits"),
             # merge_partial's own eps and scale (the phase-1 inputs use the same ones).
             _op_case(f"{me}/eps_scale", "T3-D16-eps1e-2-scale0.37", dtype, "merge", True, tokens=(3,),
                      dim=16, eps=1e-2, scale=0.37),
@@ -362,16 +362,18 @@ def _hole_cases(dtypes) -> List[Case]:
         if dtype in ("float64", "float32"):
             cases += [
                 _op_case(f"{mu}/large_logits", f"N5-S2-T3-D64-z{z:g}", dtype, "multi", False, n=5, s=2,
-                         tokens=(3,), dim=64, logit_max=z),
+                         tokens=(3,), dim=64, logit_max=z, override="large_logits"),
                 _op_case(f"{me}/large_logits", f"T3-D64-z{z:g}", dtype, "merge", False, tokens=(3,), dim=64,
-                         logit_max=z),
+                         logit_max=z, override="large_logits"),
             ]
         if dtype == "float32":
             cases.append(_op_case(f"{da}/large_logits", f"N5-T3-D4096-z{z:g}", dtype, "da", False, n=5,
-                                  tokens=(3,), dim=4096, lse=True, weights=True, logit_max=z))
+                                  tokens=(3,), dim=4096, lse=True, weights=True, logit_max=z,
+                                  override="large_logits"))
         if dtype == "float64":  # float64's exp overflows past 709 without max subtraction
             cases.append(_op_case(f"{da}/large_logits", "N5-T3-D64-z1000", dtype, "da", False, n=5,
-                                  tokens=(3,), dim=64, lse=True, weights=True, logit_max=1000.0))
+                                  tokens=(3,), dim=64, lse=True, weights=True, logit_max=1000.0,
+                                  override="large_logits"))
         if dtype in LARGE_DTYPES:
             n, d, t = LARGE_N, LARGE_D, LARGE_T
             cases += [

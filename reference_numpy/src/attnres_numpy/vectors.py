@@ -252,8 +252,9 @@ def merge_case(dim, tokens=(5,), dtype="float32", *, token_query=False, gain=Tru
                eps=1e-6, scale=1.0, case_id=None, spread=2.0, nonfinite=(), logit_max=None) -> GoldenCase:
     """A `merge_partial` case: out1/lse1 are a real phase 1 over 3 sources (rounded), plus a partial.
 
-    spread, logit_max: as in `depth_attention_case` (over the 3 phase-1 sources and the partial);
-    nonfinite: `(name, index, value)` written into "out1",
+    spread: as in `depth_attention_case`; logit_max: the query rescaled so that the partial's
+    logit of largest magnitude is this (so with a positive one the partial's weight is not
+    negligible everywhere, and lse >= logit_max); nonfinite: `(name, index, value)` written into "out1",
     "partial" or "query" before the merge's reference runs (C12)."""
     tokens = tuple(tokens)
     case_id = case_id or (f"merge_partial_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
@@ -265,7 +266,7 @@ def merge_case(dim, tokens=(5,), dtype="float32", *, token_query=False, gain=Tru
     q = _draw_query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype, spread)
     g = _draw_gain(rng, (dim,), dtype) if gain else None
     if logit_max is not None:
-        q = _logits_to(logit_max, q, x, g, eps=eps, scale=scale, key_norm=True, dtype=dtype)
+        q = _logits_to(logit_max, q, x[3:], g, eps=eps, scale=scale, key_norm=True, dtype=dtype)
     o1, l1 = ops.depth_attention(list(x[:3]), q, g, eps=eps, scale=scale, return_lse=True)
     o1, l1, partial = round_to_dtype(o1, dtype), round_to_dtype(l1, compute), x[3]
     o1, partial, q = _poison(dict(out1=o1, partial=partial, query=q), nonfinite)

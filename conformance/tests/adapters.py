@@ -345,6 +345,31 @@ class RmsOverFirst4096(ReferenceBackend):
             return super().call_op(call)
 
 
+class KeyNormOverflow(Rounding):
+    """An honest low-precision port except that its float32 key norm sums x^2 without
+    rescaling: past |x| ~ 1e19 the mean square overflows, r = 0 and the weights go uniform
+    (finite, wrong)."""
+
+    def __init__(self):
+        super().__init__(ReferenceBackend(), name="key_norm_overflow")
+
+    @staticmethod
+    def _stats(x, q, g, *, eps, scale, num_heads, key_norm):
+        r, qg, s, z = _REAL_STATS(x, q, g, eps=eps, scale=scale, num_heads=num_heads, key_norm=key_norm)
+        if key_norm:
+            with np.errstate(over="ignore"):
+                ms = np.mean(np.square(x.astype(np.float32)), axis=-1, dtype=np.float32)
+            r = 1.0 / np.sqrt(ms.astype(np.float64) + eps)
+            z = scale * r * s
+        return r, qg, s, z
+
+    def call_op(self, call):
+        if call.dtype == "float64":
+            return super().call_op(call)
+        with mock.patch.object(ops, "_stats", self._stats):
+            return super().call_op(call)
+
+
 class NondeterministicAtLargeT(Rounding):
     """An honest float32-capable port whose d_query changes by an ulp run to run once there are
     4096 tokens or more (a reduction split over threads only at production sizes)."""
@@ -512,3 +537,4 @@ aliases_at_n1 = AliasesAtN1()
 weights_from_separate_pass = WeightsFromSeparatePass()
 merge_ignores_eps_scale = MergeIgnoresEpsScale()
 merge_unchecked_norm_weight = MergeUncheckedNormWeight()
+key_norm_overflow = KeyNormOverflow()

@@ -11,10 +11,12 @@ Beyond the option grid: non-finite inputs (C12), large logits (C10.4), sizes lar
 axis (C16), empty token axes, tuple sources, a query dtype other than the sources' (C10.1);
 every op case also checks C10.3's result dtypes and C7a (no result aliases an input).
 
-Kinds: "op" and "probe" (forward and gradient vs the reference), "error" (a spec error: type,
-argument name, inputs untouched), "determinism" (two runs bitwise equal), "invariant" (N = 1
-identity, two-phase equals direct, weights sum to 1, zero query is uniform) and "golden" (a
-committed vector).  `quick` marks the reduced grid of `--quick`.
+Kinds: "op" and "probe" (forward and gradient vs the reference), "mixed_dtype" (an op case with
+an input in its own dtype, `spec["input_dtypes"]`; never exported as a golden vector, which has
+one dtype), "error" (a spec error: type, argument name, inputs untouched), "determinism" (two
+runs bitwise equal), "invariant" (N = 1 identity, two-phase equals direct, weights sum to 1,
+zero query is uniform) and "golden" (a committed vector).  `quick` marks the reduced grid of
+`--quick`.
 """
 
 from __future__ import annotations
@@ -246,7 +248,8 @@ def _op_case(row, label, dtype, builder, quick=False, *, strided=False, check="t
              override=None, input_dtypes=None, **kwargs) -> Case:
     spec = dict(builder=builder, kwargs=kwargs, strided=strided, check=check, override=override,
                 input_dtypes=dict(input_dtypes or {}))
-    return Case(f"{row}/{label}/{dtype}", "probe" if builder == "probe" else "op", dtype, spec, quick)
+    kind = "probe" if builder == "probe" else "mixed_dtype" if input_dtypes else "op"
+    return Case(f"{row}/{label}/{dtype}", kind, dtype, spec, quick)
 
 
 def _depth_attention_cases(dtypes) -> List[Case]:

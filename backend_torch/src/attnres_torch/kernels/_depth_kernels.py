@@ -124,7 +124,7 @@ def _depth_fwd_kernel(
         qg = _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3, rmask3, q3, smask3, col3, cmask3,
                       PER_TOKEN, HAS_GAIN)
         acc = tl.zeros([BLOCK_T, BLOCK_S, BLOCK_D], tl.float32)    # sum_i exp(z_i - m) x_i
-        for i in range(N):
+        for i in tl.range(0, N, num_stages=3):
             base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
             x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
                         other=0.0).to(tl.float32)                  # [BLOCK_T, 1, BLOCK_D]
@@ -278,7 +278,7 @@ def _depth_bwd_kernel(
             if HAS_DLSE:
                 delta -= tl.load(dlse_ptr + rows, mask=rmask, other=0.0)
             dqg = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-            for i in range(N):
+            for i in tl.range(0, N, num_stages=3):
                 base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
                 x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
                 ss, ss_lo = _sumsq(x, 1)
@@ -287,7 +287,7 @@ def _depth_bwd_kernel(
                 p = tl.exp(scale * r * s - shift)
                 c = p * (tl.sum(x * go, axis=1) - delta) * scale * r       # dz_i scale r_i
                 dx = p[:, None] * go + c[:, None] * qg - (c * s * r * r / D)[:, None] * x
-                dbase = tl.load(dsrc_ptrs + i).to(tl.pointer_type(ELT))
+                dbase = tl.multiple_of(tl.load(dsrc_ptrs + i).to(tl.pointer_type(ELT)), 16)
                 tl.store(dbase + row2 * D + col2, _to_elt(dx, ELT), mask=mask2)
                 dqg += c[:, None] * x
             if PER_TOKEN:
@@ -339,7 +339,7 @@ def _depth_bwd_kernel(
                 r = _rsqrt_mean(ss, ss_lo, D, eps)
                 p = tl.exp(scale * r * s - shift)
                 c = p * (dp - delta) * scale * r
-                dbase = tl.load(dsrc_ptrs + i).to(tl.pointer_type(ELT))
+                dbase = tl.multiple_of(tl.load(dsrc_ptrs + i).to(tl.pointer_type(ELT)), 16)
                 for d0 in range(0, D, BLOCK_D):                    # walk 2: dx_i, dqg += c x_i
                     col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
                     cmask2 = col2 < D

@@ -88,10 +88,12 @@ def _tiles(num_rows: int, dim: int, num_queries: int = 1, share: int = 1):
     """(BLOCK_T, BLOCK_S, BLOCK_D, ONE_TILE, num_warps) for `[BLOCK_T, BLOCK_S, BLOCK_D]` tiles of
     at most `_TILE_ELEMS // share` elements (the backward keeps about twice as many tiles live)."""
     elems = max(1, _TILE_ELEMS // share)
-    block_d = min(_pow2(dim), _MAX_BLOCK_D)
+    block_d = min(_pow2(dim), _MAX_BLOCK_D // share)
+    per_thread = 16 if block_d >= 64 else 4          # narrow rows: per-row state dominates
+    elems = min(elems, 512 * per_thread // share)
     block_s = min(_pow2(num_queries), max(1, elems // block_d))
     block_t = min(_pow2(num_rows), max(1, elems // (block_d * block_s)))
-    num_warps = min(16, max(1, block_t * block_s * block_d // 512))
+    num_warps = min(16, max(1, min(block_t * block_s * block_d, elems) // (32 * per_thread)))
     return block_t, block_s, block_d, block_d >= dim, num_warps
 
 

@@ -156,6 +156,11 @@ def depth_attention(
     return (out, *extra) if extra else out
 
 
+#: C12: NaN/Inf inputs propagate through the VJP (inf * 0 -> NaN) without warnings or exceptions.
+_SILENT_NONFINITE = np.errstate(invalid="ignore", over="ignore")
+
+
+@_SILENT_NONFINITE
 def depth_attention_vjp(
     sources: Sources,
     query,
@@ -294,8 +299,11 @@ def _merge_prepare(out1, lse1, partial, query, norm_weight, eps, scale):
     l1 = lse1.astype(np.float64)
     # w1 = e^{lse1} / (e^{lse1} + e^{z2}) = sigmoid(lse1 - z2)
     with np.errstate(over="ignore", invalid="ignore"):
+        # Both weights from their own logistic: w2 = 1 - w1 would round a tiny partial weight
+        # (lse1 - z2 >> 1) to exactly 0 and lose its gradient (1e-19 is not 0).
         w1 = 1.0 / (1.0 + np.exp(z2 - l1))
-    return geo, out1.astype(np.float64), x, q, g, r, qg, s, z2, l1, w1
+        w2 = 1.0 / (1.0 + np.exp(l1 - z2))
+    return geo, out1.astype(np.float64), x, q, g, r, qg, s, z2, l1, w1, w2
 
 
 def merge_partial(out1, lse1, partial, query, norm_weight=None, *, eps: float = 1e-6,
@@ -307,9 +315,9 @@ def merge_partial(out1, lse1, partial, query, norm_weight=None, *, eps: float = 
     Returns: out `[..., D]` (and lse `[...]` if return_lse), equal to
       `depth_attention(phase1_sources + [partial], query, norm_weight)`.
     """
-    geo, o1, x, q, g, r, qg, s, z2, l1, w1 = _merge_prepare(out1, lse1, partial, query, norm_weight,
-                                                            eps, scale)
-    out = w1[..., None] * o1 + (1.0 - w1)[..., None] * x[0, ..., 0, :]
+    geo, o1, x, q, g, r, qg, s, z2, l1, w1, w2 = _merge_prepare(out1, lse1, partial, query, norm_weight,
+                                                                eps, scale)
+    out = w1[..., None] * o1 + w2[..., None] * x[0, ..., 0, :]
     if not return_lse:
         return out
     m = np.maximum(l1, z2)
@@ -318,17 +326,17 @@ def merge_partial(out1, lse1, partial, query, norm_weight=None, *, eps: float = 
     return out, lse
 
 
+@_SILENT_NONFINITE
 def merge_partial_vjp(out1, lse1, partial, query, norm_weight, d_out, d_lse=None, *,
                       eps: float = 1e-6, scale: float = 1.0) -> Dict[str, Optional[np.ndarray]]:
     """VJP of `merge_partial`; returns "out1", "lse1", "partial", "query", "norm_weight"."""
-    geo, o1, x, q, g, r, qg, s, z2, l1, w1 = _merge_prepare(out1, lse1, partial, query, norm_weight,
-                                                            eps, scale)
+    geo, o1, x, q, g, r, qg, s, z2, l1, w1, w2 = _merge_prepare(out1, lse1, partial, query, norm_weight,
+                                                                eps, scale)
     validation.check_cotangent("d_out", np.shape(d_out), geo.batch_shape + (geo.dim,))
     if d_lse is not None:
         validation.check_cotangent("d_lse", np.shape(d_lse), geo.batch_shape)
     d_out = np.asarray(d_out, dtype=np.float64)
     xp = x[0, ..., 0, :]
-    w2 = 1.0 - w1
     dw1 = np.sum(d_out * (o1 - xp), axis=-1)
     d_delta = dw1 * w1 * w2  # delta = lse1 - z2
     d_l1 = d_delta

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from .report import _mean, _mean_std, _std, require_matplotlib
+from .report import _mean, _mean_std, _std, log_ticks, require_matplotlib
 
 PLOTS = ("gap_vs_depth.png", "pareto.png", "copy_vs_depth.png", "dilution_vs_depth.png")
 
@@ -50,6 +50,13 @@ def paired_gaps(groups, blocks: int, dim: int, variant: str) -> List[float]:
             if r["seed"] in base]
 
 
+def _shapes(groups, dim: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """(every shape: the depth sweep at `dim` by depth, then the others; the sweep alone)."""
+    every = sorted({(b, d) for b, d, _ in groups})
+    sweep = [s for s in every if s[1] == dim]
+    return sweep + [s for s in every if s[1] != dim], sweep
+
+
 def _variants(runs: List[dict]) -> List[str]:
     seen: List[str] = []
     for r in runs:
@@ -65,8 +72,7 @@ def _table(head: List[str], rows: List[List[str]]) -> List[str]:
 
 def summary_markdown(runs: List[dict], dim: int) -> str:
     groups, variants = _groups(runs), _variants(runs)
-    shapes = sorted({(b, d) for b, d, _ in groups})
-    sweep = [s for s in shapes if s[1] == dim]
+    shapes, sweep = _shapes(groups, dim)
     s0 = runs[0]["settings"]
     seeds = sorted({r["seed"] for r in runs})
     lines = ["# AttnRes depth study", "",
@@ -130,19 +136,42 @@ def summary_markdown(runs: List[dict], dim: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot_vs_depth(ax, groups, variants, sweep, value, label):
-    for v in variants:
-        xs, ms, ss = [], [], []
+def _color(variants: List[str], v: str):
+    """One color per variant, the same in every figure."""
+    from matplotlib import colormaps
+
+    return colormaps["tab10"](variants.index(v) % 10)
+
+
+def _round_log_axis(axis, lo: float, hi: float) -> None:
+    """Plain-number round ticks (`report.log_ticks`) on a log axis spanning [lo, hi]."""
+    from matplotlib import ticker
+
+    axis.set_major_locator(ticker.FixedLocator(log_ticks(lo, hi) or [lo, hi]))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _plot_vs_depth(ax, groups, variants, shown, sweep, value, label):
+    """Mean ± std over seeds of value(blocks, dim, variant) (a list per seed) against L, each
+    seed as a dot, for the `shown` variants."""
+    from matplotlib import ticker
+
+    for v in shown:
+        xs, ms, ss, color = [], [], [], _color(variants, v)
         for b, d in sweep:
             vals = value(b, d, v)
             if vals:
                 xs.append(2 * b)
                 ms.append(_mean(vals))
                 ss.append(_std(vals))
-                ax.scatter([2 * b] * len(vals), vals, s=8, alpha=0.4)
+                ax.scatter([2 * b] * len(vals), vals, s=9, alpha=0.45, color=color)
         if xs:
-            ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=v)
+            ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=v, color=color)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(ticker.FixedLocator([2 * b for b, _ in sweep]))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("sublayers L (depth)")
     ax.set_ylabel(label)
 
@@ -161,11 +190,10 @@ def write(out: Path, runs: List[dict], args, *, plots: bool = True) -> List[Path
         return written
     plt = require_matplotlib()
     groups, variants = _groups(runs), _variants(runs)
-    shapes = sorted({(b, d) for b, d, _ in groups})
-    sweep = [s for s in shapes if s[1] == args.dim]
+    shapes, sweep = _shapes(groups, args.dim)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    _plot_vs_depth(ax, groups, [v for v in variants if v != "standard"], sweep,
+    _plot_vs_depth(ax, groups, variants, [v for v in variants if v != "standard"], sweep,
                    lambda b, d, v: paired_gaps(groups, b, d, v), "val loss − standard (paired, nats/byte)")
     ax.axhline(0, color="k", lw=0.8)
     ax.set_title(f"Loss gap to PreNorm vs depth (d = {args.dim}; mean ± std, dots = seeds)")
@@ -185,21 +213,23 @@ def write(out: Path, runs: List[dict], args, *, plots: bool = True) -> List[Path
             pts = [(cost(groups[(b, d, v)]), _mean([final_loss(r) for r in groups[(b, d, v)]]), f"{b}x{d}")
                    for b, d in shapes if (b, d, v) in groups]
             if pts:
-                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], label=v)
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)],
+                           label=v, color=_color(variants, v))
                 if v == "standard":
                     for x, y, name in pts:
                         ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log")
+        _round_log_axis(ax.xaxis, *ax.get_xlim())
         ax.set_xlabel(label)
     axes[0].set_ylabel("final val loss (nats/byte)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("Quality vs cost, one point per (shape, variant), mean over seeds (lower left is better)")
+    fig.suptitle("Quality vs cost, one point per (shape, variant), mean over seeds; labels: standard's BLOCKSxDIM (lower left is better)")
     fig.tight_layout()
     fig.savefig(out / PLOTS[1], dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    _plot_vs_depth(ax, groups, variants, sweep,
+    _plot_vs_depth(ax, groups, variants, variants, sweep,
                    lambda b, d, v: [r["probe"]["copy"] for r in groups.get((b, d, v), [])],
                    "copy-probe accuracy (second copy)")
     ax.set_title(f"Exact in-context copy of held-out text vs depth (d = {args.dim})")
@@ -212,10 +242,11 @@ def write(out: Path, runs: List[dict], args, *, plots: bool = True) -> List[Path
     for ax, (key, label) in zip(axes, [("input_growth", "input RMS growth (last / first sublayer)"),
                                        ("deep_share", "deepest half's share of output RMS"),
                                        ("grad_spread", "grad norm max / min over sublayers")]):
-        _plot_vs_depth(ax, groups, variants, sweep,
+        _plot_vs_depth(ax, groups, variants, variants, sweep,
                        lambda b, d, v, key=key: [dilution(r)[key] for r in groups.get((b, d, v), [])], label)
         if key != "deep_share":
             ax.set_yscale("log")
+            _round_log_axis(ax.yaxis, *ax.get_ylim())
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Dilution measures at the last step vs depth (d = {args.dim})")
     fig.tight_layout()

@@ -25,6 +25,7 @@ return the op's outputs and gradients in their final shapes and dtypes.
 from __future__ import annotations
 
 import functools
+import math
 from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -54,8 +55,18 @@ def heads(x: mx.array, num_heads: int) -> mx.array:
 
 
 def inverse_rms(x: mx.array, eps: float) -> mx.array:
-    """r = 1 / sqrt(mean(x^2) + eps) over the last axis: `[..., Dh]` -> `[...]`."""
-    return mx.rsqrt(mx.mean(x * x, axis=-1) + eps)
+    """r = 1 / sqrt(mean(x^2) + eps) over the last axis: `[..., Dh]` -> `[...]`.
+
+    Overflow-safe (C10.6): where mean(x^2) overflows (fp32: |x| >= ~1.8e19), r comes from the
+    squares of x * 2^-k (k = 79 fp32, 527 float64: finite for every finite x; eps is far below
+    the mean there), so huge sources keep their weights instead of going uniform."""
+    k = int(math.log2(mx.finfo(x.dtype).max)) // 2 + 16
+    lo = 2.0 ** -k
+    ms = mx.mean(x * x, axis=-1)
+    y = x * lo
+    big = mx.isinf(ms)
+    ms_lo = mx.where(big, mx.mean(y * y, axis=-1), 1.0)
+    return mx.where(big, lo * mx.rsqrt(ms_lo), mx.rsqrt(ms + eps))
 
 
 def _stats(x, qg, r, *, eps, scale, key_norm):
@@ -95,7 +106,9 @@ def _key_grad(x, qg, r, s, *, scale, rms_path):
         return scale * qg
     if rms_path is False:
         return scale * r[..., None] * qg
-    rms = (s * r ** 3)[..., None] * x / x.shape[-1]
+    # s r^3 x / Dh as ((s r) r / Dh)(r x): the normalized key r x times s r^2 / Dh, never r^3
+    # (r^3 underflows in fp32 from |x| ~ 1e13, zeroing this term while the forward is right)
+    rms = ((s * r) * r / x.shape[-1])[..., None] * (r[..., None] * x)
     if rms_path is not True:
         rms = rms_path * rms
     return scale * (r[..., None] * qg - rms)
@@ -245,7 +258,9 @@ def _attend_backward(st, xs, q, g, rs, d_out, d_lse):
     else:
         d_sources = [sum_to(dx, x.shape).reshape(s.shape).astype(s.dtype)
                      for dx, x, s in zip(dxs, xb, xs)]
-    dq, dg = query_grads(dqg.reshape(*dqg.shape[:-2], -1), q, g, multi=st.mode == "multi")
+    # `[..., H, Dh]` -> `[..., D]` (no -1: MLX cannot infer it for an empty token axis)
+    dq, dg = query_grads(dqg.reshape(*dqg.shape[:-2], dqg.shape[-2] * dqg.shape[-1]), q, g,
+                         multi=st.mode == "multi")
     d_rs = [sum_to(dr, r.shape).reshape(given.shape).astype(given.dtype)
             for dr, r, given in zip((d for d in drs if d is not None),
                                     (r for r in rb if r is not None), rs)]

@@ -94,9 +94,16 @@ _SOURCE_STATS = """
         if (R_INDEX[i] >= 0) {
           r = float(rs_ptr[R_INDEX[i]][th]);
         } else {
-          float ss = 0.0f;
-          for (int k = 0; k < K; ++k) ss += xv[k] * xv[k];
-          r = rsqrt(simd_sum(ss) / DH + EPS);
+          // C10.6: where the fp32 sum of squares overflows (|x| >= ~1.8e19), r comes from the
+          // squares of 2^-80 x (finite for every finite x; eps is negligible there).
+          float ss = 0.0f, sl = 0.0f;
+          for (int k = 0; k < K; ++k) {
+            const float y = xv[k] * 8.271806125530277e-25f;
+            ss += xv[k] * xv[k];
+            sl += y * y;
+          }
+          const float tot = simd_sum(ss), tot_lo = simd_sum(sl);
+          r = tot == INFINITY ? 8.271806125530277e-25f * rsqrt(tot_lo / DH) : rsqrt(tot / DH + EPS);
         }
       }
 """
@@ -185,7 +192,8 @@ _BACKWARD = """
         const float p = SIGMOID ? 1.0f / (1.0f + exp(-z)) : exp(z - m[s]) / den[s];
         const float dz = SIGMOID ? dp * p * (1.0f - p) : p * (dp - gdo[s] + dl[s]);
         for (int k = 0; k < K; ++k) {
-          const float dkey = SCALE * (r * qg[s][k] - (rms_path ? sd * r * r * r * xv[k] / DH : 0.0f));
+          // s r^3 x / Dh as ((s r) r / Dh)(r x): no r^3 (it underflows for |x| >~ 1e13)
+          const float dkey = SCALE * (r * qg[s][k] - (rms_path ? ((sd * r) * r / DH) * (r * xv[k]) : 0.0f));
           dx[k] += p * go[s][k] + dz * dkey;
           dqg[s][k] += dz * SCALE * r * xv[k];
         }
@@ -304,7 +312,7 @@ def attend_backward(st, xs, q, g, rs, d_out, d_lse):
     multi = st.mode == "multi"
     dq, dg = query_grads(results[-2].reshape(*((nq,) if multi else ()), *shape), q, g,
                          multi=multi)
-    dr_all = results[-1].reshape(max(n_cached, 1), -1)
+    dr_all = results[-1].reshape(max(n_cached, 1), tokens * H)  # no -1: T = 0 is legal
     d_rs = [dr_all[j].reshape(r.shape).astype(r.dtype) for j, r in enumerate(rs)]
     return d_sources, dq, dg, d_rs
 
@@ -319,7 +327,7 @@ _MERGE = """
     const uint tok = threadgroup_position_in_grid.x;
     const uint lane = thread_index_in_simdgroup;
     float o1[K], x[K], qgv[K], qv[K], gv[K];
-    float ss = 0.0f, dot = 0.0f;
+    float ss = 0.0f, sl = 0.0f, dot = 0.0f;
     for (int k = 0; k < K; ++k) {{
       const uint c = lane + 32 * k;
       const bool ok = c < D;
@@ -329,9 +337,11 @@ _MERGE = """
       gv[k] = ok ? float(g[c]) : 0.0f;
       qgv[k] = qv[k] * gv[k];
       ss += x[k] * x[k];
+      sl += (x[k] * 8.271806125530277e-25f) * (x[k] * 8.271806125530277e-25f);
       dot += qgv[k] * x[k];
     }}
-    const float r = rsqrt(simd_sum(ss) / D + EPS);
+    const float tot = simd_sum(ss), tot_lo = simd_sum(sl);  // C10.6, as in the attend kernels
+    const float r = tot == INFINITY ? 8.271806125530277e-25f * rsqrt(tot_lo / D) : rsqrt(tot / D + EPS);
     const float sd = simd_sum(dot);
     const float l1 = float(lse1[tok]);
     const float z2 = SCALE * r * sd;
@@ -364,7 +374,7 @@ _MERGE_BACKWARD = """
       if (c < D) {
         const float go = float(d_out[tok * D + c]);
         d_out1[tok * D + c] = T(w1 * go);
-        d_partial[tok * D + c] = T(w2 * go + d_z2 * SCALE * (r * qgv[k] - sd * r * r * r * x[k] / D));
+        d_partial[tok * D + c] = T(w2 * go + d_z2 * SCALE * (r * qgv[k] - ((sd * r) * r / D) * (r * x[k])));
         dqg_out[tok * D + c] = d_z2 * SCALE * r * x[k];
       }
     }

@@ -68,7 +68,7 @@ def join_columns(v):
     if v.shape[0] == 1:
         return v[0]
     v = jnp.moveaxis(v, 0, -2)
-    return v.reshape(v.shape[:-2] + (-1,))
+    return v.reshape(v.shape[:-2] + (v.shape[-2] * v.shape[-1],))  # no -1: T = 0 is legal
 
 
 def _expand(v, s: int, num_heads: int, dim: int):
@@ -85,7 +85,7 @@ def _head_sums(w, num_heads: int):
     """`[..., D]` -> sums over each head's channels `[..., H]`."""
     if num_heads == 1:
         return jnp.sum(w, axis=-1, keepdims=True)
-    return jnp.sum(w.reshape(w.shape[:-1] + (num_heads, -1)), axis=-1)
+    return jnp.sum(w.reshape(w.shape[:-1] + (num_heads, w.shape[-1] // num_heads)), axis=-1)
 
 
 def _columns(w, num_heads: int):
@@ -110,11 +110,27 @@ def tile_sets(r, sets: int):
     return jnp.tile(r, (1,) * (r.ndim - 1) + (sets,))
 
 
+def inv_rms(x, reduce, count: int, eps: float):
+    """r = 1 / sqrt(reduce(x^2) / count + eps) in x's dtype (spec 2.1), overflow-safe (C10.6).
+
+    `reduce` sums the squares over each key's channels (`count` of them).  Where that sum
+    overflows (fp32: |x| >= ~1.8e19), r comes from the squares of x * 2^-k instead (k = 80 for
+    fp32, 528 for float64: finite for every finite x; eps is far below the mean there).  The key
+    norm is scale-invariant, so huge sources keep their weights instead of going uniform."""
+    k = jnp.finfo(x.dtype).maxexp // 2 + 16
+    lo = jnp.asarray(2.0 ** -k, x.dtype)
+    ms = reduce(x * x) / count
+    y = x * lo
+    big = jnp.isinf(ms)
+    ms_lo = jnp.where(big, reduce(y * y) / count, 1.0)
+    return jnp.where(big, lo * jax.lax.rsqrt(ms_lo), jax.lax.rsqrt(ms + eps))
+
+
 def _head_rms(x, opts: Options):
     """r `[..., H]`: 1 / sqrt(mean over each head's channels of x^2 + eps) (ones without key norm)."""
     if not opts.key_norm:
         return jnp.ones(x.shape[:-1] + (opts.num_heads,), x.dtype)
-    return jax.lax.rsqrt(_head_sums(x * x, opts.num_heads) / (x.shape[-1] // opts.num_heads) + opts.eps)
+    return inv_rms(x, lambda v: _head_sums(v, opts.num_heads), x.shape[-1] // opts.num_heads, opts.eps)
 
 
 # -- the query side --------------------------------------------------------------------------------
@@ -205,9 +221,10 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
         else:
             dx = dx + _expand(cr, 1, h, dim)[0] * qs.qg
             term = _expand(cr, 1, h, dim)[0] * x  # [..., D]
-        if opts.key_norm:  # c s r^3 as (c r)(s r) r: bounded factors, no overflow for huge x
+        if opts.key_norm:  # c s r^3 x as ((c r)(s r) / Dh)(r x): the normalized key r x times
+            # factors of order 1, so nothing under- or overflows for huge x (no r^3)
             crsr = _sum_sets(split_columns(cr * (s[i] * rk[i]), sets))  # [..., H]
-            dx = dx - _expand(crsr * r[i] / head_dim, 1, h, dim)[0] * x
+            dx = dx - _expand(crsr / head_dim, 1, h, dim)[0] * (_expand(r[i], 1, h, dim)[0] * x)
         d_sources.append(dx)
         dqg = term if dqg is None else dqg + term
     return d_sources, (dqg if qs.qm is None else block_diag_rows(dqg, sets, h))
@@ -223,7 +240,7 @@ def merge(opts: MergeOptions, out1, lse1, partial, query, norm_weight, ct):
     qg = query.astype(ct)
     if norm_weight is not None:
         qg = qg * norm_weight.astype(ct)
-    r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + opts.eps)
+    r = inv_rms(x, lambda v: jnp.sum(v, axis=-1), x.shape[-1], opts.eps)
     s = jnp.sum(qg * x, axis=-1)
     z2 = opts.scale * r * s
     l1 = lse1.astype(ct)
@@ -249,8 +266,8 @@ def merge_backward(opts: MergeOptions, out1, lse1, partial, query, norm_weight, 
     d_l1 = d_delta + d_lse.astype(ct) * w1
     d_z2 = -d_delta + d_lse.astype(ct) * w2
     c = opts.scale * d_z2
-    d_partial = w2[..., None] * g + c[..., None] * (
-        r[..., None] * qg - ((s * r) * r * r)[..., None] * x / x.shape[-1])
+    d_partial = w2[..., None] * g + c[..., None] * (  # s r^3 x as ((s r) r / D)(r x): no r^3
+        r[..., None] * qg - ((s * r) * r / x.shape[-1])[..., None] * (r[..., None] * x))
     dqg = (c * r)[..., None] * x  # [..., D]
     d_query = dqg if gain is None else dqg * gain
     d_query = sum_to(d_query, (1,) * (dqg.ndim - query.ndim) + query.shape)

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .._xla import inv_rms
+
 #: Spy: kernel name -> number of `pallas_call`s built (counted when traced, in `_call`).
 CALLS: collections.Counter = collections.Counter()
 
@@ -67,9 +69,14 @@ def _call(body, name: str, inputs: Sequence, in_specs: Sequence, out_shapes: Seq
                           name=name)(*inputs)
 
 
+def _rms(x, eps: float):
+    """r [TB, 1] of a tile x [TB, D]: `_xla.inv_rms`, overflow-safe (C10.6)."""
+    return inv_rms(x, lambda v: jnp.sum(v, axis=1, keepdims=True), x.shape[1], eps)
+
+
 def _key(x, qg, eps: float, key_norm: bool):
     """Tile statistics: x [TB, D], qg [1 or TB, D] -> r, s [TB, 1] (r = 1 without key norm)."""
-    r = jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps) if key_norm else jnp.ones_like(x[:, :1])
+    r = _rms(x, eps) if key_norm else jnp.ones_like(x[:, :1])
     return r, jnp.sum(x * qg, axis=1, keepdims=True)
 
 
@@ -141,7 +148,8 @@ def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key
             c = scale * dz
             dx = p * g + c * r * q
             if key_norm:
-                dx = dx - ((c * r) * (s * r) * r / d) * x  # c s r^3 without overflow
+                dx = dx - ((c * r) * (s * r) / d) * (r * x)  # c s r^3 x: the normalized key r x
+                # times factors of order 1, nothing under- or overflows for huge x
             outs[i][...] = dx.astype(outs[i].dtype)
             dqg = c * r * x if dqg is None else dqg + c * r * x
         if per_token:
@@ -178,7 +186,7 @@ def phase1(xs, qg, *, eps, scale, tb, ct, interpret, poison):
         state = [None] * sets  # (m, l, acc) per query
         for i in range(n):
             x = ins[i][...].astype(ct)  # one read of source i's tile for all S queries
-            r = jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps)
+            r = _rms(x, eps)
             r_refs[i][...] = r
             for k in range(sets):
                 s = jnp.sum(x * q[k:k + 1], axis=1, keepdims=True)

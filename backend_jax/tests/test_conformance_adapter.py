@@ -1,12 +1,12 @@
-"""The conformance adapter honours the `Backend` protocol (the suite itself runs it in full)."""
+"""The suite's JAX adapter (`attnres_conformance.adapters.jax`) honours the `Backend` protocol."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
+from attnres_conformance.adapters.jax import backend
 from attnres_conformance.backend import OPS, OPTIONS, Backend, OpCall, ProbeCall
-from attnres_jax.conformance import backend
 from attnres_numpy import model as ref_model
 from attnres_numpy import ops as ref
 from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
@@ -95,3 +95,27 @@ def test_call_probe(rng, schedule):
     assert set(res.grads) == set(want)
     for name, value in want.items():
         np.testing.assert_allclose(res.grads[name], value, atol=1e-10)
+
+
+def test_compiled_once_per_structure_and_counted(rng):
+    """Equal call structures reuse one compiled function (the suite's speed); other shapes or
+    attrs compile anew; every op call is counted under the implementation that ran (xla here)."""
+    from attnres_conformance.adapters.jax import JaxAdapter
+
+    adapter = JaxAdapter()
+
+    def call(d, scale=1.0, cot=True):
+        xs = [rng.standard_normal((3, d)) for _ in range(2)]
+        return OpCall("depth_attention", dict(sources=xs, query=rng.standard_normal(d), norm_weight=None),
+                      dict(scale=scale), dtype="float32",
+                      cotangents={"out": rng.standard_normal((3, d))} if cot else None)
+
+    first = adapter.call_op(call(8))
+    assert len(adapter._cache) == 2  # forward+residuals, pullback
+    second = adapter.call_op(call(8))
+    assert len(adapter._cache) == 2 and not np.array_equal(first.outputs["out"], second.outputs["out"])
+    adapter.call_op(call(8, scale=2.0))
+    adapter.call_op(call(4))
+    adapter.call_op(call(4, cot=False))
+    assert len(adapter._cache) == 7
+    assert adapter.implementations_used() == {"xla": 5}

@@ -1,15 +1,16 @@
-"""The conformance adapter: capabilities, strided views, inputs read back, gradients by name."""
+"""The suite's torch adapter (`attnres_conformance.adapters.torch`): capabilities, strided views,
+inputs read back, gradients by name, native dtypes, aliases, which implementation ran."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from attnres_conformance.adapters.torch import backend
 from attnres_conformance.backend import Backend, OpCall
 from attnres_numpy import ops as ref
 from attnres_numpy.config import VARIANT_KINDS
 from attnres_torch import cpu_c, dispatch
-from attnres_torch.conformance import backend
 
 
 def test_protocol_and_capabilities():
@@ -25,6 +26,20 @@ def test_fused_kernel_declared_where_one_serves():
     caps = backend.capabilities()
     triton = torch.cuda.is_available() and dispatch.triton_kernels() is not None
     assert caps.fused_kernel == (cpu_c.available() or triton)
+
+
+def test_fused_kernel_true_exactly_when_it_serves_the_calls():
+    """A float32 forward on the CPU runs on `cpu_c` exactly when `fused_kernel` says so, and
+    `implementations_used` counts it (calls since the adapter was created)."""
+    from attnres_conformance.adapters.torch import TorchAdapter
+
+    adapter = TorchAdapter()
+    assert adapter.implementations_used() == {}
+    fused = adapter.capabilities().fused_kernel
+    adapter.call_op(OpCall("depth_attention", {"sources": [np.ones((3, 8))] * 2, "query": np.ones(8),
+                                               "norm_weight": None}, dtype="float32"))
+    used = adapter.implementations_used()
+    assert sum(used.values()) == 1 and (used.get("cpu_c") == 1) == fused
 
 
 @pytest.mark.parametrize("stacked", [False, True])
@@ -66,7 +81,7 @@ def test_native_dtypes_and_aliases(monkeypatch):
     assert res.native_dtypes == {"out": "bfloat16", "lse": "float32", "grad.sources": ["bfloat16"],
                                  "grad.query": "bfloat16", "grad.norm_weight": None}
     assert res.aliases == ()
-    from attnres_torch import conformance
-    monkeypatch.setitem(conformance._OPS, "depth_attention", lambda s, q, g, **kw: s[0][:1])
+    from types import SimpleNamespace
+    monkeypatch.setattr(backend, "ops", SimpleNamespace(depth_attention=lambda s, q, g, **kw: s[0][:1]))
     res = backend.call_op(OpCall("depth_attention", {"sources": xs, "query": np.ones(4), "norm_weight": None}))
     assert res.aliases == ("out",)

@@ -11,7 +11,7 @@ A backend adapter speaks NumPy at its boundary, so the suite never imports a fra
 * it returns its native inputs read back after the call (`OpResult.inputs_after`) so the suite
   can prove inputs are never modified.
 
-Adapters ship with each backend package (`attnres_torch.conformance:backend`, ...) and are
+Adapters live in the suite (`attnres_conformance.adapters.<framework>:backend`, built on `adapters.base.Adapter`) and are
 selected by name (see `registry.py`) or as `module:object`.
 """
 

@@ -13,12 +13,15 @@ from typing import Optional
 from .backend import Backend
 
 #: Registered names -> "module:object".
+#: The adapters live in the suite (`adapters/`); each imports its framework only when chosen.
 BACKENDS = {
-    "numpy": "attnres_conformance.reference_backend:backend",
-    "torch": "attnres_torch.conformance:backend",
-    "jax": "attnres_jax.conformance:backend",
-    "mlx": "attnres_mlx.conformance:backend",
+    "numpy": "attnres_conformance.adapters.numpy:backend",
+    "torch": "attnres_conformance.adapters.torch:backend",
+    "jax": "attnres_conformance.adapters.jax:backend",
+    "mlx": "attnres_conformance.adapters.mlx:backend",
 }
+#: The package a registered name needs (for the ImportError's hint).
+PACKAGES = {"numpy": "attnres-numpy", "torch": "attnres-torch", "jax": "attnres-jax", "mlx": "attnres-mlx"}
 ENV_VAR = "ATTNRES_BACKEND"
 
 
@@ -51,7 +54,8 @@ def load_backend(spec: Optional[str] = None) -> Backend:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = f" (install the {spec} backend package: pip install attnres-{spec})" if spec in BACKENDS else ""
+        package = PACKAGES.get(spec, f"attnres-{spec}")
+        hint = f" (install the {spec} backend package: pip install {package})" if spec in BACKENDS else ""
         raise ImportError(f"backend {spec!r}: cannot import {module_name}{hint}: {exc}") from exc
     obj = module
     for part in attr.split("."):

@@ -1,0 +1,243 @@
+"""`Adapter`: the suite's one implementation of `Backend.call_op` / `call_probe`.
+
+A framework subclasses it and supplies a few primitives (array-api-tests / einops backend-class
+style); everything else is written once here: building the inputs (dtype overrides, list /
+tuple / stacked sources, strided views), naming the outputs, flattening and unflattening the
+gradients, reading results and inputs back to NumPy, `native_dtypes` and `aliases` (C7a, C10.3).
+
+Primitives (see each method): `array`, `to_numpy`, `dtype_name`, `ops`, `vjp`, `probe`, and
+`capabilities` / `versions`; optional: `shares_memory`, `context`, `implementations_used`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..backend import OPS, Capabilities, OpCall, OpResult, ProbeCall, ProbeResult
+
+#: The positional arguments of each op, in the spec's order.
+ARG_ORDER = {"depth_attention": ("sources", "query", "norm_weight"),
+             "depth_attention_multi": ("sources", "queries", "norm_weights"),
+             "merge_partial": ("out1", "lse1", "partial", "query", "norm_weight")}
+
+
+def output_names(op: str, attrs: Dict[str, Any]) -> Tuple[str, ...]:
+    """The names of an op's results, in the order the op returns them."""
+    if op == "depth_attention_multi":
+        return ("out", "lse")
+    names = ["out"]
+    if attrs.get("return_lse"):
+        names.append("lse")
+    if op == "depth_attention" and attrs.get("return_weights"):
+        names.append("weights")
+    return tuple(names)
+
+
+def _items(value) -> list:
+    """The arrays of one argument: [] for None, the elements of a list/tuple, else [value]."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def flatten(args: Dict[str, Any]) -> Tuple[list, Callable[[Sequence], Dict[str, Any]]]:
+    """(leaves, rebuild): the non-None arrays of `args` in order, and the function that puts a
+    list of the same length back into the same structure (tuple sources stay tuples)."""
+    layout = [(name, None if v is None else (type(v), len(v)) if isinstance(v, (list, tuple)) else 1)
+              for name, v in args.items()]
+    leaves = [a for v in args.values() for a in _items(v)]
+
+    def rebuild(flat: Sequence) -> Dict[str, Any]:
+        flat, out = list(flat), {}
+        for name, shape in layout:
+            if shape is None:
+                out[name] = None
+            elif shape == 1:
+                out[name] = flat.pop(0)
+            else:
+                kind, n = shape
+                out[name] = kind(flat[:n])
+                del flat[:n]
+        return out
+
+    return leaves, rebuild
+
+
+class Adapter:
+    """A `Backend` built from a framework's primitives (subclass it; see the module docstring)."""
+
+    name = "adapter"
+    #: Module (or object) with `depth_attention`, `depth_attention_multi`, `merge_partial`.
+    ops: Any = None
+
+    # -- primitives a framework supplies -------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        raise NotImplementedError
+
+    def versions(self) -> Dict[str, str]:
+        raise NotImplementedError
+
+    def is_available(self) -> bool:
+        return True
+
+    def array(self, values: np.ndarray, dtype: str, device: str, strided: bool):
+        """A native array of dtype name `dtype` on `device` holding `values` (float64 NumPy,
+        exactly representable in `dtype`); with `strided` and ndim >= 1 a non-contiguous view
+        (e.g. every other element of a buffer twice as wide in the last axis)."""
+        raise NotImplementedError
+
+    def to_numpy(self, x) -> np.ndarray:
+        """`x` read back: float64 stays float64, other floating dtypes come back float32."""
+        raise NotImplementedError
+
+    def dtype_name(self, x) -> str:
+        """The dtype name of a native array ("bfloat16", "float32", ...)."""
+        raise NotImplementedError
+
+    def vjp(self, fn: Callable, leaves: list, key=None) -> Tuple[tuple, Callable[[list], list]]:
+        """(outputs, pullback): `outputs = fn(*leaves)` (a tuple of native arrays) and
+        `pullback(cotangents)` -> one gradient per leaf (None: zero).  A cotangent is a native
+        array of its output's dtype, or None for an output that gets none (weights, C11).
+        key: hashable; calls with equal keys and equal leaf shapes/dtypes run the same `fn`
+        (a framework that compiles may cache on it)."""
+        raise NotImplementedError
+
+    def probe(self, config, params: Dict[str, Any], embedding, sublayer_weights, *, schedule: str,
+              mix, scale):
+        """The spec's probe network (section 6) on native arrays -> `out` `[..., D]`."""
+        raise NotImplementedError
+
+    def shares_memory(self, result, argument) -> bool:
+        """Whether a write into `result` could change `argument` (C7a).  The default, object
+        identity, is exact for frameworks without views; frameworks with views override it."""
+        return result is argument
+
+    def context(self, call) -> contextlib.AbstractContextManager:
+        """A context every call runs in (JAX: float64 enabled for float64 calls)."""
+        return contextlib.nullcontext()
+
+    def forward(self, fn: Callable, leaves: list, key=None) -> tuple:
+        """`fn(*leaves)` without gradients (key: as in `vjp`)."""
+        return fn(*leaves)
+
+    # -- written once --------------------------------------------------------------------------
+    def _native(self, value, dtype, call) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, (list, tuple)):
+            dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(value)
+            return type(value)(self.array(np.asarray(v, np.float64) if _floating(v) else np.asarray(v),
+                                          d, call.device, call.strided) for v, d in zip(value, dtypes))
+        return self.array(np.asarray(value, np.float64) if _floating(value) else np.asarray(value),
+                          dtype, call.device, call.strided)
+
+    def native_inputs(self, call: OpCall) -> Dict[str, Any]:
+        """Native arguments by name, in the op's order (sources keep their list/tuple/stacked form)."""
+        return {name: self._native(call.inputs.get(name), call.input_dtypes.get(name, call.dtype), call)
+                for name in ARG_ORDER[call.op]}
+
+    def run_op(self, call: OpCall, args: Dict[str, Any], names: Tuple[str, ...]):
+        """(outputs by name, gradients by argument name or {}) as native arrays."""
+        op = getattr(self.ops, call.op)
+        attrs = dict(call.attrs)
+        leaves, rebuild = flatten(args)
+
+        def fn(*flat):
+            result = op(*rebuild(flat).values(), **attrs)
+            return tuple(result) if isinstance(result, tuple) else (result,)
+
+        key = ("op", call.op, repr(sorted(attrs.items())), _layout(args))
+        if call.cotangents is None:
+            return dict(zip(names, self.forward(fn, leaves, key))), {}
+        outs, pullback = self.vjp(fn, leaves, key)
+        cts = [None if name == "weights" or call.cotangents.get(name) is None  # C11
+               else self.array(np.asarray(call.cotangents[name], np.float64), self.dtype_name(y),
+                               call.device, False)
+               for name, y in zip(names, outs)]
+        grads = pullback(cts)
+        return dict(zip(names, outs)), rebuild(grads)
+
+    def call_op(self, call: OpCall) -> OpResult:
+        if call.op not in OPS:
+            raise ValueError(f"op: expected one of {OPS}, got {call.op!r}")
+        names = output_names(call.op, call.attrs)
+        with self.context(call):
+            args = self.native_inputs(call)
+            outputs, grads = self.run_op(call, args, names)
+            return self._result(args, outputs, grads)
+
+    def _result(self, args, outputs, grads) -> OpResult:
+        # A None gradient of a given argument is a zero gradient (of the argument's dtype).
+        dtypes = {k: self.dtype_name(v) for k, v in outputs.items()}
+        read = {}
+        for name, value in grads.items():
+            if args.get(name) is None:
+                dtypes[f"grad.{name}"], read[name] = None, None
+                continue
+            pairs = list(zip(_items(value), _items(args[name])))
+            names = [self.dtype_name(a if g is None else g) for g, a in pairs]
+            arrays = [np.zeros(np.shape(self.to_numpy(a))) if g is None else self.to_numpy(g)
+                      for g, a in pairs]
+            many = isinstance(args[name], (list, tuple))
+            dtypes[f"grad.{name}"] = names if many else names[0]
+            read[name] = arrays if many else arrays[0]
+        results = list(outputs.items()) + [(f"grad.{k}", g) for k, v in grads.items()
+                                           for g in _items(v) if g is not None]
+        natives = [a for v in args.values() for a in _items(v)]
+        aliases = []
+        for name, r in results:
+            if name not in aliases and any(self.shares_memory(r, a) for a in natives):
+                aliases.append(name)
+        return OpResult(
+            outputs={k: self.to_numpy(v) for k, v in outputs.items()}, grads=read,
+            inputs_after={k: None if v is None else ([self.to_numpy(a) for a in v]
+                                                     if isinstance(v, (list, tuple)) else self.to_numpy(v))
+                          for k, v in args.items()},
+            native_dtypes=dtypes, aliases=tuple(aliases))
+
+    def call_probe(self, call: ProbeCall) -> ProbeResult:
+        from attnres_numpy.config import ResidualConfig
+
+        config = ResidualConfig.from_dict(dict(call.config))
+        with self.context(call):
+            names = sorted(call.params)
+            leaves = [self.array(np.asarray(a, np.float64), call.dtype, call.device, False)
+                      for a in [call.embedding, call.sublayer_weights, *(call.params[n] for n in names)]]
+
+            def fn(emb, w, *values):
+                return (self.probe(config, dict(zip(names, values)), emb, w, schedule=call.schedule,
+                                   mix=call.mix, scale=call.scale),)
+
+            key = ("probe", repr(sorted(call.config.items())), tuple(names), call.schedule, call.mix,
+                   call.scale)
+            if call.cotangent is None:
+                return ProbeResult(out=self.to_numpy(self.forward(fn, leaves, key)[0]))
+            (out,), pullback = self.vjp(fn, leaves, key)
+            ct = self.array(np.asarray(call.cotangent, np.float64), self.dtype_name(out), call.device, False)
+            grads = pullback([ct])
+            keys = ["embedding", "sublayer_weights", *names]
+            return ProbeResult(out=self.to_numpy(out), grads={
+                k: np.zeros(np.shape(self.to_numpy(a))) if g is None else self.to_numpy(g)
+                for k, g, a in zip(keys, grads, leaves)})
+
+
+def _layout(args: Dict[str, Any]) -> tuple:
+    """The structure of the arguments: per name None, "array", or (list|tuple, length)."""
+    return tuple((k, None if v is None else (type(v).__name__, len(v)) if isinstance(v, (list, tuple))
+                  else "array") for k, v in args.items())
+
+
+def _floating(value) -> bool:
+    return np.asarray(value).dtype.kind == "f"
+
+
+def implementation_counts(now: Dict[str, int], since: Optional[Dict[str, int]]) -> Dict[str, int]:
+    """Calls per implementation in `now` minus those already in `since` (zeros dropped)."""
+    since = since or {}
+    return {k: int(v) - int(since.get(k, 0)) for k, v in now.items() if int(v) - int(since.get(k, 0)) > 0}
+
+
+__all__: List[str] = ["ARG_ORDER", "Adapter", "flatten", "implementation_counts", "output_names"]

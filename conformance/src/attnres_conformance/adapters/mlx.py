@@ -1,0 +1,115 @@
+"""The primitives of attnres_mlx for `base.Adapter` (registry name "mlx").
+
+Native arrays are built on MLX's CPU stream from float64 (so values are not rounded to float32
+on the way); gradients come from `mx.vjp`.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Dict
+
+import mlx.core as mx
+import numpy as np
+from attnres_mlx import metal, ops, probe
+from attnres_mlx.common import dtype_name
+from attnres_numpy.config import VARIANT_KINDS
+
+from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
+from .base import Adapter
+
+_NATIVE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32,
+           "float64": mx.float64, "bool": mx.bool_}
+
+
+def native_dtype(name: str) -> mx.Dtype:
+    if name in _NATIVE:
+        return _NATIVE[name]
+    dt = getattr(mx, name, None)
+    if not isinstance(dt, mx.Dtype):
+        raise ValueError(f"dtype: unknown dtype name {name!r}")
+    return dt
+
+
+def _native(a: np.ndarray, dtype: str) -> mx.array:
+    # mx.array(float64 ndarray) would round to float32 first: build float64, then cast.
+    return mx.array(a, dtype=mx.float64).astype(native_dtype(dtype), stream=mx.cpu)
+
+
+class MLXAdapter(Adapter):
+    name = "mlx"
+    ops = ops
+
+    def __init__(self):
+        self._counts: Dict[str, int] = {}
+
+    def capabilities(self) -> Capabilities:
+        # Where the Metal kernels are available (Metal, default device the GPU) the ops run
+        # there; float64 exists on MLX's CPU device only (C10).
+        on_metal = metal.IMPLEMENTATION.available()
+        dtypes = ("float16", "bfloat16", "float32") + (() if on_metal else ("float64",))
+        return Capabilities(
+            dtypes=dtypes, devices=("gpu",) if on_metal else ("cpu",), ops=frozenset(OPS),
+            options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
+            schedules=frozenset(SCHEDULES), fused_kernel=on_metal, deterministic=True)
+
+    def versions(self) -> Dict[str, str]:
+        from attnres_mlx import __version__
+        return {"mlx": metadata.version("mlx"), "attnres_mlx": __version__}
+
+    def implementations_used(self) -> Dict[str, int]:
+        """Op calls per implementation ("metal" / "compiled": `ops.implementation_for` the
+        call's first floating input dtype)."""
+        return dict(self._counts)
+
+    def _count(self, leaves):
+        floating = [x for x in leaves if mx.issubdtype(x.dtype, mx.floating)]
+        if floating:
+            try:
+                impl = ops.implementation_for(floating[0].dtype).name
+            except StopIteration:  # no implementation supports the dtype: the op raises
+                return
+            self._counts[impl] = self._counts.get(impl, 0) + 1
+
+    def array(self, values, dtype, device, strided):
+        a = np.asarray(values, dtype=np.float64)
+        if strided and a.ndim >= 1:
+            wide = np.zeros(a.shape[:-1] + (2 * a.shape[-1],))
+            wide[..., ::2] = a
+            return _native(wide, dtype)[..., ::2]
+        return _native(a, dtype)
+
+    def to_numpy(self, x) -> np.ndarray:
+        if x.dtype == mx.float64:
+            return np.array(x)
+        return np.array(x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
+
+    def dtype_name(self, x) -> str:
+        return dtype_name(x.dtype)
+
+    # MLX arrays share no memory a caller could write through: `a[i] = v` rebinds `a` to a new
+    # array and never changes another array; only returning an argument object itself would let
+    # a write into the result reach the argument (C7a): the default identity check.
+
+    def forward(self, fn, leaves, key=None):
+        outs = fn(*leaves)
+        self._count(leaves)
+        return outs
+
+    def vjp(self, fn, leaves, key=None):
+        outs = fn(*leaves)
+        self._count(leaves)
+
+        def pullback(cts):
+            cts = [mx.zeros_like(y) if c is None else c for y, c in zip(outs, cts)]
+            _, grads = mx.vjp(lambda *xs: list(fn(*xs)), list(leaves), cts)
+            return list(grads)
+
+        return outs, pullback
+
+    def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale):
+        return probe.probe_forward(config, params, embedding, sublayer_weights, schedule=schedule,
+                                   mix=mix, scale=scale)
+
+
+backend = MLXAdapter()

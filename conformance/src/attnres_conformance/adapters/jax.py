@@ -13,6 +13,7 @@ Speed: every distinct call structure compiles once under `jax.jit`, cached by th
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from importlib import metadata
 from typing import Dict
 
@@ -29,6 +30,10 @@ from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
 from .base import Adapter
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
+#: Compiled functions kept (least recently used dropped): the suite's cases rarely share a
+#: structure except in the repeated calls of one case (determinism), and an unbounded cache holds
+#: every executable of a ~1000-case run (XLA ran out of memory on the 2-core CI machine).
+CACHE_SIZE = 16
 
 
 def _x64_needed(call) -> bool:
@@ -44,7 +49,7 @@ class JaxAdapter(Adapter):
 
     def __init__(self):
         self._counts: Dict[str, int] = {}
-        self._cache: Dict[tuple, object] = {}
+        self._cache: "OrderedDict[tuple, object]" = OrderedDict()
         self._impl: Dict[object, str] = {}  # full key -> "pallas" / "xla"
 
     def is_available(self) -> bool:
@@ -113,8 +118,12 @@ class JaxAdapter(Adapter):
         if key is None:
             return None, jax.jit(make(fn))
         full = (kind, key, tuple((x.shape, str(x.dtype)) for x in leaves), jax.config.jax_enable_x64)
-        if full not in self._cache:
+        if full in self._cache:
+            self._cache.move_to_end(full)
+        else:
             self._cache[full] = jax.jit(make(fn))
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return full, self._cache[full]
 
     def forward(self, fn, leaves, key=None):

@@ -243,10 +243,11 @@ def _request(platform, dtype="float32", dim=128, num_heads=1, num_sources=9, num
 
 @pytest.mark.parametrize("request_, want", [
     (_request("cpu"), None),
-    (_request("gpu"), Pallas(tile=64)),
+    (_request("gpu"), Pallas(tile=64, platform="gpu")),
+    (_request("gpu", num_sets=3), None),  # Triton blocks: S query sets, a power of two
     (_request("gpu", dim=96), None),  # Triton blocks: powers of two
     (_request("gpu", dtype="float64"), None),  # C10: float64 computes in float64
-    (_request("tpu", dtype="bfloat16", dim=4096, num_sources=40), Pallas(tile=8)),
+    (_request("tpu", dtype="bfloat16", dim=4096, num_sources=40), Pallas(tile=8, platform="tpu")),
     (_request("tpu", num_heads=2), None),
 ])
 def test_automatic_choice_by_platform_dtype_and_shape(request_, want):
@@ -257,7 +258,7 @@ def test_automatic_choice_by_platform_dtype_and_shape(request_, want):
     with dispatch.use("interpret_tpu", tile=16, poison=True):
         forced = dispatch.select(None, request_)
     assert forced == (dispatch.REGISTRY["xla"] if request_.num_heads > 1 else
-                      Pallas(interpret="tpu", tile=16, poison=True))
+                      Pallas(interpret="tpu", tile=16, poison=True, platform=request_.platform))
     hash(got), hash(forced)  # static arguments of the custom VJP
 
 

@@ -46,6 +46,7 @@ class Pallas:
     interpret: str = "off"  # one of INTERPRETERS
     tile: Optional[int] = None  # TB token rows per program (None: chosen by `resolve`)
     poison: bool = False  # alias every output to a NaN-filled input (tests: unwritten -> NaN)
+    platform: Optional[str] = None  # "gpu" / "tpu": picks the lowering's compiler params
 
     def __post_init__(self):
         if self.interpret not in INTERPRETERS:
@@ -63,13 +64,14 @@ class Pallas:
             return f"compiled kernels compute in float32; {request.dtype} sources compute in float64 (C10)"
         if request.platform == "gpu" and request.dim & (request.dim - 1):
             return f"Triton blocks must be powers of two (D = {request.dim})"
+        if request.platform == "gpu" and request.num_sets & (request.num_sets - 1):
+            return f"Triton blocks must be powers of two (S = {request.num_sets} query sets)"
         return None
 
     def resolve(self, request: Request) -> "Pallas":
         """This implementation with the tile fixed for the call."""
-        if self.tile is not None:
-            return self
-        return dataclasses.replace(self, tile=8 if self.interpret != "off" else _auto_tile(request))
+        tile = self.tile or (8 if self.interpret != "off" else _auto_tile(request))
+        return dataclasses.replace(self, tile=tile, platform=request.platform)
 
     # -- entry points ------------------------------------------------------------------------
 
@@ -79,7 +81,12 @@ class Pallas:
             from jax.experimental.pallas import tpu as pltpu
 
             interpret = pltpu.InterpretParams()
-        return dict(tb=self.tile, ct=ct, interpret=interpret, poison=self.poison)
+        params = None
+        if interpret is False and self.platform == "gpu":  # Triton, not JAX's default Mosaic GPU
+            from jax.experimental.pallas import triton as pltriton
+
+            params = pltriton.CompilerParams()
+        return dict(tb=self.tile, ct=ct, interpret=interpret, poison=self.poison, compiler_params=params)
 
     def forward(self, xs: list, qs: _xla.Query, opts: Options, ct):
         """`_xla.forward` for S = 1 on the forward kernel: out `[1, ..., D]` (sources' dtype),

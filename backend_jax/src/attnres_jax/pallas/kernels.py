@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._xla import inv_rms
+from .._xla import inv_rms, merge_weights
 
 #: Spy: kernel name -> number of `pallas_call`s built (counted when traced, in `_call`).
 CALLS: collections.Counter = collections.Counter()
@@ -48,7 +48,7 @@ def _whole(shape):
 
 
 def _call(body, name: str, inputs: Sequence, in_specs: Sequence, out_shapes: Sequence, out_specs: Sequence,
-          tokens: int, tb: int, *, interpret, poison: bool):
+          tokens: int, tb: int, *, interpret, poison: bool, compiler_params=None):
     """pallas_call over `cdiv(tokens, TB)` tiles; `body(in_refs, out_refs)`."""
     n_in, n_out = len(inputs), len(out_shapes)
     aliases = {}
@@ -66,7 +66,7 @@ def _call(body, name: str, inputs: Sequence, in_specs: Sequence, out_shapes: Seq
 
     return pl.pallas_call(kernel, out_shape=list(out_shapes), grid=(pl.cdiv(tokens, tb),), in_specs=in_specs,
                           out_specs=list(out_specs), input_output_aliases=aliases, interpret=interpret,
-                          name=name)(*inputs)
+                          compiler_params=compiler_params, name=name)(*inputs)
 
 
 def _rms(x, eps: float):
@@ -83,7 +83,7 @@ def _key(x, qg, eps: float, key_norm: bool):
 # -- forward ---------------------------------------------------------------------------------------
 
 
-def forward(xs, qg, *, per_token, eps, scale, softmax, key_norm, tb, ct, interpret, poison):
+def forward(xs, qg, *, per_token, eps, scale, softmax, key_norm, tb, ct, interpret, poison, compiler_params=None):
     """xs: N x `[T, D]`; qg `[1, D]` (pseudo) or `[T, D]` (per token), compute dtype.
     Returns out `[T, D]` (sources' dtype), lse `[T, 1]` (softmax; else None), r, s: N x `[T, 1]`."""
     n, (t, d) = len(xs), xs[0].shape
@@ -116,7 +116,7 @@ def forward(xs, qg, *, per_token, eps, scale, softmax, key_norm, tb, ct, interpr
     q_spec = _rows(tb, d) if per_token else _whole((1, d))
     outs = _call(body, "attnres_forward", [*xs, qg], [_rows(tb, d)] * n + [q_spec], out_shapes,
                  [_rows(tb, d)] + [_rows(tb, 1)] * (len(out_shapes) - 1), t, tb, interpret=interpret,
-                 poison=poison)
+                 poison=poison, compiler_params=compiler_params)
     lse = outs[1] if softmax else None
     stats = outs[2:] if softmax else outs[1:]
     return outs[0], lse, stats[:n], stats[n:]
@@ -126,7 +126,7 @@ def forward(xs, qg, *, per_token, eps, scale, softmax, key_norm, tb, ct, interpr
 
 
 def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key_norm, tb, ct, interpret,
-             poison):
+             poison, compiler_params=None):
     """Gradients of `forward` from its residuals.  d_out `[T, D]`; d_lse `[T, 1]` (softmax, else
     None); ps, rs, ss: N x `[T, 1]` (weights and statistics).  Returns dxs N x `[T, D]` (sources'
     dtype) and dqg: `[tiles, D]` per-tile partial sums for a pseudo-query (sum over axis 0),
@@ -166,14 +166,14 @@ def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key
     out_shapes.append(jax.ShapeDtypeStruct((t, d) if per_token else (tiles, 1, d), ct))
     out_specs = [_rows(tb, d)] * n + [_rows(tb, d) if per_token else pl.BlockSpec((None, 1, d), lambda i: (i, 0, 0))]
     outs = _call(body, "attnres_backward", inputs, in_specs, out_shapes, out_specs, t, tb,
-                 interpret=interpret, poison=poison)
+                 interpret=interpret, poison=poison, compiler_params=compiler_params)
     return outs[:n], outs[n] if per_token else outs[n][:, 0]
 
 
 # -- phase 1 ---------------------------------------------------------------------------------------
 
 
-def phase1(xs, qg, *, eps, scale, tb, ct, interpret, poison):
+def phase1(xs, qg, *, eps, scale, tb, ct, interpret, poison, compiler_params=None):
     """S pseudo-queries over N sources, each source tile read once.  qg `[S, D]` (query * gain).
     Returns outs S x `[T, D]` (sources' dtype), lses S x `[T, 1]`, rs N x `[T, 1]`,
     ss N x S x `[T, 1]` (row-major: ss[i * S + k])."""
@@ -207,14 +207,15 @@ def phase1(xs, qg, *, eps, scale, tb, ct, interpret, poison):
     out_shapes = [jax.ShapeDtypeStruct((t, d), xs[0].dtype)] * sets + [col] * (sets + n + n * sets)
     out_specs = [_rows(tb, d)] * sets + [_rows(tb, 1)] * (sets + n + n * sets)
     outs = _call(body, "attnres_phase1", [*xs, qg], [_rows(tb, d)] * n + [_whole((sets, d))], out_shapes,
-                 out_specs, t, tb, interpret=interpret, poison=poison)
+                 out_specs, t, tb, interpret=interpret, poison=poison,
+                 compiler_params=compiler_params)
     return outs[:sets], outs[sets:2 * sets], outs[2 * sets:2 * sets + n], outs[2 * sets + n:]
 
 
 # -- phase 2 ---------------------------------------------------------------------------------------
 
 
-def merge(out1, lse1, partial, qg, *, per_token, eps, scale, tb, ct, interpret, poison):
+def merge(out1, lse1, partial, qg, *, per_token, eps, scale, tb, ct, interpret, poison, compiler_params=None):
     """out1, partial `[T, D]`; lse1 `[T, 1]`; qg `[1, D]` or `[T, D]`.  Returns out `[T, D]`
     (partial's dtype), lse, r, s, w1 `[T, 1]` (compute dtype)."""
     t, d = partial.shape
@@ -223,9 +224,9 @@ def merge(out1, lse1, partial, qg, *, per_token, eps, scale, tb, ct, interpret, 
         o1, l1, x = ins[0][...].astype(ct), ins[1][...].astype(ct), ins[2][...].astype(ct)
         r, s = _key(x, ins[3][...].astype(ct), eps, True)
         z2 = scale * r * s
-        w1 = 1.0 / (1.0 + jnp.exp(z2 - l1))  # sigmoid(lse1 - z2)
+        w1, w2 = merge_weights(l1, z2)  # each from its own logistic, not 1 - w1
         m = jnp.maximum(l1, z2)
-        outs[0][...] = (w1 * o1 + (1.0 - w1) * x).astype(outs[0].dtype)
+        outs[0][...] = (w1 * o1 + w2 * x).astype(outs[0].dtype)
         outs[1][...] = m + jnp.log(jnp.exp(l1 - m) + jnp.exp(z2 - m))
         outs[2][...], outs[3][...], outs[4][...] = r, s, w1
 
@@ -233,4 +234,5 @@ def merge(out1, lse1, partial, qg, *, per_token, eps, scale, tb, ct, interpret, 
     out_shapes = [jax.ShapeDtypeStruct((t, d), partial.dtype)] + [col] * 4
     in_specs = [_rows(tb, d), _rows(tb, 1), _rows(tb, d), _rows(tb, d) if per_token else _whole((1, d))]
     return _call(body, "attnres_merge", [out1, lse1, partial, qg], in_specs, out_shapes,
-                 [_rows(tb, d)] + [_rows(tb, 1)] * 4, t, tb, interpret=interpret, poison=poison)
+                 [_rows(tb, d)] + [_rows(tb, 1)] * 4, t, tb, interpret=interpret, poison=poison,
+                 compiler_params=compiler_params)

@@ -19,11 +19,6 @@ def failing_rows(report):
             for col, c in (("forward", r.forward), ("gradient", r.gradient)) if c is not None and c.status == "fail"}
 
 
-#: The numpy reference's adapter returns d_query in float64 for a float32 query (C10.3: the
-#: query's dtype); the one cell it fails until the adapter casts its gradients.
-REFERENCE_KNOWN = {("depth_attention/query_dtype", "float64", "gradient")}
-
-
 @pytest.fixture(scope="module")
 def reference_report():
     return run_conformance(adapters.reference, dtypes=F64)
@@ -31,8 +26,7 @@ def reference_report():
 
 def test_reference_passes_everything(reference_report):
     summary = reference_report.summary()
-    assert failing_rows(reference_report) <= REFERENCE_KNOWN, failing_rows(reference_report)
-    assert summary["fail"] <= 1 and summary["xpass"] == 0, failing_rows(reference_report)
+    assert summary["fail"] == 0 and summary["xpass"] == 0, failing_rows(reference_report)
     assert summary["pass"] > 200
     assert summary["skip"] == 0  # float64 only: the reference declares every op, option and variant
     rows = set(reference_report.rows())

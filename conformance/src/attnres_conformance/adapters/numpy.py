@@ -40,6 +40,16 @@ def native(value, dtype: str, strided: bool = False) -> np.ndarray:
     return view
 
 
+def _round_like(grad, arg):
+    """The float64 gradient rounded once to its argument's dtype (C10.3: a float32 query of
+    float64 sources gets a float32 gradient); lists (list / tuple sources) element by element."""
+    if grad is None or arg is None:
+        return grad
+    if isinstance(arg, (list, tuple)):
+        return [_round_like(g, a) for g, a in zip(grad, arg)]
+    return np.asarray(grad).astype(np.asarray(arg).dtype)
+
+
 class NumpyAdapter(Adapter):
     """`attnres_numpy` behind the `Backend` protocol (float64 only: it is the oracle)."""
 
@@ -81,7 +91,7 @@ class NumpyAdapter(Adapter):
         cot = call.cotangents
         vjp_attrs = {k: v for k, v in attrs.items() if k in VJP_ATTRS}
         grads = getattr(ops, _VJPS[call.op])(*args.values(), cot["out"], cot.get("lse"), **vjp_attrs)
-        return outputs, {name: grads.get(name) for name in args}
+        return outputs, {name: _round_like(grads.get(name), args[name]) for name in args}
 
     def call_probe(self, call: ProbeCall) -> ProbeResult:
         self._calls += 1

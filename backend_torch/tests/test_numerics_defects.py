@@ -182,3 +182,43 @@ def test_results_never_alias_inputs_at_n1(impl, stacked):
     assert torch.equal(out, before), "N = 1: out is not the source (C6)"
     out.detach().add_(1.0)
     assert torch.equal(src[0].detach(), before)
+
+
+def _dominant_phase1_merge(out1_scale, gap=12.0, tokens=3, dim=16, seed=3):
+    """merge_partial inputs with lse1 - z2 = gap (the partial's weight w2 ~ e^-gap): fp32
+    out1 `[tokens, dim]` (times out1_scale), lse1 `[tokens]`, partial `[tokens, dim]`, query and
+    gain `[dim]`, d_out `[tokens, dim]`, d_lse `[tokens]`."""
+    gen = torch.Generator().manual_seed(seed)
+    partial = torch.randn(tokens, dim, generator=gen)
+    q = torch.randn(dim, generator=gen)
+    g = 1.0 + 0.1 * torch.randn(dim, generator=gen)
+    z2 = ref.depth_attention([f64(partial)], f64(q), f64(g), return_lse=True)[1]  # N = 1: lse = z
+    lse1 = torch.from_numpy(z2 + gap).float()
+    out1 = torch.randn(tokens, dim, generator=gen) * out1_scale
+    return out1, lse1, partial, q, g, torch.randn(tokens, dim, generator=gen), torch.randn(tokens,
+                                                                                          generator=gen)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_merge_partial_weight_is_its_own_logistic(impl):
+    """lse1 - z2 = 12: w2 = 1 - w1 would keep ~1% of w2's bits (spec 3.2; reference
+    `_merge_prepare`); d_partial, d_query, d_lse1 within the fp32 gradient tolerance."""
+    out1, lse1, partial, q, g, d_out, d_lse = _dominant_phase1_merge(1.0)
+    ins = leaves([out1, lse1, partial, q, g])
+    with _impl(impl):
+        out, lse = at.merge_partial(*ins, return_lse=True)
+    grads = torch.autograd.grad((out, lse), ins, (d_out, d_lse))
+    r = ref.merge_partial_vjp(*f64([out1, lse1, partial, q, g]), f64(d_out), f64(d_lse))
+    tol = TOLERANCES["float32"].grad
+    for name, got in zip(["out1", "lse1", "partial", "query", "norm_weight"], grads):
+        assert _rel(f64(got), r[name]) <= tol, (name, _rel(f64(got), r[name]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_merge_partial_forward_weight_is_its_own_logistic(impl):
+    """The no-gradient kernels' forward: with out1 = 0, out = w2 partial shows w2's bits."""
+    out1, lse1, partial, q, g, _, _ = _dominant_phase1_merge(0.0)
+    with _impl(impl), torch.no_grad():
+        out = at.merge_partial(out1, lse1, partial, q, g)
+    want = ref.merge_partial(*f64([out1, lse1, partial, q, g]))
+    assert _rel(f64(out), want) <= TOLERANCES["float32"].value, _rel(f64(out), want)

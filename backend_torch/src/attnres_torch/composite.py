@@ -59,13 +59,31 @@ def depth_attention(sources: List[torch.Tensor], query, norm_weight: Optional[to
     return out, lse, p
 
 
+class _LogisticPair(torch.autograd.Function):
+    """(w1, w2) = (sigmoid(delta), sigmoid(-delta)), each `[...]` like delta, each from its own
+    logistic; backward d_delta = (g1 - g2) w1 w2.  Autograd through sigmoid would form w1 (1 - w1),
+    which keeps ~e^-|delta| / 6e-8 of the small weight's bits at |delta| >> 1 (spec 3.2)."""
+
+    @staticmethod
+    def forward(ctx, delta):
+        w1, w2 = torch.sigmoid(delta), torch.sigmoid(-delta)
+        ctx.save_for_backward(w1, w2)
+        return w1, w2
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        w1, w2 = ctx.saved_tensors
+        return (g1 - g2) * (w1 * w2)
+
+
 def merge_partial(out1, lse1, partial, query, norm_weight, *, eps: float, scale: float):
-    """Phase 2 (spec 3.2): out = w1 * out1 + (1 - w1) * partial, w1 = sigmoid(lse1 - z2),
-    lse = logaddexp(lse1, z2); out in partial's dtype, lse in the compute dtype."""
+    """Phase 2 (spec 3.2): out = w1 * out1 + w2 * partial, w1 = sigmoid(lse1 - z2),
+    w2 = sigmoid(z2 - lse1) (not 1 - w1: a small w2 would lose its bits), lse = logaddexp(lse1,
+    z2); out in partial's dtype, lse in the compute dtype."""
     cdtype = torch.float64 if partial.dtype == torch.float64 else torch.float32
     z2 = logits([partial], query, norm_weight, eps=eps, scale=scale, num_heads=1, key_norm=True,
                 cdtype=cdtype)[0, ..., 0]
     l1 = lse1.to(cdtype)
-    w1 = torch.sigmoid(l1 - z2).unsqueeze(-1)
-    out = w1 * out1.to(cdtype) + (1 - w1) * partial.to(cdtype)
+    w1, w2 = _LogisticPair.apply(l1 - z2)
+    out = w1.unsqueeze(-1) * out1.to(cdtype) + w2.unsqueeze(-1) * partial.to(cdtype)
     return out.to(partial.dtype), torch.logaddexp(l1, z2)

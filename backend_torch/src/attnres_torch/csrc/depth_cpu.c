@@ -26,7 +26,7 @@
  *   phase 1   (spec 3.1) the forward with S queries: each source row is read from memory once and
  *             its row sums taken for every query from L1; S softmaxes and S weighted sums.
  *   merge     (spec 3.2) one pass over out1 and the partial sum: the partial's logit z2, then
- *             out = w1 out1 + (1 - w1) partial with w1 = sigmoid(lse1 - z2).
+ *             out = w1 out1 + w2 partial with w1 = sigmoid(lse1 - z2), w2 = sigmoid(z2 - lse1).
  * Every sum has a fixed order that depends only on D, never on the thread count (C15).  Rows are
  * cut into NBLK <= MAX_BLOCKS blocks fixed by T alone; threads take contiguous runs of blocks.  A
  * shared query's d_qg is summed per block into its own fp32 row, then the blocks are added in
@@ -300,8 +300,8 @@ INLINE void forward_rows(int dt, job_t *j, double *z, float *p) {
     }
 }
 
-/* ---- phase 2 merge (spec 3.2): out = w1 out1 + (1 - w1) partial, w1 = sigmoid(lse1 - z2),
- * lse = logaddexp(lse1, z2), z2 the partial's logit; the partial is src[0]. ---- */
+/* ---- phase 2 merge (spec 3.2): out = w1 out1 + w2 partial, w1 = sigmoid(lse1 - z2),
+ * w2 = sigmoid(z2 - lse1), lse = logaddexp(lse1, z2), z2 the partial's logit; the partial is src[0]. ---- */
 INLINE void merge_rows(int dt, job_t *j) {
     const int64_t d = j->dim, es = j->elsize;
     for (int64_t t = block_start(j, j->blk0); t < block_start(j, j->blk1); t++) {
@@ -314,7 +314,9 @@ INLINE void merge_rows(int dt, job_t *j) {
         const double z2 = j->scale * (s / sqrt(ss / (double)d + j->eps)), l1 = j->lse1[t];
         const double m = nan_max(l1, z2);
         j->lse[t] = (float)(m + log(exp(l1 - m) + exp(z2 - m)));
-        const float w1 = (float)(1.0 / (1.0 + exp(z2 - l1))), w2 = (float)(1.0 - (double)w1);
+        /* each weight from its own logistic: 1 - w1 would keep few of a small w2's bits */
+        const float w1 = (float)(1.0 / (1.0 + exp(z2 - l1)));
+        const float w2 = (float)(1.0 / (1.0 + exp(l1 - z2)));
         void *o = (char *)j->out + t * j->out_rs * es;
         int64_t c = 0;
         for (; c + VW <= d; c += VW) stv(dt, o, c, w1 * ldv(dt, o1, c) + w2 * ldv(dt, x, c));

@@ -382,10 +382,10 @@ def _merge_source(part_ptr, part_stride, row2, col2, mask2):
 
 
 @triton.jit
-def _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, row2, col2, mask2, D, ELT: tl.constexpr):
-    """out = w1 out1 + (1 - w1) b on one `[BLOCK_T, BLOCK_D]` tile (the final cast)."""
+def _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, w2, row2, col2, mask2, D, ELT: tl.constexpr):
+    """out = w1 out1 + w2 b on one `[BLOCK_T, BLOCK_D]` tile (the final cast)."""
     o1 = tl.load(o1_ptr + row2 * o1_stride + col2, mask=mask2, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row2 * D + col2, _to_elt(w1[:, None] * o1 + (1.0 - w1)[:, None] * b, ELT),
+    tl.store(out_ptr + row2 * D + col2, _to_elt(w1[:, None] * o1 + w2[:, None] * b, ELT),
              mask=mask2)
 
 
@@ -400,8 +400,9 @@ def _merge_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """Phase-2 merge (spec 3.2, Algorithm 1), tiles [BLOCK_T, BLOCK_D]:
-        z2 = scale r(b) <qg, b>,  w1 = sigmoid(lse1 - z2),  out = w1 out1 + (1 - w1) b,
-        lse = logaddexp(lse1, z2)
+        z2 = scale r(b) <qg, b>,  w1 = sigmoid(lse1 - z2),  w2 = sigmoid(z2 - lse1),
+        out = w1 out1 + w2 b,  lse = logaddexp(lse1, z2)
+    w2 is its own logistic: 1 - w1 would keep few of a small w2's bits.
     """
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)     # [BLOCK_T]
     rmask = rows < T
@@ -417,7 +418,8 @@ def _merge_kernel(
         bb, bb_lo = _sumsq(b, 1)
         z2 = scale * _rsqrt_mean(bb, bb_lo, D, eps) * tl.sum(b * qg, axis=1)
         w1 = 1.0 / (1.0 + tl.exp(z2 - lse1))
-        _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, row2, col2, mask2, D, ELT)
+        w2 = 1.0 / (1.0 + tl.exp(lse1 - z2))
+        _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, w2, row2, col2, mask2, D, ELT)
     else:
         ss = tl.zeros([BLOCK_T], tl.float32)
         ss_lo = tl.zeros([BLOCK_T], tl.float32)
@@ -435,11 +437,12 @@ def _merge_kernel(
             s += tl.sum(b * qg, axis=1)
         z2 = scale * _rsqrt_mean(ss, ss_lo, D, eps) * s
         w1 = 1.0 / (1.0 + tl.exp(z2 - lse1))
+        w2 = 1.0 / (1.0 + tl.exp(lse1 - z2))
         for d0 in range(0, D, BLOCK_D):                            # walk 2: the merged output
             col2 = d0 + tl.arange(0, BLOCK_D)[None, :]
             mask2 = (row2 < T) & (col2 < D)
             b = _merge_source(part_ptr, part_stride, row2, col2, mask2)
-            _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, row2, col2, mask2, D, ELT)
+            _merge_out(o1_ptr, o1_stride, out_ptr, b, w1, w2, row2, col2, mask2, D, ELT)
     mx = tl.maximum(lse1, z2)
     tl.store(lse_ptr + rows, mx + tl.log(tl.exp(lse1 - mx) + tl.exp(z2 - mx)), mask=rmask)
 

@@ -10,9 +10,17 @@ the interpreter).  Each compares with the float64 reference on the upcast inputs
 * empty token axis (T = 0), forward and backward, list and stacked sources, per-token query.
 * wrong-shape cotangents raise torch autograd's RuntimeError (spec section 7).
 * every result is a fresh tensor, even at N = 1 (C7a).
+* merge_partial at lse1 - z2 = 12: the partial's weight from its own logistic (spec 3.2), in
+  the composition's gradients and the C and Triton (interpreted) forwards.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import attnres_torch as at
 import numpy as np
@@ -222,3 +230,29 @@ def test_merge_partial_forward_weight_is_its_own_logistic(impl):
         out = at.merge_partial(out1, lse1, partial, q, g)
     want = ref.merge_partial(*f64([out1, lse1, partial, q, g]))
     assert _rel(f64(out), want) <= TOLERANCES["float32"].value, _rel(f64(out), want)
+
+
+_TRITON_MERGE_CHECK = """
+import numpy as np, torch
+from attnres_numpy import ops as ref
+from attnres_torch.kernels import triton_depth as td
+from test_numerics_defects import _dominant_phase1_merge, _rel
+from _helpers import f64
+for td._MAX_BLOCK_D, td._TILE_ELEMS in ((16384, 8192), (16, 16)):  # one tile; D walked in tiles
+    for dim in (16, 33):
+        out1, lse1, partial, q, g, _, _ = _dominant_phase1_merge(0.0, dim=dim)
+        out, _ = td.merge_forward(out1, lse1, partial, q, g, 1e-6, 1.0)
+        print(_rel(f64(out), ref.merge_partial(*f64([out1, lse1, partial, q, g]))))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_triton_merge_forward_weight_is_its_own_logistic():
+    """The Triton `_merge_kernel` under TRITON_INTERPRET=1 (a fresh interpreter: Triton reads it
+    at import), out1 = 0 so that out = w2 partial shows w2's bits."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _TRITON_MERGE_CHECK], cwd=Path(__file__).parent,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errs = [float(x) for x in proc.stdout.split()]
+    assert len(errs) == 4 and max(errs) <= TOLERANCES["float32"].value, errs

@@ -3,7 +3,8 @@
 Pure functions (`depth_attention`, `depth_attention_multi`, `merge_partial`, `stack_apply`,
 `probe_forward`) usable from any JAX library (the three ops choose Pallas kernels or XLA by
 their `impl=` keyword: `attnres_jax.pallas.dispatch`); Flax NNX modules live in `attnres_jax.modules` (import it
-explicitly: Flax is an optional dependency); the conformance adapter in `attnres_jax.conformance`.
+explicitly: Flax is an optional dependency).  The conformance adapter lives in the suite:
+`attnres_conformance.adapters.jax`.
 """
 
 from .ops import depth_attention, depth_attention_multi, merge_partial

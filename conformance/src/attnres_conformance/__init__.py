@@ -3,7 +3,9 @@
 Modules: `backend` (the protocol a port implements), `registry` (selecting a backend),
 `cases` (the generated cases), `checks` (running one), `tolerances` and `naive` (how results
 are judged), `runner` (`run_conformance` and the report), `cli` (`attnres-conformance`),
-`pytest_plugin` (`pytest --attnres-backend`), `reference_backend` (the reference as a backend);
+`pytest_plugin` (`pytest --attnres-backend`), `adapters` (the one `call_op`/`call_probe`, `base.Adapter`,
+and each framework's primitives, imported by name only when chosen; `reference_backend` re-exports
+the numpy one);
 `golden/` holds the golden vectors (package data; `spec/vectors` in a checkout links to it).
 `python -m attnres_conformance` runs the CLI.
 Importing this package imports nothing (the pytest plugin loads it in every pytest run).

@@ -62,7 +62,7 @@ def depth_attention(sources: List[torch.Tensor], query, norm_weight: Optional[to
 class _LogisticPair(torch.autograd.Function):
     """(w1, w2) = (sigmoid(delta), sigmoid(-delta)), each `[...]` like delta, each from its own
     logistic; backward d_delta = (g1 - g2) w1 w2.  Autograd through sigmoid would form w1 (1 - w1),
-    which keeps ~e^-|delta| / 6e-8 of the small weight's bits at |delta| >> 1 (spec 3.2)."""
+    which keeps ~e^-|delta| / 6e-8 of the small weight's bits at |delta| >> 1 (C10.7)."""
 
     @staticmethod
     def forward(ctx, delta):

@@ -314,7 +314,7 @@ INLINE void merge_rows(int dt, job_t *j) {
         const double z2 = j->scale * (s / sqrt(ss / (double)d + j->eps)), l1 = j->lse1[t];
         const double m = nan_max(l1, z2);
         j->lse[t] = (float)(m + log(exp(l1 - m) + exp(z2 - m)));
-        /* each weight from its own logistic: 1 - w1 would keep few of a small w2's bits */
+        /* C10.7: each weight from its own logistic (1 - w1 would keep few of a small w2's bits) */
         const float w1 = (float)(1.0 / (1.0 + exp(z2 - l1)));
         const float w2 = (float)(1.0 / (1.0 + exp(l1 - z2)));
         void *o = (char *)j->out + t * j->out_rs * es;

@@ -402,7 +402,7 @@ def _merge_kernel(
     """Phase-2 merge (spec 3.2, Algorithm 1), tiles [BLOCK_T, BLOCK_D]:
         z2 = scale r(b) <qg, b>,  w1 = sigmoid(lse1 - z2),  w2 = sigmoid(z2 - lse1),
         out = w1 out1 + w2 b,  lse = logaddexp(lse1, z2)
-    w2 is its own logistic: 1 - w1 would keep few of a small w2's bits.
+    w2 is its own logistic (C10.7): 1 - w1 would keep few of a small w2's bits.
     """
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)     # [BLOCK_T]
     rmask = rows < T

@@ -8,6 +8,7 @@ reference on the upcast inputs.
   is scale-invariant, so nothing may change with the sources' magnitude;
 * empty token axis (T = 0): every op, forward and backward, list and stacked sources;
 * a wrong-shape cotangent raises mx.vjp's own ValueError (spec section 7).
+* merge_partial at lse1 - z2 = 12: the partial's weight from its own logistic (C10.7).
 """
 
 import shutil
@@ -28,7 +29,8 @@ def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("metal-emu-defects"))
 
 
-@pytest.fixture(params=IMPLS)
+# Not the id "metal": conftest skips tests keyed "metal" (real Metal) where Metal is unavailable.
+@pytest.fixture(params=IMPLS, ids=["compiled", "metal_emulated"])
 def impl(request, monkeypatch, workdir):
     """The implementation every call is forced onto ("metal": through the emulator)."""
     if request.param == "metal":
@@ -151,3 +153,25 @@ def test_wrong_shape_cotangent_raises_mx_vjp_error(impl, bad):
     with pytest.raises(ValueError, match="cotangent shape"):
         mx.vjp(lambda a, b: ops.depth_attention([a, b], mx.ones(8), return_lse=True), xs,
                [cots["d_out"], cots["d_lse"]])
+
+
+def test_merge_partial_weight_is_its_own_logistic(impl):
+    """lse1 - z2 = 12 (C10.7): w2 = 1 - w1 would keep ~1% of the partial's weight e^-12; out1 = 0
+    makes out = w2 partial show it in the forward too.  T = 3, D = 16, fp32."""
+    rng = np.random.default_rng(3)
+    partial = rand(rng, (3, 16), "float32")
+    q = rand(rng, (16,), "float32")
+    g = 1.0 + rand(rng, (16,), "float32", scale=0.1)
+    z2 = ref.depth_attention([partial], q, g, return_lse=True)[1]  # N = 1: lse = z
+    lse1 = np.asarray(to_np(to_mx(z2 + 12.0, "float32")))
+    d_out, d_lse = rand(rng, (3, 16), "float32"), rand(rng, (3,), "float32")
+    for out1 in (np.zeros((3, 16)), rand(rng, (3, 16), "float32")):
+        primals = [to_mx(a, "float32") for a in (out1, lse1, partial, q, g)]
+        (out, lse), grads = mx.vjp(lambda *a: ops.merge_partial(*a, return_lse=True), primals,
+                                   [to_mx(d_out, "float32"), to_mx(d_lse, "float32")])
+        r_out, r_lse = ref.merge_partial(out1, lse1, partial, q, g, return_lse=True)
+        r = ref.merge_partial_vjp(out1, lse1, partial, q, g, d_out, d_lse)
+        assert_close("out", out, r_out, grad=False)
+        assert_close("lse", lse, r_lse, grad=False)
+        for name, got in zip(["out1", "lse1", "partial", "query", "norm_weight"], grads):
+            assert_close(f"d_{name}", got, r[name], grad=True)

@@ -173,17 +173,16 @@ def merge_forward(o1, l1, x, qg, *, eps: float, scale: float):
     Returns (out `[..., D]`, lse `[...]`).
     """
     _, _, z2 = _stats(x, qg, None, eps=eps, scale=scale, key_norm=True)
-    w1 = sigmoid(l1 - z2)
+    w1, w2 = sigmoid(l1 - z2), sigmoid(z2 - l1)  # C10.7: w2 is not 1 - w1 (its bits)
     m = mx.maximum(l1, z2)
     lse = m + mx.log(exp(l1 - m) + exp(z2 - m))
-    return w1[..., None] * o1 + (1.0 - w1)[..., None] * x, lse
+    return w1[..., None] * o1 + w2[..., None] * x, lse
 
 
 def merge_backward(o1, l1, x, qg, d_out, d_lse, *, eps: float, scale: float):
     """VJP of `merge_forward`: returns (d_o1, d_l1, d_x, dqg) in broadcast shapes."""
     r, s, z2 = _stats(x, qg, None, eps=eps, scale=scale, key_norm=True)
-    w1 = sigmoid(l1 - z2)
-    w2 = 1.0 - w1
+    w1, w2 = sigmoid(l1 - z2), sigmoid(z2 - l1)  # C10.7: w2 is not 1 - w1 (its bits)
     d_delta = mx.sum(d_out * (o1 - x), axis=-1) * w1 * w2  # delta = lse1 - z2
     d_l1, d_z2 = d_delta, -d_delta
     if d_lse is not None:

@@ -346,7 +346,7 @@ _MERGE = """
     const float l1 = float(lse1[tok]);
     const float z2 = SCALE * r * sd;
     const float w1 = 1.0f / (1.0f + exp(z2 - l1));   // sigmoid(lse1 - z2)
-    const float w2 = 1.0f - w1;
+    const float w2 = 1.0f / (1.0f + exp(l1 - z2));   // sigmoid(z2 - lse1), not 1 - w1 (C10.7)
 """
 
 _MERGE_FORWARD = """

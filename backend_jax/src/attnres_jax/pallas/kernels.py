@@ -49,7 +49,11 @@ def _whole(shape):
 
 def _call(body, name: str, inputs: Sequence, in_specs: Sequence, out_shapes: Sequence, out_specs: Sequence,
           tokens: int, tb: int, *, interpret, poison: bool, compiler_params=None):
-    """pallas_call over `cdiv(tokens, TB)` tiles; `body(in_refs, out_refs)`."""
+    """pallas_call over `cdiv(tokens, TB)` tiles; `body(in_refs, out_refs)`.  No tokens: empty
+    outputs (every output has a token axis), no kernel (a `[TB, D]` block of a `[0, D]` input
+    cannot be sliced)."""
+    if tokens == 0:
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
     n_in, n_out = len(inputs), len(out_shapes)
     aliases = {}
     inputs, in_specs = list(inputs), list(in_specs)

@@ -11,10 +11,11 @@ One core serves `depth_attention` (S = 1 query set, H heads) and `depth_attentio
 (S pseudo-queries, one head).  Sources are never stacked: the N sources arrive as a list of
 `[..., D]` arrays.  Token axes `...` are kept as they are (so shardings over batch/sequence
 propagate unchanged).  Per-token statistics are `[..., K]` (K = S * H columns, column
-k = s * H + h).  Pseudo-queries become one block-diagonal matrix `Qm [D, K]` (column k holds qg[s]
-on head h's channels), so the logits of every query set and head are one matmul
-`x [..., D] @ Qm` at HIGHEST precision (a TPU/GPU would otherwise run it in bf16/tf32), reading
-the source once; per-token contractions are elementwise products and sums.
+k = s * H + h).  Pseudo-queries also become one block-diagonal matrix `Qm [D, K]` (column k holds
+qg[s] on head h's channels) for the backward's products, at HIGHEST precision (a TPU/GPU would
+otherwise run them in bf16/tf32).  Every contraction over D (the logits s, <d_out, x_i>, the key
+norm's sum of squares) is an elementwise product and a pairwise `tree_sum`, not a matmul or
+`jnp.sum`, which XLA accumulates sequentially (~D eps instead of ~log2(D) eps).
 
 Numerics (C10): every intermediate in the compute dtype `ct` (`_args.compute_dtype`), one final
 cast by the caller.  Memory: the residuals are the inputs plus p, s `[N, ..., K]` and
@@ -87,7 +88,7 @@ def tree_sum(w):
     Under jit XLA lowers `jnp.sum` over D (and a matvec) as one sequential accumulation: relative
     error ~D eps (fp32, D = 1024: s_i off by ~1.2e-6, the forward by ~1.5e-6 against the float64
     reference).  Halving (`w[:n/2] + w[n/2:]`, zero-padded to a power of two) gives ~log2(D) eps
-    and stays one fused elementwise pass."""
+    and stays one fused elementwise pass.  The order is fixed by the shape (C10.5, C15)."""
     n = w.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
@@ -252,7 +253,7 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
 
 def merge_weights(l1, z2):
     """w1 = e^{lse1} / (e^{lse1} + e^{z2}) = sigmoid(lse1 - z2) and w2 = sigmoid(z2 - lse1), each
-    from its own logistic (spec 3.2, C10): w2 = 1 - w1 loses every bit of a small w2 (lse1 - z2
+    from its own logistic (spec 3.2, C10.7): w2 = 1 - w1 loses every bit of a small w2 (lse1 - z2
     ~ 10 leaves 1 - w1 ~ 4.5e-5 with fp32 rounding error ~6e-8 absolute, 1e-3 relative)."""
     return 1.0 / (1.0 + jnp.exp(z2 - l1)), 1.0 / (1.0 + jnp.exp(l1 - z2))
 
@@ -285,7 +286,7 @@ def merge_backward(opts: MergeOptions, out1, lse1, partial, query, norm_weight, 
     if gain is not None:
         qg = qg * gain
     g = d_out.astype(ct)
-    w2 = merge_weights(lse1.astype(ct), opts.scale * r * s)[1]  # not 1 - w1 (see merge_weights)
+    w2 = merge_weights(lse1.astype(ct), opts.scale * r * s)[1]  # C10.7: not 1 - w1
     d_delta = jnp.sum(g * (out1.astype(ct) - x), axis=-1) * w1 * w2  # delta = lse1 - z2
     d_l1 = d_delta + d_lse.astype(ct) * w1
     d_z2 = -d_delta + d_lse.astype(ct) * w2

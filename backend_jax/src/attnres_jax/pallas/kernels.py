@@ -228,7 +228,7 @@ def merge(out1, lse1, partial, qg, *, per_token, eps, scale, tb, ct, interpret, 
         o1, l1, x = ins[0][...].astype(ct), ins[1][...].astype(ct), ins[2][...].astype(ct)
         r, s = _key(x, ins[3][...].astype(ct), eps, True)
         z2 = scale * r * s
-        w1, w2 = merge_weights(l1, z2)  # each from its own logistic, not 1 - w1
+        w1, w2 = merge_weights(l1, z2)  # C10.7: each from its own logistic, not 1 - w1
         m = jnp.maximum(l1, z2)
         outs[0][...] = (w1 * o1 + w2 * x).astype(outs[0].dtype)
         outs[1][...] = m + jnp.log(jnp.exp(l1 - m) + jnp.exp(z2 - m))

@@ -151,6 +151,12 @@ def test_depth_attention_module(query):
     out = m([to_mx(s, "float32") for s in sources])
     assert_close("out", out, ref.depth_attention(sources, q, gain, eps=1e-5, num_heads=2),
                  grad=False)
+    # return_lse / return_weights: keyword-only, as in depth_attention (conformance signatures.json)
+    got = m([to_mx(s, "float32") for s in sources], return_lse=True, return_weights=True)
+    want = ref.depth_attention(sources, q, gain, eps=1e-5, num_heads=2, return_lse=True,
+                               return_weights=True)
+    for name, g, w in zip(("out", "lse", "weights"), got, want):
+        assert_close(name, g, w, grad=False)
 
 
 def test_router_errors():

@@ -144,6 +144,26 @@ def test_depth_attention_module_init_and_call():
     torch.testing.assert_close(layer(xs), sum(xs) / 4)  # zero query: uniform weights
 
 
+def test_depth_attention_module_returns_lse_and_weights():
+    # return_lse / return_weights: keyword-only, as in depth_attention (conformance signatures.json)
+    from attnres_numpy import ops
+
+    g = torch.Generator().manual_seed(3)
+    layer = at.DepthAttention(8, num_heads=2, scale=0.7, eps=1e-5)
+    with torch.no_grad():
+        layer.query.copy_(torch.randn(8, generator=g))
+        layer.norm_weight.copy_(1 + 0.3 * torch.randn(8, generator=g))
+    xs = [torch.randn(3, 8, generator=g) for _ in range(4)]
+    out, lse, weights = layer(xs, return_lse=True, return_weights=True)
+    ref = ops.depth_attention([x.double().numpy() for x in xs], layer.query.detach().double().numpy(),
+                              layer.norm_weight.detach().double().numpy(), num_heads=2, scale=0.7,
+                              eps=1e-5, return_lse=True, return_weights=True)
+    for got, want in zip((out, lse, weights), ref):
+        assert_close(got, want, "float32")
+    with pytest.raises(TypeError):
+        layer(xs, True)
+
+
 def test_router_errors():
     router = at.DepthRouter(ResidualConfig.variant("full"), 2, 4)
     with pytest.raises(ValueError, match="expected 2 sublayers"):

@@ -7,12 +7,14 @@ explicitly: Flax is an optional dependency).  The conformance adapter lives in t
 `attnres_conformance.adapters.jax`.
 """
 
+from attnres_numpy.config import ResidualConfig
+
 from .ops import depth_attention, depth_attention_multi, merge_partial
 from .router import probe_forward, probe_sublayers, rmsnorm, stack_apply
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "depth_attention", "depth_attention_multi", "merge_partial", "probe_forward", "probe_sublayers",
-    "rmsnorm", "stack_apply", "__version__",
+    "ResidualConfig", "depth_attention", "depth_attention_multi", "merge_partial", "probe_forward",
+    "probe_sublayers", "rmsnorm", "stack_apply", "__version__",
 ]

@@ -25,8 +25,8 @@ class DepthAttention(nnx.Module):
     key-norm gain `norm_weight [D]` (ones).  `__call__(sources)` takes N x `[..., D]` or
     `[N, ..., D]` and returns `[..., D]` (and lse / weights when asked)."""
 
-    def __init__(self, dim: int, *, num_heads: int = 1, activation: str = "softmax",
-                 key_norm: bool = True, eps: float = 1e-6, scale: float = 1.0, dtype=jnp.float32):
+    def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, num_heads: int = 1,
+                 activation: str = "softmax", key_norm: bool = True, dtype=jnp.float32):
         self.query = nnx.Param(jnp.zeros((dim,), dtype))
         self.norm_weight = nnx.Param(jnp.ones((dim,), dtype))
         self.num_heads, self.activation, self.key_norm = num_heads, activation, key_norm

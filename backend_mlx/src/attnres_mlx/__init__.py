@@ -1,9 +1,11 @@
 """Attention Residuals for MLX: custom-VJP ops, `mlx.nn` modules, two-phase schedule."""
 
+from attnres_numpy.config import ResidualConfig
+
 from .ops import depth_attention, depth_attention_multi, inverse_rms, merge_partial
 from .router import DepthAttention, DepthRouter
 from .transformer import Transformer
 
-__all__ = ["DepthAttention", "DepthRouter", "Transformer", "depth_attention",
+__all__ = ["DepthAttention", "DepthRouter", "ResidualConfig", "Transformer", "depth_attention",
            "depth_attention_multi", "inverse_rms", "merge_partial"]
 __version__ = "0.1.0"

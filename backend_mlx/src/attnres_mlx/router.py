@@ -96,7 +96,7 @@ class DepthAttention(nn.Module):
     Call with a list of N sources `[..., D]` (or a stacked `[N, ..., D]`); returns `[..., D]`.
     """
 
-    def __init__(self, dim: int, *, num_heads: int = 1, eps: float = 1e-6, scale: float = 1.0,
+    def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, num_heads: int = 1,
                  activation: str = "softmax", key_norm: bool = True, query: str = "static"):
         super().__init__()
         cfg = ResidualConfig(kind="full", query=query, activation=activation, key_norm=key_norm,
@@ -108,13 +108,17 @@ class DepthAttention(nn.Module):
             self.query_weight = mx.zeros((dim, dim))
         self.norm_weight = mx.ones((dim,))
 
-    def __call__(self, sources, inv_rms=None) -> mx.array:
+    def __call__(self, sources, *, return_lse: bool = False, return_weights: bool = False,
+                 inv_rms=None):
+        """out `[..., D]`, or `(out, lse?, weights?)` with return_lse / return_weights (as
+        `ops.depth_attention`); inv_rms: the sources' cached inverse RMS (`inverse_rms`)."""
         cfg = self.config
         q = self.query if cfg.query == "static" else _project(sources[-1], self.query_weight,
                                                               cfg.eps)
         return ops.depth_attention(sources, q, self.norm_weight, eps=cfg.eps, scale=cfg.scale,
                                    num_heads=cfg.num_heads, activation=cfg.activation,
-                                   key_norm=cfg.key_norm, inv_rms=inv_rms)
+                                   key_norm=cfg.key_norm, return_lse=return_lse,
+                                   return_weights=return_weights, inv_rms=inv_rms)
 
 
 class DepthRouter(nn.Module):

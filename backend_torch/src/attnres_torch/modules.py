@@ -33,7 +33,8 @@ from .residual_ops import TorchOps
 
 class DepthAttention(nn.Module):
     """One depth-attention layer (spec 4): pseudo-query `[D]` (zero-initialized, M8) and key-norm
-    gain `[D]` (ones).  forward(sources N x `[..., D]` or `[N, ..., D]`) -> `[..., D]`."""
+    gain `[D]` (ones).  forward(sources N x `[..., D]` or `[N, ..., D]`) -> `[..., D]`, or
+    `(out, lse?, weights?)` with return_lse / return_weights (as `depth_attention`)."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, num_heads: int = 1,
                  activation: str = "softmax", key_norm: bool = True):
@@ -43,9 +44,9 @@ class DepthAttention(nn.Module):
         self.options = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation,
                             key_norm=key_norm)
 
-    def forward(self, sources, return_lse: bool = False):
+    def forward(self, sources, *, return_lse: bool = False, return_weights: bool = False):
         return depth_attention(sources, self.query, self.norm_weight, return_lse=return_lse,
-                               **self.options)
+                               return_weights=return_weights, **self.options)
 
 
 class DepthRouter(nn.Module):

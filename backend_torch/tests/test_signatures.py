@@ -1,0 +1,46 @@
+"""The public API of attnres_torch agrees with the one table every backend is held to
+(`attnres_conformance/signatures.json`: names, order, kinds and defaults of every shared op and
+class; framework-specific extras only from its allowlist, each with its reason), issue 17."""
+
+import functools
+import inspect
+
+import attnres_torch
+from attnres_conformance import signatures
+
+
+def test_public_signatures_agree_with_the_shared_table():
+    problems = signatures.mismatches("torch")
+    assert problems == [], "\n".join(problems)
+
+
+def _renamed(fn, old, new):
+    s = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    wrapper.__signature__ = s.replace(parameters=[p.replace(name=new) if p.name == old else p
+                                                  for p in s.parameters.values()])
+    return wrapper
+
+
+def test_a_renamed_keyword_fails(monkeypatch):
+    """Seen failing: `scale` renamed to `logit_scale` in the real depth_attention."""
+    monkeypatch.setattr(attnres_torch, "depth_attention",
+                        _renamed(attnres_torch.depth_attention, "scale", "logit_scale"))
+    problems = signatures.mismatches("torch")
+    assert len(problems) == 1 and problems[0].startswith("torch.depth_attention: signature"), problems
+    assert "unexpected ['logit_scale']" in problems[0] and "missing ['scale']" in problems[0]
+
+
+def test_a_changed_module_default_fails(monkeypatch):
+    """Seen failing: DepthRouter.forward's `mix` default changed (a torch module is called
+    through forward)."""
+    def forward(self, embedding, sublayers, *, mix=1.0, scale=None):
+        pass
+
+    monkeypatch.setattr(attnres_torch.DepthRouter, "forward", forward)
+    problems = signatures.mismatches("torch")
+    assert len(problems) == 1 and "'mix' defaults to 1.0, expected None" in problems[0], problems

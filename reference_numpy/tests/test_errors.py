@@ -301,3 +301,46 @@ def test_shared_query_rows():
     assert stack.param_shapes(5, D) == {"query_weights": (2, D, D), "norm_weights": (2, D)}
     assert [stack.query_row(l, 5) for l in range(1, 7)] == [0, 0, 0, 0, 0, 1]
     assert ResidualConfig.from_dict(block.to_dict()) == block
+
+
+@pytest.mark.parametrize("fields,error,message", [
+    (dict(kind="full", key_rank=0), ValueError, r"key_rank: expected an int >= 1"),
+    (dict(kind="full", key_rank=2.0), TypeError, r"key_rank: expected an int or None, got float"),
+    (dict(kind="full", key_rank=True), TypeError, r"key_rank: expected an int or None, got bool"),
+    (dict(kind="standard", key_rank=2), ValueError, r"key_rank and query_sharing must keep their defaults"),
+    (dict(kind="block", block_size=2, num_heads=2, key_rank=2), ValueError, r"key_rank: .* need\s+num_heads=1"),
+])
+def test_key_rank_errors(fields, error, message):
+    """M13: key_rank is None or an int >= 1 on a one-head attention kind."""
+    with pytest.raises(error, match=message):
+        ResidualConfig(**fields)
+
+
+def test_key_rank_above_width_is_refused_where_D_is_known():
+    config = ResidualConfig(kind="full", key_rank=5)
+    assert config.param_shapes(5, 5)["key_projection"] == (5, 5)
+    with pytest.raises(ValueError, match=r"key_rank: expected 1 <= key_rank <= D = 4, got 5"):
+        config.param_shapes(3, 4)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(kind="window", window=2, history="old"), r"history: expected one of \('drop', 'summaries'\)"),
+    (dict(kind="full", history="summaries"), r"history: 'summaries' .* needs kind='window'; got kind='full'"),
+    (dict(kind="block", block_size=2, history="summaries"), r"history: .* got kind='block'"),
+    (dict(kind="window", window=2, history="summaries"), r"block_size: history='summaries' needs block_size >= 1, got None"),
+    (dict(kind="window", window=2, block_size=0, history="summaries"), r"block_size: history='summaries' needs"),
+    (dict(kind="window", window=2, block_size=2), r"block_size: only meaningful for kind='block' \(or kind='window' with"),
+])
+def test_history_errors(fields, message):
+    """M14: summaries need kind='window' and a block size; block_size without them is refused."""
+    with pytest.raises(ValueError, match=message):
+        ResidualConfig(**fields)
+
+
+def test_compressed_history_has_no_two_phase_schedule(rng):
+    config = ResidualConfig.variant("compressed_history")
+    with pytest.raises(ValueError, match="schedule: 'two_phase' needs kind='block'"):
+        probe_forward(config, config.init_params(3, 4), np.ones(4), np.zeros((3, 4, 4)), schedule="two_phase")
+    assert ResidualConfig.from_dict(config.to_dict()) == config
+    low = ResidualConfig.variant("low_rank_keys")
+    assert ResidualConfig.from_dict(low.to_dict()) == low

@@ -38,6 +38,13 @@ def naive_stack(config, params, emb, fs):
         elif config.query_sharing != "none":
             r = r // config.block_size if config.query_sharing == "block" else 0
         q = params["queries"][r] if config.query == "static" else rms(sources[-1]) @ params["query_weights"][r]
+        if config.key_rank is not None:  # M13 restated literally: r-dim keys, r-dim query
+            P, g = params["key_projection"], params["norm_weights"][r]
+            keys = [((rms(x) if config.key_norm else x) * g) @ P for x in sources]
+            z = np.stack([config.scale * np.sum(q * k, axis=-1) for k in keys])
+            p = (1.0 / (1.0 + np.exp(-z)) if config.activation == "sigmoid"
+                 else np.exp(z - z.max(0)) / np.exp(z - z.max(0)).sum(0))
+            return sum(p[i][..., None] * x for i, x in enumerate(sources))
         return depth_attention(sources, q, params["norm_weights"][r], eps=eps, scale=config.scale,
                                num_heads=config.num_heads, activation=config.activation,
                                key_norm=config.key_norm)
@@ -70,6 +77,16 @@ def naive_stack(config, params, emb, fs):
             c = da(states, l - 1)
             states.append(c + fs[l - 1](c))
         return da(states, L_)
+    if config.history == "summaries":  # M14 restated: v_0, sums of old complete blocks, the rest
+        S, W = config.block_size, config.window
+
+        def srcs(l):
+            m = max(l - 1 - W, 0) // S  # complete blocks n with nS <= l - 1 - W
+            sums = [sum(v[j] for j in range((n - 1) * S + 1, n * S + 1)) for n in range(1, m + 1)]
+            return [v[0]] + sums + [v[j] for j in range(m * S + 1, l)]
+        for l in range(1, L_ + 1):
+            v.append(fs[l - 1](da(srcs(l), l - 1)))
+        return da(srcs(L_ + 1), L_)
     if config.kind == "window":
         def srcs(l):
             return [v[0]] + [v[j] for j in range(max(1, l - config.window), l)]
@@ -103,6 +120,16 @@ CONFIGS = [ResidualConfig.variant(name) for name in VARIANT_KINDS]
 CONFIGS += [ResidualConfig.variant("block", block_size=s) for s in (1, 3, 4, 5, 7)]
 CONFIGS += [ResidualConfig.variant("window", window=w) for w in (1, 3, 6)]
 CONFIGS += [ResidualConfig(kind="block", block_size=2, query="input", num_heads=2, activation="sigmoid")]
+# M13 low-rank keys (r < D) with every attention kind and option they combine with.
+CONFIGS += [ResidualConfig(kind="full", key_rank=2), ResidualConfig(kind="full", key_rank=1, query="input"),
+            ResidualConfig(kind="block", block_size=2, key_rank=3, activation="sigmoid"),
+            ResidualConfig(kind="window", window=2, key_rank=2, key_norm=False, scale=0.7),
+            ResidualConfig(kind="hybrid", key_rank=3, query="input", query_sharing="stack")]
+# M14 compressed history: windows and summary blocks, S = 1 (= full), S beyond L (never summarizes).
+CONFIGS += [ResidualConfig(kind="window", window=w, block_size=s, history="summaries")
+            for w, s in ((1, 1), (1, 3), (2, 2), (3, 2), (1, 9))]
+CONFIGS += [ResidualConfig(kind="window", window=1, block_size=2, history="summaries", query="input",
+                           key_rank=2)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[str(i) for i in range(len(CONFIGS))])
@@ -264,3 +291,88 @@ def test_low_precision_embedding_is_upcast(rng):
     emb32 = emb.astype(np.float32)
     np.testing.assert_array_equal(probe_forward(config, params, emb32, weights),
                                   probe_forward(config, params, emb32.astype(np.float64), weights))
+
+
+# -- M13 low-rank keys ---------------------------------------------------------------------------
+def test_low_rank_keys_init_keeps_uniform_weights_and_projection_identity_columns(rng):
+    """M8 with M13: queries zero (uniform weights, the same model as full AttnRes at init) and
+    key_projection = I[:, :r] (not zero, so the queries get a gradient from the first step)."""
+    config = ResidualConfig(kind="full", key_rank=3)
+    params = config.init_params(L, D)
+    assert config.param_shapes(L, D) == {"queries": (L + 1, 3), "norm_weights": (L + 1, D),
+                                         "key_projection": (D, 3)}
+    np.testing.assert_array_equal(params["key_projection"], np.eye(D)[:, :3])
+    emb, weights, _ = random_problem(rng, config)
+    full = ResidualConfig(kind="full")
+    np.testing.assert_allclose(probe_forward(config, params, emb, weights),
+                               probe_forward(full, full.init_params(L, D), emb, weights), rtol=1e-14, atol=1e-15)
+    grads = probe_vjp(config, params, emb, weights, rng.standard_normal(emb.shape))
+    assert np.abs(grads["queries"]).min(axis=1).max() > 0  # every query row learns
+
+
+def test_low_rank_keys_with_identity_projection_equal_full_rank(rng):
+    """key_rank = D with P = I is the full-rank scheme with the same queries (q = P q_r = q_r)."""
+    low, full = ResidualConfig(kind="window", window=2, key_rank=D, query="input"), \
+        ResidualConfig(kind="window", window=2, query="input")
+    emb, weights, params = random_problem(rng, full)
+    np.testing.assert_allclose(probe_forward(low, {**params, "key_projection": np.eye(D)}, emb, weights),
+                               probe_forward(full, params, emb, weights), rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("block_size", (1, 2, 3))
+def test_low_rank_keys_two_phase_equals_direct(rng, block_size):
+    """M13 under M9: phase 1 takes the block's effective queries q_r P^T `[S, D]`."""
+    config = ResidualConfig(kind="block", block_size=block_size, key_rank=2)
+    emb, weights, params = random_problem(rng, config)
+    cot = rng.standard_normal(emb.shape)
+    np.testing.assert_allclose(probe_forward(config, params, emb, weights, schedule="two_phase"),
+                               probe_forward(config, params, emb, weights), rtol=1e-13, atol=1e-14)
+    direct = probe_vjp(config, params, emb, weights, cot)
+    two_phase = probe_vjp(config, params, emb, weights, cot, schedule="two_phase")
+    for name in direct:
+        np.testing.assert_allclose(two_phase[name], direct[name], rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+# -- M14 compressed history ----------------------------------------------------------------------
+class _Labels:
+    wants_weights = False
+
+    def __init__(self):
+        self.reads = []
+
+    def depth_attention(self, row, labels, sources, weights):
+        self.reads.append(labels)
+
+    def sublayer(self, layer, h, v):
+        pass
+
+
+def test_compressed_history_sources_and_count():
+    """M14 with W = 1, S = 2 over L = 7: each read sees v_0, the sums of the complete blocks
+    with nS <= l - 1 - W, then every later output; at most 1 + floor((l-1-W)/S) + W + S - 1
+    arrays instead of l."""
+    from attnres_numpy.schedule import run_schedule
+    from attnres_numpy.tape import Tape
+
+    config = ResidualConfig(kind="window", window=1, block_size=2, history="summaries")
+    L7 = 7
+    tape = Tape(config.init_params(L7, D), record=False)
+    seen = _Labels()
+    run_schedule(config, tape, tape.var(np.ones(D)), [lambda h: h] * L7, observer=seen)
+    assert seen.reads == [
+        ["v0"], ["v0", "v1"], ["v0", "v1", "v2"], ["v0", "b1", "v3"], ["v0", "b1", "v3", "v4"],
+        ["v0", "b1", "b2", "v5"], ["v0", "b1", "b2", "v5", "v6"], ["v0", "b1", "b2", "b3", "v7"]]
+    W, S = 1, 2
+    for l, labels in enumerate(seen.reads, start=1):
+        assert len(labels) <= 1 + max(l - 1 - W, 0) // S + W + S - 1
+
+
+def test_compressed_history_reduces_to_window_and_full(rng):
+    """S = 1 is full AttnRes (a block of one output is the output); a summary block longer
+    than L is never complete, so nothing is summarized (full again)."""
+    full = ResidualConfig(kind="full")
+    emb, weights, params = random_problem(rng, full)
+    want = probe_forward(full, params, emb, weights)
+    for s in (1, L + 1):
+        config = ResidualConfig(kind="window", window=2, block_size=s, history="summaries")
+        np.testing.assert_array_equal(probe_forward(config, params, emb, weights), want)

@@ -41,6 +41,19 @@ CONFIGS += [
     # M12 hybrid with the state as the query, and with one query for the stack.
     ("hybrid_input", ResidualConfig(kind="hybrid", query="input")),
     ("hybrid_shared_sigmoid", ResidualConfig(kind="hybrid", query_sharing="stack", activation="sigmoid")),
+    # M13 low-rank keys (r < D = 4): static and input queries, block, sigmoid without key norm,
+    # hybrid with one query for the stack.
+    ("low_rank_full_r1", ResidualConfig(kind="full", key_rank=1)),
+    ("low_rank_input_window", ResidualConfig(kind="window", window=2, key_rank=2, query="input")),
+    ("low_rank_block_S2", ResidualConfig(kind="block", block_size=2, key_rank=3, scale=0.8)),
+    ("low_rank_sigmoid_raw", ResidualConfig(kind="full", key_rank=2, activation="sigmoid", key_norm=False)),
+    ("low_rank_hybrid_stack", ResidualConfig(kind="hybrid", key_rank=2, query_sharing="stack", query="input")),
+    # M14 compressed history: S = 2 and 3 beyond windows W = 1, 2; input queries; low-rank keys.
+    ("summaries_W2_S2", ResidualConfig(kind="window", window=2, block_size=2, history="summaries")),
+    ("summaries_W1_S3_input", ResidualConfig(kind="window", window=1, block_size=3, history="summaries",
+                                             query="input")),
+    ("summaries_low_rank_sigmoid", ResidualConfig(kind="window", window=1, block_size=2, history="summaries",
+                                                  key_rank=2, activation="sigmoid")),
 ]
 
 
@@ -77,9 +90,10 @@ def test_probe_vjp_matches_finite_differences(rng, check_gradients, name, config
 
 
 @pytest.mark.parametrize("block_size", (1, 2, 3, 4, 6))
-@pytest.mark.parametrize("sharing", ("none", "block"))
-def test_two_phase_vjp_matches_finite_differences(rng, check_gradients, block_size, sharing):
-    config = ResidualConfig.variant("block", block_size=block_size, query_sharing=sharing)
+@pytest.mark.parametrize("sharing,key_rank", [("none", None), ("block", None), ("none", 2)])
+def test_two_phase_vjp_matches_finite_differences(rng, check_gradients, block_size, sharing, key_rank):
+    config = ResidualConfig.variant("block", block_size=block_size, query_sharing=sharing,
+                                    key_rank=key_rank)  # M13: phase 1 with effective queries
     check_probe_gradients(rng, check_gradients, config, schedule="two_phase")
 
 

@@ -25,6 +25,7 @@ KINDS = ("standard", "scalar", "gated", "static", "full", "block", "window", "hy
 ATTENTION_KINDS = ("full", "block", "window", "hybrid")
 QUERY_MODES = ("static", "input")
 QUERY_SHARING = ("none", "block", "stack")
+HISTORY = ("drop", "summaries")
 SCHEDULES = ("direct", "two_phase")
 
 #: The named variants of the spec's conformance matrix and the config each one means
@@ -43,6 +44,8 @@ VARIANT_KINDS: Dict[str, dict] = {
     "multihead": dict(kind="block", num_heads=2),
     "shared_queries": dict(kind="block", query_sharing="block"),
     "hybrid": dict(kind="hybrid"),
+    "low_rank_keys": dict(kind="full", key_rank=4),
+    "compressed_history": dict(kind="window", window=1, block_size=2, history="summaries"),
 }
 
 
@@ -54,7 +57,8 @@ class ResidualConfig:
       (h + sigmoid(rmsnorm(h) @ W_l + b_l) * f(h)), "static" (DenseFormer-style learned scalars
       over all sources), "full", "block" or "window" (depth attention; spec section 4), or
       "hybrid" (depth attention over the hidden states, whose residual path is kept, M12).
-    block_size: sublayers per block (kind="block"), S >= 1; the last block may be shorter.
+    block_size: sublayers per block (kind="block"), S >= 1; the last block may be shorter.  With
+      kind="window", history="summaries": the size of the summary blocks (M14).
     window: the W most recent layer outputs attended besides the embedding (kind="window").
     query: "static" (pseudo-query w_l) or "input" (q_l = rmsnorm(most recent source) @ W_l).
     activation: "softmax" or "sigmoid" (unnormalized weights).
@@ -64,6 +68,11 @@ class ResidualConfig:
       or "stack" (one for every sublayer); the output aggregation keeps its own (M11).
     eps: epsilon of every RMSNorm in the scheme (key norm, query input norm, gate input norm).
     scale: logit scale (1.0 = the paper).
+    key_rank: None, or r >= 1 (attention kinds, one head): low-rank keys
+      `(rmsnorm(v_i) * g_l) @ key_projection` of r dims, one `key_projection [D, r]` for the
+      stack, queries of r dims (M13); r <= D is checked where D is known (`param_shapes`).
+    history: kind="window" only: "drop" (outputs older than the window are not attended, M5) or
+      "summaries" (they are kept as sums of complete blocks of `block_size` outputs, M14).
     """
 
     kind: str = "full"
@@ -76,6 +85,8 @@ class ResidualConfig:
     eps: float = 1e-6
     scale: float = 1.0
     query_sharing: str = "none"
+    key_rank: Optional[int] = None
+    history: str = "drop"
 
     def __post_init__(self):
         self.validate()
@@ -103,6 +114,8 @@ class ResidualConfig:
             fields["block_size"] = 2
         if fields["kind"] == "window" and fields.get("window") is None:
             fields["window"] = 2
+        if fields.get("history") == "summaries" and fields.get("block_size") is None:
+            fields["block_size"] = 2
         return cls(**fields)
 
     # -- checks ------------------------------------------------------------------------------
@@ -117,11 +130,19 @@ class ResidualConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise TypeError(f"{name}: expected an int or None, got {type(value).__name__} {value!r}")
-        if self.kind == "block":
+        if self.history not in HISTORY:
+            raise ValueError(f"history: expected one of {HISTORY}, got {self.history!r}")
+        if self.history == "summaries" and self.kind != "window":
+            raise ValueError(f"history: 'summaries' keeps the outputs older than the window as block "
+                             f"sums, so it needs kind='window'; got kind={self.kind!r}")
+        summaries = self.history == "summaries"  # M14: block_size sizes the summary blocks
+        if self.kind == "block" or summaries:
             if self.block_size is None or self.block_size < 1:
-                raise ValueError(f"block_size: kind='block' needs block_size >= 1, got {self.block_size!r}")
+                need = "kind='block'" if self.kind == "block" else "history='summaries'"
+                raise ValueError(f"block_size: {need} needs block_size >= 1, got {self.block_size!r}")
         elif self.block_size is not None:
-            raise ValueError(f"block_size: only meaningful for kind='block', got kind={self.kind!r}")
+            raise ValueError(f"block_size: only meaningful for kind='block' (or kind='window' with "
+                             f"history='summaries'), got kind={self.kind!r}")
         if self.kind == "window":
             if self.window is None or self.window < 1:
                 raise ValueError(f"window: kind='window' needs window >= 1, got {self.window!r}")
@@ -135,13 +156,22 @@ class ResidualConfig:
             raise TypeError(f"key_norm: expected a bool, got {self.key_norm!r}")
         if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, numbers.Integral) or self.num_heads < 1:
             raise ValueError(f"num_heads: expected an int >= 1, got {self.num_heads!r}")
+        if self.key_rank is not None:  # M13
+            if (isinstance(self.key_rank, bool) or not isinstance(self.key_rank, numbers.Integral)):
+                raise TypeError(f"key_rank: expected an int or None, got "
+                                f"{type(self.key_rank).__name__} {self.key_rank!r}")
+            if self.key_rank < 1:
+                raise ValueError(f"key_rank: expected an int >= 1 or None, got {self.key_rank!r}")
         if not self.is_attention and (self.query != "static" or self.activation != "softmax"
                                       or not self.key_norm or self.num_heads != 1
-                                      or self.query_sharing != "none"):
+                                      or self.query_sharing != "none" or self.key_rank is not None):
             raise ValueError(
                 f"kind={self.kind!r} has no depth attention: query, activation, key_norm, "
-                "num_heads and query_sharing must keep their defaults"
+                "num_heads, key_rank and query_sharing must keep their defaults"
             )
+        if self.key_rank is not None and self.num_heads != 1:
+            raise ValueError(f"key_rank: low-rank keys project the whole key (M13), so they need "
+                             f"num_heads=1; got num_heads={self.num_heads}")
         if self.query_sharing not in QUERY_SHARING:
             raise ValueError(f"query_sharing: expected one of {QUERY_SHARING}, got {self.query_sharing!r}")
         if self.query_sharing == "block" and self.kind != "block":
@@ -190,9 +220,10 @@ class ResidualConfig:
     def param_shapes(self, num_layers: int, dim: int) -> Dict[str, Tuple[int, ...]]:
         """Names and shapes of the scheme's parameters for L = num_layers sublayers of width D.
 
-        full/block/window: "queries" [R, D] (query="static") or "query_weights" [R, D, D]
+        full/block/window/hybrid: "queries" [R, D] (query="static") or "query_weights" [R, D, D]
           (query="input"), and "norm_weights" [R, D], R = `query_rows(L)` (L + 1 unless queries
-          are shared, M11); the last row is the output aggregation.
+          are shared, M11); the last row is the output aggregation.  With key_rank = r (M13) the
+          queries are [R, r] / [R, D, r], plus one "key_projection" [D, r] for the stack.
         scalar: "alphas" [L].  gated: "gate_weights" [L, D, D], "gate_biases" [L, D].
         static: "depth_weights" [L+1, L+1], row r uses columns 0..r (the rest is unused).
         standard: none.
@@ -204,6 +235,8 @@ class ResidualConfig:
         L, D = int(num_layers), int(dim)
         if self.is_attention and D % self.num_heads:
             raise ValueError(f"num_heads: D = {D} is not divisible by num_heads = {self.num_heads}")
+        if self.key_rank is not None and self.key_rank > D:
+            raise ValueError(f"key_rank: expected 1 <= key_rank <= D = {D}, got {self.key_rank}")
         if self.kind == "standard":
             return {}
         if self.kind == "scalar":
@@ -213,8 +246,11 @@ class ResidualConfig:
         if self.kind == "static":
             return {"depth_weights": (L + 1, L + 1)}
         R = self.query_rows(L)
-        shapes = {"queries": (R, D)} if self.query == "static" else {"query_weights": (R, D, D)}
+        Q = D if self.key_rank is None else self.key_rank  # M13: queries live in r dims
+        shapes = {"queries": (R, Q)} if self.query == "static" else {"query_weights": (R, D, Q)}
         shapes["norm_weights"] = (R, D)
+        if self.key_rank is not None:
+            shapes["key_projection"] = (D, self.key_rank)
         return shapes
 
     def check_params(self, params, num_layers: int, dim: int,
@@ -242,13 +278,16 @@ class ResidualConfig:
 
     def init_params(self, num_layers: int, dim: int) -> Dict[str, np.ndarray]:
         """The spec's initialization (M8): queries and projections zero, gains one, alphas one,
-        gate weights and biases zero, static depth weights one on and below the diagonal."""
+        gate weights and biases zero, static depth weights one on and below the diagonal, the
+        key projection (M13) the first r columns of the identity, I[:, :r]."""
         params = {}
         for name, shape in self.param_shapes(num_layers, dim).items():
             if name in ("norm_weights", "alphas"):
                 params[name] = np.ones(shape)
             elif name == "depth_weights":
                 params[name] = np.tril(np.ones(shape))
+            elif name == "key_projection":
+                params[name] = np.eye(*shape)
             else:
                 params[name] = np.zeros(shape)
         return params

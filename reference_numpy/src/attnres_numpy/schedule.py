@@ -97,6 +97,11 @@ class ResidualOps:
         """Right-multiplication `x [..., D_in] @ w [D_in, D_out]`."""
         raise NotImplementedError
 
+    def transpose(self, w: Array) -> Array:
+        """`w.T` of a matrix `[a, b]` -> `[b, a]` (M13: the key projection's transpose maps an
+        r-dim query to D dims).  Default: `w.T` (NumPy, torch, JAX and MLX all spell it so)."""
+        return w.T
+
     def sigmoid(self, x: Array) -> Array:
         raise NotImplementedError
 
@@ -157,8 +162,10 @@ class ResidualStream:
       scale: M10 per-call logit scale replacing `config.scale` (None: keep it).
 
     State (read-only for callers): `layer` (the next sublayer l), `values` (v_0..v_{l-1}; full,
-    window, static; the states h_0..h_{l-1} for hybrid), `blocks` (b_0..; block), `partial` (the running block sum or None), `h`
-    (the running state of the additive kinds).
+    window, static; the states h_0..h_{l-1} for hybrid; window with history="summaries": the
+    kept history v_0, b_1..b_m, v_{mS+1}..v_{l-1}, labelled by `value_labels`), `blocks`
+    (b_0..; block), `partial` (the running block sum or None), `h` (the running state of the
+    additive kinds).
     """
 
     def __init__(self, config: ResidualConfig, ops: ResidualOps, embedding: Array, *,
@@ -182,6 +189,8 @@ class ResidualStream:
         stats = self._stats(embedding)
         self.values: List[Array] = [embedding]  # static / full / window: v_0..v_{l-1}
         self.value_stats: List[Any] = [stats]
+        self.value_labels: List[str] = ["v0"]  # M14: what each kept entry of `values` is
+        self.summaries = 0  # M14: m, the complete blocks of outputs kept as sums
         self.blocks: List[Array] = [embedding]  # block: b_0..b_{n-1}
         self.block_stats: List[Any] = [stats]
         self.partial: Optional[Array] = None
@@ -229,6 +238,8 @@ class ResidualStream:
             if self.partial is None:
                 return list(self.blocks), list(self.block_stats), labels
             return self.blocks + [self.partial], self.block_stats + [None], labels + ["partial"]
+        if cfg.history == "summaries":  # M14: v_0, the summaries b_1..b_m, then each later output
+            return list(self.values), list(self.value_stats), list(self.value_labels)
         idx = list(range(layer))  # M2 full: [v_0..v_{l-1}]; M12 hybrid: the states [h_0..h_{l-1}]
         if cfg.kind == "window":  # M5: [v_0] + [v_j : max(1, l - W) <= j <= l - 1]
             idx = [0] + list(range(max(1, layer - cfg.window), layer))
@@ -243,16 +254,26 @@ class ResidualStream:
         sources, stats, labels = self._sources(layer)
         qrow = cfg.query_row(layer, self.num_layers)  # M11: r, unless queries are shared
         if cfg.query == "static":  # M6: the pseudo-query w_l
-            q = ops.param("queries", qrow)
+            q = self._effective_query(ops.param("queries", qrow))
         else:  # M6: q_l = rmsnorm(most recent source) @ W_l, per token
-            q = ops.matmul(ops.rmsnorm(sources[-1], cfg.eps),
-                           ops.param("query_weights", qrow, like=sources[-1]))
+            q = self._effective_query(ops.matmul(ops.rmsnorm(sources[-1], cfg.eps),
+                                                 ops.param("query_weights", qrow, like=sources[-1])),
+                                      like=sources[-1])
         want = self.observer is not None and self.observer.wants_weights
         out, weights = ops.depth_attention(sources, stats, q, ops.param("norm_weights", qrow), cfg,
                                            return_weights=want)
         if self.observer is not None:
             self.observer.depth_attention(row, labels, sources, weights)
         return out
+
+    def _effective_query(self, q: Array, like: Optional[Array] = None) -> Array:
+        """M13: with low-rank keys, the r-dim query q_r `[..., r]` (or rows `[S, r]`) becomes the
+        D-dim query `q_r @ key_projection^T` `[..., D]` of the unchanged depth-attention op:
+        `<q_r, (rmsnorm(v) * g) @ P> = <P q_r, rmsnorm(v) * g>`.  Without key_rank: q."""
+        if self.config.key_rank is None:
+            return q
+        return self.ops.matmul(q, self.ops.transpose(self.ops.param("key_projection", slice(None),
+                                                                    like=like)))
 
     def _weighted_sum(self, row: int) -> Array:
         """M7 static: h = sum_{i <= r} depth_weights[r, i] v_i (DenseFormer-style)."""
@@ -272,14 +293,15 @@ class ResidualStream:
             # M11: one phase-1 query when the block's sublayers share theirs, else one each.
             rows = slice(qrow, cfg.query_row(last, L) + 1)
             out1, lse1 = ops.depth_attention_multi(list(self.blocks), list(self.block_stats),
-                                                   ops.param("queries", rows),
+                                                   self._effective_query(ops.param("queries", rows)),
                                                    ops.param("norm_weights", rows), cfg)
             self._phase1 = (out1, lse1, qrow)
             return ops.take(out1, 0)
         out1, lse1, first = self._phase1
         i = qrow - first
         return ops.merge_partial(ops.take(out1, i), ops.take(lse1, i), self.partial,
-                                 ops.param("queries", qrow), ops.param("norm_weights", qrow), cfg)
+                                 self._effective_query(ops.param("queries", qrow)),
+                                 ops.param("norm_weights", qrow), cfg)
 
     # -- the protocol --------------------------------------------------------------------------
     def input(self) -> Array:
@@ -340,8 +362,31 @@ class ResidualStream:
                 v = ops.add(self._last_input, v)
             self.values = self.values + [v]
             self.value_stats = self.value_stats + [self._stats(v)]
+            self.value_labels = self.value_labels + [f"{'h' if cfg.kind == 'hybrid' else 'v'}{l}"]
+            if cfg.history == "summaries":
+                self._summarize(l)
         self._last_input = None
         self.layer += 1
+
+    def _summarize(self, pushed: int) -> None:
+        """M14 after v_l (l = pushed): the next reader (sublayer l + 1, or the output) sees block
+        n = m + 1 (outputs (n-1)S+1 .. nS) as one sum once nS <= l - W.  The S outputs, kept
+        individually right after v_0 and b_1..b_m, are replaced by
+        b_n = (..((v_{(n-1)S+1} + v_{(n-1)S+2}) + ..) + v_{nS}) (left to right, as M3's partial)."""
+        cfg, ops = self.config, self.ops
+        S = cfg.block_size
+        while (self.summaries + 1) * S <= pushed - cfg.window:
+            first = 1 + self.summaries  # index of v_{mS+1} in `values`
+            block = self.values[first:first + S]
+            total = block[0]
+            for v in block[1:]:
+                total = ops.add(total, v)
+            self.summaries += 1
+            self.values = self.values[:first] + [total] + self.values[first + S:]
+            self.value_stats = (self.value_stats[:first] + [self._stats(total)]
+                                + self.value_stats[first + S:])
+            self.value_labels = (self.value_labels[:first] + [f"b{self.summaries}"]
+                                 + self.value_labels[first + S:])
 
     def output(self) -> Array:
         """h_{L+1} `[..., D]` after all L sublayers (before any final norm); M4: row L."""

@@ -142,6 +142,10 @@ class Tape(ResidualOps):
             return g @ wv.T, x2.T @ g2
         return self._op([x, w], [xv @ wv], vjp)[0]
 
+    def transpose(self, w: Var) -> Var:
+        """`w.T` of a matrix `[a, b]` (M13); its VJP transposes the cotangent back."""
+        return self._op([w], [w.value.T.copy()], lambda g: (g.T.copy(),))[0]
+
     def tanh(self, x: Var) -> Var:
         y = np.tanh(x.value)
         return self._op([x], [y], lambda g: (g * (1.0 - y * y),))[0]

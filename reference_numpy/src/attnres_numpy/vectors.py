@@ -310,7 +310,8 @@ def probe_case(variant: str, num_layers=5, dim=8, tokens=(3,), dtype="float32", 
     mix / call_scale: the M10 call inputs (attrs "mix" / "scale" when given)."""
     config = ResidualConfig.variant(variant, **overrides)
     tokens = tuple(tokens)
-    knobs = f"_S{config.block_size}" * (config.kind == "block") + f"_W{config.window}" * (config.kind == "window")
+    knobs = (f"_W{config.window}" * (config.kind == "window") + f"_S{config.block_size}" * (config.block_size is not None)
+             + f"_r{config.key_rank}" * (config.key_rank is not None))
     case_id = case_id or (f"probe_{variant}{knobs}_L{num_layers}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
                + "_two_phase" * (schedule == "two_phase")
                + (f"_mix{mix:g}" if mix is not None else "") + (f"_cs{call_scale:g}" if call_scale is not None else ""))
@@ -368,7 +369,10 @@ def golden_cases() -> List[GoldenCase]:
         merge_case(7, (4,), f64, token_query=True),
         *[probe_case(v) for v in ("standard", "scalar", "gated", "static", "full", "block",
                                   "window", "input_query", "sigmoid", "no_key_norm", "multihead",
-                                  "shared_queries", "hybrid")],
+                                  "shared_queries", "hybrid", "low_rank_keys", "compressed_history")],
+        probe_case("low_rank_keys", key_rank=3, dtype=f64),  # M13: r = 3 of D = 8
+        # M14 over L = 7: summaries b_1, b_2 of S = 2 beyond W = 2.
+        probe_case("compressed_history", num_layers=7, window=2, dtype=f64),
         probe_case("hybrid", mix=0.5, dtype=f64),  # M12 with the M10 blend
         probe_case("shared_queries", schedule="two_phase"),  # M11: one phase-1 query per block
         probe_case("block", block_size=1),  # S = 1 equals full

@@ -195,6 +195,33 @@ class IgnoresCallScale(ReferenceBackend):
         return super().call_probe(dataclasses.replace(call, scale=None))
 
 
+class IgnoresKeyProjection(ReferenceBackend):
+    """M13: keys are the first r channels of the normed sources (the init P = I[:, :r]), not
+    `(rmsnorm(v) * g) @ key_projection` with the learned projection."""
+
+    name = "ignores_key_projection"
+
+    def call_probe(self, call):
+        P = call.params.get("key_projection")
+        if P is None:
+            return super().call_probe(call)
+        return super().call_probe(dataclasses.replace(
+            call, params=dict(call.params, key_projection=np.eye(*np.shape(P)))))
+
+
+class DropsSummaries(ReferenceBackend):
+    """M14: outputs older than the window are dropped (the plain window, M5) instead of kept as
+    block sums."""
+
+    name = "drops_summaries"
+
+    def call_probe(self, call):
+        if call.config.get("history") != "summaries":
+            return super().call_probe(call)
+        config = dict(call.config, history="drop", block_size=None)
+        return super().call_probe(dataclasses.replace(call, config=config))
+
+
 class NoCallInputs(ReferenceBackend):
     """Declares no M10 call inputs: their rows must be skipped with the reason, not failed."""
 
@@ -517,6 +544,8 @@ broken_embedding = BrokenEmbedding()
 broken_norm_weight_grad = BrokenNormWeightGrad()
 ignores_mix = IgnoresMix()
 ignores_call_scale = IgnoresCallScale()
+ignores_key_projection = IgnoresKeyProjection()
+drops_summaries = DropsSummaries()
 no_call_inputs = NoCallInputs()
 nondeterministic_backward = NondeterministicBackward()
 rounding_broken_eps = Rounding(BrokenEps(), name="rounding_broken_eps")

@@ -87,7 +87,7 @@ def test_embedding_left_out_of_the_probe():
         "probe/full", "probe/block", "probe/window", "probe/block_two_phase", "probe/input_query",
         "probe/sigmoid", "probe/no_key_norm", "probe/multihead", "golden/probe",
         "probe/mix", "probe/call_scale",  # M10 rows run depth attention too (but alpha = 0: below)
-        "probe/shared_queries", "probe/hybrid"}
+        "probe/shared_queries", "probe/hybrid", "probe/low_rank_keys", "probe/compressed_history"}
     assert status(report, "probe/mix", "float64", "forward") == "fail"
     assert not any("mix0/" in r.id for r in report.results if r.failed)  # alpha = 0: no DA
 
@@ -167,3 +167,31 @@ def test_undeclared_call_inputs_are_skipped_with_the_reason():
     assert report.summary()["fail"] == 0, failing_rows(report)
     cells = [c for r in report.results if r.row in ("probe/mix", "probe/call_scale") for c in r.cells]
     assert cells and all(c.status == "skip" and "call input" in c.message for c in cells), cells
+
+
+def test_key_projection_ignored():
+    """M13: a port whose keys are the first r normed channels (the init projection) instead of
+    the learned key_projection fails every low-rank row, direct, two-phase and blended, and no
+    other row."""
+    report = run_conformance(adapters.ignores_key_projection, quick=True, dtypes=F64)
+    rows = {row for row, _, _ in failing_rows(report)}
+    assert rows == {"probe/low_rank_keys", "probe/mix", "golden/probe"}, rows
+    failed = {r.id for r in report.results if r.failed}
+    assert all("low_rank" in i or "r3" in i or "_r4" in i for i in failed), failed
+    for label in ("L5-D8-T2x3", "input-r3-L5-D8-T2x3", "block-S2-r3-two_phase-L5-D8-T2x3",
+                  "window-W2-r2-sigmoid-L5-D8-T2x3"):
+        cell = next(r for r in report.results if r.id == f"probe/low_rank_keys/{label}/float64")
+        assert cell.forward.status == "fail", label
+
+
+def test_summaries_dropped():
+    """M14: a port that drops the outputs older than the window (the plain window rule, M5)
+    fails every compressed-history row (S = 1 too: there each output beyond the window is kept
+    as a summary of one) and its golden vectors, and nothing else."""
+    report = run_conformance(adapters.drops_summaries, quick=True, dtypes=F64)
+    rows = {row for row, _, _ in failing_rows(report)}
+    assert rows == {"probe/compressed_history", "golden/probe"}, rows
+    failed = {r.id for r in report.results if r.failed}
+    assert all("compressed_history" in i for i in failed), failed
+    cells = [r for r in report.results if r.row == "probe/compressed_history"]
+    assert len(cells) == 4 and all(r.forward.status == "fail" for r in cells), cells

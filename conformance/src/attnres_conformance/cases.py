@@ -21,6 +21,7 @@ zero query is uniform) and "golden" (a committed vector).  `quick` marks the red
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -196,6 +197,10 @@ def _golden(case: Case):
 # -- requirements of a golden case --------------------------------------------------------------
 def variant_of(config: dict) -> str:
     """The named variant (config.VARIANT_KINDS) a probe config exercises."""
+    if config.get("history", "drop") == "summaries":  # M14
+        return "compressed_history"
+    if config.get("key_rank") is not None:  # M13
+        return "low_rank_keys"
     if config.get("query_sharing", "none") != "none":
         return "shared_queries"
     for name in ("input_query", "sigmoid", "no_key_norm", "multihead"):
@@ -438,6 +443,23 @@ PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct", ()) for v in VARIANT_KIN
     # M12 hybrid: the state as the query (the variant row above has static queries).
     ("probe/hybrid", "input-L5-D8-T2x3", "hybrid", (("query", "input"),), "direct", ()),
     ("probe/mix", "hybrid-L5-D8-T2x3-mix0.4", "hybrid", (), "direct", (("mix", 0.4),)),
+    # M13 low-rank keys (the variant row: full, r = 4 of D = 8): a per-token query of r = 3 dims,
+    # Block (direct, and two-phase: phase 1 with the effective queries), window + sigmoid, a mix.
+    ("probe/low_rank_keys", "input-r3-L5-D8-T2x3", "low_rank_keys", (("key_rank", 3), ("query", "input")),
+     "direct", ()),
+    ("probe/low_rank_keys", "block-S2-r3-L5-D8-T2x3", "low_rank_keys",
+     (("kind", "block"), ("block_size", 2), ("key_rank", 3)), "direct", ()),
+    ("probe/low_rank_keys", "block-S2-r3-two_phase-L5-D8-T2x3", "low_rank_keys",
+     (("kind", "block"), ("block_size", 2), ("key_rank", 3)), "two_phase", ()),
+    ("probe/low_rank_keys", "window-W2-r2-sigmoid-L5-D8-T2x3", "low_rank_keys",
+     (("kind", "window"), ("window", 2), ("key_rank", 2), ("activation", "sigmoid")), "direct", ()),
+    ("probe/mix", "low_rank_keys-L5-D8-T2x3-mix0.5", "low_rank_keys", (), "direct", (("mix", 0.5),)),
+    # M14 compressed history (the variant row: W = 1, S = 2 over L = 5): L = 7 with two summaries
+    # beyond W = 2, S = 3 with a per-token query, S = 1 (= full AttnRes).
+    ("probe/compressed_history", "W2-S2-L7-D8-T2x3", "compressed_history", (("window", 2),), "direct", ()),
+    ("probe/compressed_history", "input-W1-S3-L7-D8-T2x3", "compressed_history",
+     (("block_size", 3), ("query", "input")), "direct", ()),
+    ("probe/compressed_history", "W1-S1-L5-D8-T2x3", "compressed_history", (("block_size", 1),), "direct", ()),
     # M10 call inputs: a blend, both exact ends, the two-phase blend, a per-call scale.
     ("probe/mix", "full-L5-D8-T2x3-mix0.3", "full", (), "direct", (("mix", 0.3),)),
     ("probe/mix", "block-L5-D8-T2x3-mix0", "block", (), "direct", (("mix", 0.0),)),
@@ -461,7 +483,7 @@ def _probe_cases(dtypes) -> List[Case]:
                 # a blended cell there measures luck, not the mix: M10 with an input query is
                 # checked in f64/f32; the low-precision mix by the full/block/window rows.
                 continue
-            num_layers = 4 if label.startswith("S2-L4") else 5
+            num_layers = int(re.search(r"(?:^|-)L(\d+)-", label).group(1))
             cases.append(_op_case(row, label, dtype, "probe", True, override="probe", variant=variant,
                                   num_layers=num_layers, overrides=overrides, schedule=schedule,
                                   call=call))

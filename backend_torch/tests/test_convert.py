@@ -15,8 +15,8 @@ from attnres_torch.convert import DepthSite, PerLayerRouter, RowStack, wrap_pren
 from attnres_torch.examples.decoder import Decoder
 from torch import nn
 
-VARIANTS = [v for v in VARIANT_KINDS
-            if v != "shared_queries"]  # every variant of the spec with a row per sublayer
+VARIANTS = [v for v in VARIANT_KINDS  # every variant of the spec with a row per sublayer
+            if v not in ("shared_queries", "low_rank_keys")]
 
 
 def _random_router(name, L, D, seed):
@@ -215,6 +215,10 @@ def test_wrapper_and_router_argument_errors():
             PerLayerRouter(ResidualConfig.variant("shared_queries"), 3, D)
         stack = wrap_prenorm([GPT2ishBlock(D)], ResidualConfig.variant("shared_queries"), per_layer=False)
         assert stack(torch.randn(2, D)).shape == (2, D)
+    with pytest.raises(ValueError, match=r"key_rank=4 adds one key_projection \[D, r\] shared"):
+        PerLayerRouter(ResidualConfig.variant("low_rank_keys"), 3, D)
+    stack = wrap_prenorm([GPT2ishBlock(D)], ResidualConfig.variant("low_rank_keys"), per_layer=False)
+    assert stack(torch.randn(2, D)).shape == (2, D)
 
 
 @pytest.mark.parametrize("per_layer", [True, False])

@@ -123,6 +123,11 @@ class PerLayerRouter(DepthRouter):
             raise ValueError(f"config: per-layer ownership gives every sublayer its own query row, but "
                              f"query_sharing={config.query_sharing!r} shares rows between sublayers; "
                              "use DepthRouter (wrap_prenorm(..., per_layer=False))")
+        if getattr(config, "key_rank", None) is not None:  # M13: one key_projection for the stack
+            raise ValueError(f"config: per-layer ownership splits parameters into one row per "
+                             f"sublayer, but key_rank={config.key_rank} adds one key_projection "
+                             "[D, r] shared by every sublayer; use DepthRouter "
+                             "(wrap_prenorm(..., per_layer=False))")
         if schedule is not None:
             config.check_schedule(schedule)
         self.config, self.num_layers, self.dim, self.schedule = config, num_layers, dim, schedule

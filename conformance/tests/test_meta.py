@@ -194,4 +194,4 @@ def test_summaries_dropped():
     failed = {r.id for r in report.results if r.failed}
     assert all("compressed_history" in i for i in failed), failed
     cells = [r for r in report.results if r.row == "probe/compressed_history"]
-    assert len(cells) == 4 and all(r.forward.status == "fail" for r in cells), cells
+    assert len(cells) == 5 and all(r.forward.status == "fail" for r in cells), cells

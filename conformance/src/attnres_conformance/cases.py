@@ -455,10 +455,11 @@ PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct", ()) for v in VARIANT_KIN
      (("kind", "window"), ("window", 2), ("key_rank", 2), ("activation", "sigmoid")), "direct", ()),
     ("probe/mix", "low_rank_keys-L5-D8-T2x3-mix0.5", "low_rank_keys", (), "direct", (("mix", 0.5),)),
     # M14 compressed history (the variant row: W = 1, S = 2 over L = 5): L = 7 with two summaries
-    # beyond W = 2, S = 3 with a per-token query, S = 1 (= full AttnRes).
+    # beyond W = 2, S = 3 over L = 7, a per-token query, S = 1 (= full AttnRes).
     ("probe/compressed_history", "W2-S2-L7-D8-T2x3", "compressed_history", (("window", 2),), "direct", ()),
-    ("probe/compressed_history", "input-W1-S3-L7-D8-T2x3", "compressed_history",
-     (("block_size", 3), ("query", "input")), "direct", ()),
+    ("probe/compressed_history", "W1-S3-L7-D8-T2x3", "compressed_history", (("block_size", 3),), "direct", ()),
+    ("probe/compressed_history", "input-W1-S2-L5-D8-T2x3", "compressed_history", (("query", "input"),),
+     "direct", ()),
     ("probe/compressed_history", "W1-S1-L5-D8-T2x3", "compressed_history", (("block_size", 1),), "direct", ()),
     # M10 call inputs: a blend, both exact ends, the two-phase blend, a per-call scale.
     ("probe/mix", "full-L5-D8-T2x3-mix0.3", "full", (), "direct", (("mix", 0.3),)),
@@ -482,6 +483,13 @@ def _probe_cases(dtypes) -> List[Case]:
                 # bf16, and its error jumps between 0.02 and 0.3 as alpha moves 0.5 -> 0.8), so
                 # a blended cell there measures luck, not the mix: M10 with an input query is
                 # checked in f64/f32; the low-precision mix by the full/block/window rows.
+                continue
+            if dtype == "bfloat16" and label.startswith("input-r"):
+                # M13 with a per-token query in bf16: rounding q_r (r = 3 dims) feeds the
+                # logits back through five layers; the every-step-rounded reference's
+                # d_norm_weights errs 6 %, honest ports 13 % (MLX) to 20 % (torch), beside the
+                # adaptive bound of 2x: the cell measures luck.  Checked in f64/f32/f16; bf16
+                # low-rank keys by the static-query rows.
                 continue
             num_layers = int(re.search(r"(?:^|-)L(\d+)-", label).group(1))
             cases.append(_op_case(row, label, dtype, "probe", True, override="probe", variant=variant,

@@ -257,8 +257,7 @@ class ResidualStream:
             q = self._effective_query(ops.param("queries", qrow))
         else:  # M6: q_l = rmsnorm(most recent source) @ W_l, per token
             q = self._effective_query(ops.matmul(ops.rmsnorm(sources[-1], cfg.eps),
-                                                 ops.param("query_weights", qrow, like=sources[-1])),
-                                      like=sources[-1])
+                                                 ops.param("query_weights", qrow, like=sources[-1])))
         want = self.observer is not None and self.observer.wants_weights
         out, weights = ops.depth_attention(sources, stats, q, ops.param("norm_weights", qrow), cfg,
                                            return_weights=want)
@@ -266,14 +265,17 @@ class ResidualStream:
             self.observer.depth_attention(row, labels, sources, weights)
         return out
 
-    def _effective_query(self, q: Array, like: Optional[Array] = None) -> Array:
+    def _effective_query(self, q: Array) -> Array:
         """M13: with low-rank keys, the r-dim query q_r `[..., r]` (or rows `[S, r]`) becomes the
         D-dim query `q_r @ key_projection^T` `[..., D]` of the unchanged depth-attention op:
-        `<q_r, (rmsnorm(v) * g) @ P> = <P q_r, rmsnorm(v) * g>`.  Without key_rank: q."""
+        `<q_r, (rmsnorm(v) * g) @ P> = <P q_r, rmsnorm(v) * g>`.  It is formed and kept in the
+        compute dtype (C10: float32, float64 for float64; the ops take a query of any floating
+        dtype), so low precision rounds q_r at most, not q again.  Without key_rank: q."""
         if self.config.key_rank is None:
             return q
-        return self.ops.matmul(q, self.ops.transpose(self.ops.param("key_projection", slice(None),
-                                                                    like=like)))
+        ops = self.ops
+        P = ops.to_compute(ops.param("key_projection", slice(None)))
+        return ops.matmul(ops.to_compute(q), ops.transpose(P))
 
     def _weighted_sum(self, row: int) -> Array:
         """M7 static: h = sum_{i <= r} depth_weights[r, i] v_i (DenseFormer-style)."""

@@ -298,6 +298,8 @@ def _draw_params(rng, config: ResidualConfig, num_layers: int, dim: int, dtype: 
             value = rng.standard_normal(shape) * 2.0 / np.sqrt(dim)
         elif name in ("query_weights", "gate_weights"):
             value = rng.standard_normal(shape) / np.sqrt(dim)
+        elif name == "key_projection":  # M13: q_r @ P^T as large as a full-rank query
+            value = rng.standard_normal(shape) / np.sqrt(shape[1])
         else:  # gate_biases, depth_weights (the unused upper triangle too: its gradient is 0)
             value = 0.5 + 0.5 * rng.standard_normal(shape)
         params[name] = round_to_dtype(value, dtype)

@@ -23,12 +23,12 @@ TINY = dict(dim=16, num_blocks=3, num_heads=2, context=8)
 ZERO_QUERY_TOL = 1e-8
 
 
-def _paired(name: str, block_size: int = 2):
+def _paired(name: str, block_size: int = 2, window: int = 4):
     """(standard model, `name` model) with the same non-router weights, float64, eps = 1e-12."""
     models = []
     for variant in ("standard", name):
         torch.manual_seed(0)
-        cfg = variant_config(variant, 2 * TINY["num_blocks"], block_size=block_size)
+        cfg = variant_config(variant, 2 * TINY["num_blocks"], block_size=block_size, window=window)
         models.append(ExampleLM(cfg, eps=1e-12, **TINY).double())
     base, model = models
     shared = {k: v for k, v in base.state_dict().items() if not k.startswith("router.")}
@@ -38,9 +38,12 @@ def _paired(name: str, block_size: int = 2):
 
 
 @pytest.mark.parametrize("name,block_size", [("full", 2), ("block", 2), ("block", 4), ("input_query", 2),
-                                             ("multihead", 2), ("sigmoid", 2), ("no_key_norm", 2)])
+                                             ("multihead", 2), ("sigmoid", 2), ("no_key_norm", 2),
+                                             ("low_rank_keys", 2), ("compressed_history", 2)])
 def test_zero_query_model_equals_prenorm_logits(name, block_size):
-    base, model = _paired(name, block_size)
+    # M13 starts as Full (zero r-dim queries); M14 with W = 1, S = 2 over L = 6 reads summaries,
+    # whose sources still add up to the PreNorm state.
+    base, model = _paired(name, block_size, window=1 if name == "compressed_history" else 4)
     tokens = torch.randint(0, 256, (2, TINY["context"]), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = base(tokens)

@@ -21,17 +21,23 @@ from ..modules import AttnResTransformer
 VARIANTS = tuple(VARIANT_KINDS)
 
 
-def variant_config(name: str, num_layers: int, *, block_size: int = 4, window: int = 4) -> ResidualConfig:
+def variant_config(name: str, num_layers: int, *, block_size: int = 4, window: int = 4,
+                   key_rank: Optional[int] = None) -> ResidualConfig:
     """The `ResidualConfig` of a named variant (see `VARIANTS`) for L = num_layers sublayers;
-    block_size and window apply to "block"/"multihead" and "window" only (clamped to L)."""
+    block_size and window apply to "block"/"multihead", "window" and "compressed_history" (its
+    summary blocks, M14) only (clamped to L); key_rank to "low_rank_keys" (M13; None keeps the
+    variant's r = 4; it must not exceed the model's width)."""
     if name not in VARIANT_KINDS:
         raise ValueError(f"variant: unknown name {name!r}; known: {', '.join(VARIANTS)}")
-    kind = VARIANT_KINDS[name]["kind"]
+    fields = VARIANT_KINDS[name]
+    kind = fields["kind"]
     overrides = {}
-    if kind == "block":
+    if kind == "block" or fields.get("history") == "summaries":
         overrides["block_size"] = min(block_size, num_layers)
     if kind == "window":
         overrides["window"] = min(window, num_layers)
+    if fields.get("key_rank") is not None and key_rank is not None:
+        overrides["key_rank"] = key_rank
     return ResidualConfig.variant(name, **overrides)
 
 

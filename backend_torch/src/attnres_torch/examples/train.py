@@ -78,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=64, help="sequence length in bytes (64)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step (4)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (3e-3)")
-    p.add_argument("--block-size", type=int, default=4, help="sublayers per block for 'block' (4)")
-    p.add_argument("--window", type=int, default=4, help="recent outputs attended by 'window' (4)")
+    p.add_argument("--block-size", type=int, default=4,
+                   help="sublayers per block for 'block', outputs per summary for 'compressed_history' (4)")
+    p.add_argument("--window", type=int, default=4,
+                   help="recent outputs attended by 'window', kept whole by 'compressed_history' (4)")
+    p.add_argument("--key-rank", type=int, default=16,
+                   help="r of 'low_rank_keys': keys and queries in r <= dim dimensions (16)")
     p.add_argument("--eval-every", type=int, default=20, help="steps between validation losses (20)")
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches (8)")
     p.add_argument("--diag-every", type=int, default=None,
@@ -212,7 +216,8 @@ def train_model(variant: str, seed: int, args: argparse.Namespace, corpus, val_b
                 progress) -> Tuple[ExampleLM, dict]:
     """One training run; returns (the trained model, its metrics as `train_run`)."""
     num_layers = 2 * args.blocks
-    config = variant_config(variant, num_layers, block_size=args.block_size, window=args.window)
+    config = variant_config(variant, num_layers, block_size=args.block_size, window=args.window,
+                            key_rank=getattr(args, "key_rank", None))
     torch.manual_seed(seed)
     model = ExampleLM(config, dim=args.dim, num_blocks=args.blocks, num_heads=args.heads,
                       context=args.context)

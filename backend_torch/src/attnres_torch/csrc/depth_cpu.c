@@ -46,17 +46,27 @@
 #endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-#define VW 8        /* fp32 elements per vector: 32 bytes (a ymm register; 2 x 128-bit without AVX) */
+/* fp32 elements per vector: 32 bytes (a ymm register; 2 x 128-bit without AVX), or 64 bytes (a
+ * zmm register) in the build cpu_c.py makes for bfloat16 sources on AVX-512 hosts (-DATTNRES_WIDE):
+ * measured on a 2-core Intel Xeon (Sapphire/Emerald Rapids class) VM, 1.2-1.35x faster bf16
+ * kernels (the shift-widening is the bottleneck there), while fp32 was no faster (its backward
+ * slower) and fp16 3.8x slower (no 16-lane F16C path).  The width sets the blocking of the row
+ * sums, so the two builds differ in the last bits; each is thread-count independent (C15). */
+#if defined(ATTNRES_WIDE) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define VW 16
+#else
+#define VW 8
+#endif
 #define OUT_VECS 8  /* forward pass 2: OUT_VECS x VW = 64 output columns in registers over N rows */
 #define MIN_BLOCK_ROWS 16 /* rows are cut into blocks of >= 16 rows ... */
-#define SUM_RUN 256 /* row sums: elements per fp32 run before folding into float64 (16 | SUM_RUN) */
-#define PF_ROWS 1   /* software prefetch distance, in token rows */
+#define SUM_RUN 256 /* row sums: elements per fp32 run before folding into float64 (2 VW | SUM_RUN) */
+#define PF_ROWS 1   /* software prefetch distance, in token rows (2 and 4 measured no better) */
 #define MAX_BLOCKS 256    /* ... and at most 256 blocks (bounds the [NBLK, D] d_qg partials) */
 #define INLINE static inline __attribute__((always_inline))
 
-/* GCC/Clang vector extensions, lowered to the SIMD of -march=native.  No type is wider than 32
- * bytes: wider generic vectors are kept in memory by GCC (each accumulator update would become a
- * store/load round trip). */
+/* GCC/Clang vector extensions, lowered to the SIMD of -march=native.  No type is wider than the
+ * target's registers (32 bytes, 64 only with AVX-512): wider generic vectors are kept in memory by
+ * GCC (each accumulator update would become a store/load round trip). */
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vf4 __attribute__((vector_size(16)));
 typedef double vd4 __attribute__((vector_size(32)));
@@ -89,7 +99,7 @@ INLINE vf ldv(int dt, const void *p, int64_t j) {
     if (dt == DT_F32) {
         memcpy(&f, (const float *)p + j, sizeof f);
     } else if (dt == DT_F16) {
-#if defined(__F16C__)
+#if defined(__F16C__) && VW == 8
         const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + j)));
         memcpy(&f, &w, sizeof f);
 #else
@@ -109,7 +119,7 @@ INLINE void stv(int dt, void *p, int64_t j, vf v) {
     if (dt == DT_F32) {
         memcpy((float *)p + j, &v, sizeof v);
     } else if (dt == DT_F16) {
-#if defined(__F16C__)
+#if defined(__F16C__) && VW == 8
         __m256 w;
         memcpy(&w, &v, sizeof w);
         _mm_storeu_si128((__m128i *)((uint16_t *)p + j), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -136,13 +146,23 @@ static inline double nan_max(double m, double z) { return (z > m || z != z) ? z 
 
 /* Row sums over D of one source row x: *s = <x, q>, *ss = <x, x> when ss is not NULL, and
  * *dp = <x, g> when g is not NULL.  Blocked summation: fp32 vector accumulators (2 x VW lanes) over runs of SUM_RUN
- * elements (each lane adds SUM_RUN / 16 products in fp32), each run folded into float64
+ * elements (each lane adds SUM_RUN / (2 VW) products in fp32), each run folded (fold8) into float64
  * accumulators; then a fixed tree over the lanes, then the tail in order.  The fp32 rounding
  * stays that of a 16-term sum whatever D is, at fp32 vector speed (summing in float64 throughout
  * made this loop compute-bound: 2x slower at D = 1024).
  * pf_x / pf_g (or NULL): the rows PF_ROWS tokens ahead, prefetched (into L2) as this one is read —
  * the hardware prefetchers stop at 4 KiB pages, and at D = 1024 fp32 each source row is a page. */
-INLINE vd4 widen(vf a, int half) { /* lanes 4 half .. 4 half + 3 of a, as float64 */
+typedef float vf8 __attribute__((vector_size(32)));
+/* 2 x VW fp32 lanes -> 8 (lanes k and k + 8 added: a fixed order) */
+#if VW == 16
+INLINE vf8 fold8(vf a) {
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#else
+INLINE vf8 fold8(vf a) { return a; }
+#endif
+INLINE vd4 widen(vf8 a, int half) { /* lanes 4 half .. 4 half + 3 of a, as float64 */
     vf4 h = half ? __builtin_shufflevector(a, a, 4, 5, 6, 7) : __builtin_shufflevector(a, a, 0, 1, 2, 3);
     return __builtin_convertvector(h, vd4);
 }
@@ -163,14 +183,16 @@ static double sumsq_f64(int dt, const void *x, int64_t d) {
 INLINE void row_sums(int dt, const void *x, const float *q, const void *g, int64_t d, double *s,
                      double *ss, double *dp, const char *pf_x, const char *pf_g) {
     vd4 ds = {0}, dq = {0}, dg = {0};
-    const int64_t es = dt == DT_F32 ? 4 : 2, full = d - d % 16;
+    const int64_t es = dt == DT_F32 ? 4 : 2, full = d - d % (2 * VW);
     int64_t j = 0;
     while (j < full) {
         const int64_t end = j + SUM_RUN < full ? j + SUM_RUN : full;
         vf fs[2] = {{0}}, fq[2] = {{0}}, fg[2] = {{0}};
-        for (; j < end; j += 16) {
-            if (pf_x) __builtin_prefetch(pf_x + j * es, 0, 1);
-            if (pf_g) __builtin_prefetch(pf_g + j * es, 0, 1);
+        for (; j < end; j += 2 * VW) {
+            for (int64_t o = 0; o < 2 * VW * es; o += 64) { /* every 64-byte line of this step */
+                if (pf_x) __builtin_prefetch(pf_x + j * es + o, 0, 1);
+                if (pf_g) __builtin_prefetch(pf_g + j * es + o, 0, 1);
+            }
             for (int k = 0; k < 2; k++) {
                 const vf v = ldv(dt, x, j + VW * k);
                 fs[k] += v * ldv(DT_F32, q, j + VW * k);
@@ -178,11 +200,11 @@ INLINE void row_sums(int dt, const void *x, const float *q, const void *g, int64
                 if (g) fg[k] += v * ldv(dt, g, j + VW * k);
             }
         }
-        const vf s8 = fs[0] + fs[1], q8 = fq[0] + fq[1];
+        const vf8 s8 = fold8(fs[0] + fs[1]), q8 = fold8(fq[0] + fq[1]);
         ds += widen(s8, 0) + widen(s8, 1);
         if (ss) dq += widen(q8, 0) + widen(q8, 1);
         if (g) {
-            const vf g8 = fg[0] + fg[1];
+            const vf8 g8 = fold8(fg[0] + fg[1]);
             dg += widen(g8, 0) + widen(g8, 1);
         }
     }
@@ -465,6 +487,9 @@ static int run_blocks(job_t *proto, int threads, void *(*work)(void *)) {
 static int hugepages = 0;
 
 void attnres_set_hugepages(int on) { hugepages = on; }
+
+/* The vector width of this build, in fp32 lanes (8, or 16 in the AVX-512 bf16 build). */
+int attnres_vector_width(void) { return VW; }
 
 static void advise_huge(const void *p, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)

@@ -40,7 +40,7 @@ def naive_stack(config, params, emb, fs):
         q = params["queries"][r] if config.query == "static" else rms(sources[-1]) @ params["query_weights"][r]
         if config.key_rank is not None:  # M13 restated literally: r-dim keys, r-dim query
             P, g = params["key_projection"], params["norm_weights"][r]
-            keys = [((rms(x) if config.key_norm else x) * g) @ P for x in sources]
+            keys = [((rms(x) if config.key_norm else x) @ P) * g for x in sources]
             z = np.stack([config.scale * np.sum(q * k, axis=-1) for k in keys])
             p = (1.0 / (1.0 + np.exp(-z)) if config.activation == "sigmoid"
                  else np.exp(z - z.max(0)) / np.exp(z - z.max(0)).sum(0))
@@ -299,7 +299,7 @@ def test_low_rank_keys_init_keeps_uniform_weights_and_projection_identity_column
     key_projection = I[:, :r] (not zero, so the queries get a gradient from the first step)."""
     config = ResidualConfig(kind="full", key_rank=3)
     params = config.init_params(L, D)
-    assert config.param_shapes(L, D) == {"queries": (L + 1, 3), "norm_weights": (L + 1, D),
+    assert config.param_shapes(L, D) == {"queries": (L + 1, 3), "norm_weights": (L + 1, 3),
                                          "key_projection": (D, 3)}
     np.testing.assert_array_equal(params["key_projection"], np.eye(D)[:, :3])
     emb, weights, _ = random_problem(rng, config)

@@ -484,12 +484,13 @@ def _probe_cases(dtypes) -> List[Case]:
                 # a blended cell there measures luck, not the mix: M10 with an input query is
                 # checked in f64/f32; the low-precision mix by the full/block/window rows.
                 continue
-            if dtype == "bfloat16" and label.startswith("input-r"):
-                # M13 with a per-token query in bf16: rounding q_r (r = 3 dims) feeds the
-                # logits back through five layers; the every-step-rounded reference's
-                # d_norm_weights errs 6 %, honest ports 13 % (MLX) to 20 % (torch), beside the
-                # adaptive bound of 2x: the cell measures luck.  Checked in f64/f32/f16; bf16
-                # low-rank keys by the static-query rows.
+            if dtype in ("float16", "bfloat16") and label.startswith("input-r"):
+                # M13 with a per-token query is ill-conditioned in low precision: perturbing
+                # only the float64 inputs by random relative errors of 2^-11 (half an fp16 ulp)
+                # moves the output by 0.2-0.8 % (max norm, five draws), while the bound, 2x the
+                # every-step-rounded reference's error, is 0.41 %; honest torch and MLX land at
+                # 1.0 % / 1.1 % (fp16) and 13-20 % in d_norm_weights (bf16): the cells measure
+                # luck.  Checked in f64/f32; low-precision low-rank keys by the static rows.
                 continue
             num_layers = int(re.search(r"(?:^|-)L(\d+)-", label).group(1))
             cases.append(_op_case(row, label, dtype, "probe", True, override="probe", variant=variant,

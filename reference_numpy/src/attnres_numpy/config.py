@@ -69,8 +69,9 @@ class ResidualConfig:
     eps: epsilon of every RMSNorm in the scheme (key norm, query input norm, gate input norm).
     scale: logit scale (1.0 = the paper).
     key_rank: None, or r >= 1 (attention kinds, one head): low-rank keys
-      `(rmsnorm(v_i) * g_l) @ key_projection` of r dims, one `key_projection [D, r]` for the
-      stack, queries of r dims (M13); r <= D is checked where D is known (`param_shapes`).
+      `(rmsnorm(v_i) @ key_projection) * g_l` of r dims, one `key_projection [D, r]` for the
+      stack, queries and gains of r dims (M13); r <= D is checked where D is known
+      (`param_shapes`).
     history: kind="window" only: "drop" (outputs older than the window are not attended, M5) or
       "summaries" (they are kept as sums of complete blocks of `block_size` outputs, M14).
     """
@@ -223,7 +224,8 @@ class ResidualConfig:
         full/block/window/hybrid: "queries" [R, D] (query="static") or "query_weights" [R, D, D]
           (query="input"), and "norm_weights" [R, D], R = `query_rows(L)` (L + 1 unless queries
           are shared, M11); the last row is the output aggregation.  With key_rank = r (M13) the
-          queries are [R, r] / [R, D, r], plus one "key_projection" [D, r] for the stack.
+          queries are [R, r] / [R, D, r], the gains [R, r], plus one "key_projection" [D, r] for
+          the stack.
         scalar: "alphas" [L].  gated: "gate_weights" [L, D, D], "gate_biases" [L, D].
         static: "depth_weights" [L+1, L+1], row r uses columns 0..r (the rest is unused).
         standard: none.
@@ -246,9 +248,9 @@ class ResidualConfig:
         if self.kind == "static":
             return {"depth_weights": (L + 1, L + 1)}
         R = self.query_rows(L)
-        Q = D if self.key_rank is None else self.key_rank  # M13: queries live in r dims
+        Q = D if self.key_rank is None else self.key_rank  # M13: queries and gains live in r dims
         shapes = {"queries": (R, Q)} if self.query == "static" else {"query_weights": (R, D, Q)}
-        shapes["norm_weights"] = (R, D)
+        shapes["norm_weights"] = (R, Q)
         if self.key_rank is not None:
             shapes["key_projection"] = (D, self.key_rank)
         return shapes

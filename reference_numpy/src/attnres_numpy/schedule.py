@@ -254,28 +254,36 @@ class ResidualStream:
         sources, stats, labels = self._sources(layer)
         qrow = cfg.query_row(layer, self.num_layers)  # M11: r, unless queries are shared
         if cfg.query == "static":  # M6: the pseudo-query w_l
-            q = self._effective_query(ops.param("queries", qrow))
+            q = ops.param("queries", qrow)
         else:  # M6: q_l = rmsnorm(most recent source) @ W_l, per token
-            q = self._effective_query(ops.matmul(ops.rmsnorm(sources[-1], cfg.eps),
-                                                 ops.param("query_weights", qrow, like=sources[-1])))
+            q = ops.matmul(ops.rmsnorm(sources[-1], cfg.eps),
+                           ops.param("query_weights", qrow, like=sources[-1]))
+        q, gain = self._query_and_gain(q, qrow)
         want = self.observer is not None and self.observer.wants_weights
-        out, weights = ops.depth_attention(sources, stats, q, ops.param("norm_weights", qrow), cfg,
-                                           return_weights=want)
+        out, weights = ops.depth_attention(sources, stats, q, gain, cfg, return_weights=want)
         if self.observer is not None:
             self.observer.depth_attention(row, labels, sources, weights)
         return out
 
-    def _effective_query(self, q: Array) -> Array:
-        """M13: with low-rank keys, the r-dim query q_r `[..., r]` (or rows `[S, r]`) becomes the
-        D-dim query `q_r @ key_projection^T` `[..., D]` of the unchanged depth-attention op:
-        `<q_r, (rmsnorm(v) * g) @ P> = <P q_r, rmsnorm(v) * g>`.  It is formed and kept in the
-        compute dtype (C10: float32, float64 for float64; the ops take a query of any floating
-        dtype), so low precision rounds q_r at most, not q again.  Without key_rank: q."""
-        if self.config.key_rank is None:
-            return q
+    def _query_and_gain(self, q: Array, rows) -> tuple:
+        """(query, gain) of the depth-attention op for row(s) `rows` (an int, or a slice of
+        phase-1 rows) and the query q: `q [D]` / `[..., D]` / `[S, D]` and `norm_weights[rows]`.
+
+        M13 (key_rank = r): q is the r-dim q_r and the gain g_r `[r]` is applied after the
+        projection, `k_i = (rmsnorm(v_i) @ P) * g_r`; since
+        `<q_r, (x @ P) * g_r> = <x, (q_r * g_r) @ P^T>`, the op gets the D-dim query
+        `(q_r * g_r) @ P^T` and no gain.  It is formed and kept in the compute dtype (C10: float32,
+        float64 for float64; the ops take a query of any floating dtype), so low precision rounds
+        q_r at most, not the D-dim query again."""
         ops = self.ops
+        gain = ops.param("norm_weights", rows)
+        if self.config.key_rank is None:
+            return q, gain
+        q = ops.to_compute(q)
+        if gain is not None:
+            q = ops.mul(ops.to_compute(gain), q)
         P = ops.to_compute(ops.param("key_projection", slice(None)))
-        return ops.matmul(ops.to_compute(q), ops.transpose(P))
+        return ops.matmul(q, ops.transpose(P)), None
 
     def _weighted_sum(self, row: int) -> Array:
         """M7 static: h = sum_{i <= r} depth_weights[r, i] v_i (DenseFormer-style)."""
@@ -294,16 +302,15 @@ class ResidualStream:
             last = min(row + cfg.block_size, L)  # sublayers row+1 .. last
             # M11: one phase-1 query when the block's sublayers share theirs, else one each.
             rows = slice(qrow, cfg.query_row(last, L) + 1)
+            queries, gains = self._query_and_gain(ops.param("queries", rows), rows)
             out1, lse1 = ops.depth_attention_multi(list(self.blocks), list(self.block_stats),
-                                                   self._effective_query(ops.param("queries", rows)),
-                                                   ops.param("norm_weights", rows), cfg)
+                                                   queries, gains, cfg)
             self._phase1 = (out1, lse1, qrow)
             return ops.take(out1, 0)
         out1, lse1, first = self._phase1
         i = qrow - first
-        return ops.merge_partial(ops.take(out1, i), ops.take(lse1, i), self.partial,
-                                 self._effective_query(ops.param("queries", qrow)),
-                                 ops.param("norm_weights", qrow), cfg)
+        query, gain = self._query_and_gain(ops.param("queries", qrow), qrow)
+        return ops.merge_partial(ops.take(out1, i), ops.take(lse1, i), self.partial, query, gain, cfg)
 
     # -- the protocol --------------------------------------------------------------------------
     def input(self) -> Array:

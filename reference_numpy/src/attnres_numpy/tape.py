@@ -161,36 +161,52 @@ class Tape(ResidualOps):
         """(out `Var [..., D]`, weights `[N, ...]` or `[N, ..., H]` (plain arrays) or None)."""
         kw = dict(eps=config.eps, scale=config.scale, num_heads=config.num_heads,
                   activation=config.activation, key_norm=config.key_norm)
-        xs, q, g = [s.value for s in sources], query.value, norm_weight.value
+        xs, q, g = [s.value for s in sources], query.value, _value(norm_weight)
         out, p = ops.depth_attention(xs, q, g, return_weights=True, **kw)
 
         def vjp(d_out):
             grad = ops.depth_attention_vjp(xs, q, g, d_out, **kw)
-            return (*grad["sources"], grad["query"], grad["norm_weight"])
-        out = self._op([*sources, query, norm_weight], [out], vjp)[0]
+            return (*grad["sources"], grad["query"], *_gain_grad(grad["norm_weight"], g))
+        out = self._op([*sources, query, *_gain_input(norm_weight)], [out], vjp)[0]
         return out, (p if return_weights else None)
 
     def depth_attention_multi(self, sources: List[Var], stats, queries: Var, norm_weights: Var,
                               config: ResidualConfig):
         """Phase 1: (out `[S, ..., D]`, lse `[S, ...]`) as `Var`s."""
         kw = dict(eps=config.eps, scale=config.scale)
-        xs, q, g = [s.value for s in sources], queries.value, norm_weights.value
+        xs, q, g = [s.value for s in sources], queries.value, _value(norm_weights)
         out, lse = ops.depth_attention_multi(xs, q, g, **kw)
 
         def vjp(d_out, d_lse):
             grad = ops.depth_attention_multi_vjp(xs, q, g, d_out, d_lse, **kw)
-            return (*grad["sources"], grad["queries"], grad["norm_weights"])
-        out, lse = self._op([*sources, queries, norm_weights], [out, lse], vjp)
+            return (*grad["sources"], grad["queries"], *_gain_grad(grad["norm_weights"], g))
+        out, lse = self._op([*sources, queries, *_gain_input(norm_weights)], [out, lse], vjp)
         return out, lse
 
     def merge_partial(self, out1: Var, lse1: Var, partial: Var, query: Var, norm_weight: Var,
                       config: ResidualConfig) -> Var:
         """Phase 2: merge phase-1 stats with the intra-block partial sum; out `[..., D]`."""
         kw = dict(eps=config.eps, scale=config.scale)
-        args = [a.value for a in (out1, lse1, partial, query, norm_weight)]
+        args = [a.value for a in (out1, lse1, partial, query)] + [_value(norm_weight)]
         out = ops.merge_partial(*args, **kw)
 
         def vjp(d_out):
             grad = ops.merge_partial_vjp(*args, d_out, **kw)
-            return tuple(grad[k] for k in ("out1", "lse1", "partial", "query", "norm_weight"))
-        return self._op([out1, lse1, partial, query, norm_weight], [out], vjp)[0]
+            return (*(grad[k] for k in ("out1", "lse1", "partial", "query")),
+                    *_gain_grad(grad["norm_weight"], args[-1]))
+        return self._op([out1, lse1, partial, query, *_gain_input(norm_weight)], [out], vjp)[0]
+
+
+# -- a gainless key norm (norm_weight None: M13 hands the gain to the query) -------------------------
+def _value(var: Optional[Var]):
+    return None if var is None else var.value
+
+
+def _gain_input(var: Optional[Var]) -> list:
+    """The gain as a tape input: [var], or [] for None."""
+    return [] if var is None else [var]
+
+
+def _gain_grad(grad, gain) -> tuple:
+    """The gain's cotangent as the VJP's last output: (grad,), or () without a gain."""
+    return () if gain is None else (grad,)

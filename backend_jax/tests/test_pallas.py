@@ -60,11 +60,11 @@ def test_forward_and_backward_kernels(rng, dtype, activation, key_norm, per_toke
         want = ref.depth_attention(src64, q64, g64, return_lse=lse, return_weights=True, **kw)
         stat = "float64" if dtype == "float64" else "float32"
         for i, (a, b) in enumerate(zip(got, want)):
-            assert_close(a, b, dtype if i == 0 else stat, f"output {i}")
+            assert_close(a, b, dtype if i == 0 else stat, f"output {i}", grad=False)
         want_g = ref.depth_attention_vjp(src64, q64, g64, d_out64, None if d_lse is None else np.asarray(d_lse), **kw)
-        assert_close(np.stack(grads[0]), np.stack(want_g["sources"]), dtype, "d_sources")
-        assert_close(grads[1], want_g["query"], dtype, "d_query")
-        assert_close(grads[2], want_g["norm_weight"], dtype, "d_norm_weight")
+        assert_close(np.stack(grads[0]), np.stack(want_g["sources"]), dtype, "d_sources", grad=True)
+        assert_close(grads[1], want_g["query"], dtype, "d_query", grad=True)
+        assert_close(grads[2], want_g["norm_weight"], dtype, "d_norm_weight", grad=True)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -83,12 +83,12 @@ def test_phase1_and_merge_kernels(rng, dtype):
         assert _finite((out1, lse1, merged))
         src64 = [x for _, x in xs]
         want_out, want_lse = ref.depth_attention_multi(src64, qs64, gs64)
-        assert_close(out1, want_out, dtype, "phase-1 out")
-        assert_close(lse1, want_lse, ct, "phase-1 lse")
+        assert_close(out1, want_out, dtype, "phase-1 out", grad=False)
+        assert_close(lse1, want_lse, ct, "phase-1 lse", grad=False)
         for k, (out, lse) in enumerate(merged):  # phase 2 == attention over sources + [partial]
             want = ref.depth_attention(src64 + [p64], qs64[k], gs64[k], return_lse=True)
-            assert_close(out, want[0], dtype, "merged out")
-            assert_close(lse, want[1], ct, "merged lse")
+            assert_close(out, want[0], dtype, "merged out", grad=False)
+            assert_close(lse, want[1], ct, "merged lse", grad=False)
 
 
 def test_merge_kernel_gradients_and_per_token_query(rng):
@@ -145,12 +145,12 @@ def test_kernels_under_the_tpu_interpreter(rng, per_token):
             merged = merge_partial(out1[0], lse1[0], xs[2][0], qs[0], None)
     assert set(kernels.CALLS) == {"attnres_forward", "attnres_backward", "attnres_phase1", "attnres_merge"}
     src64 = [x for _, x in xs]
-    assert_close(out, ref.depth_attention(src64, q64, g64), "float32", "out")
+    assert_close(out, ref.depth_attention(src64, q64, g64), "float32", "out", grad=False)
     want = ref.depth_attention_vjp(src64, q64, g64, d_out64)
-    assert_close(np.stack(d_src), np.stack(want["sources"]), "float32", "d_sources")
-    assert_close(d_q, want["query"], "float32", "d_query")
-    assert_close(d_g, want["norm_weight"], "float32", "d_norm_weight")
-    assert_close(merged, ref.depth_attention(src64, qs64[0]), "float32", "phase 1 + merge")
+    assert_close(np.stack(d_src), np.stack(want["sources"]), "float32", "d_sources", grad=True)
+    assert_close(d_q, want["query"], "float32", "d_query", grad=True)
+    assert_close(d_g, want["norm_weight"], "float32", "d_norm_weight", grad=True)
+    assert_close(merged, ref.depth_attention(src64, qs64[0]), "float32", "phase 1 + merge", grad=False)
 
 
 def test_poison_catches_an_unwritten_tile():
@@ -192,8 +192,8 @@ def test_backward_runs_the_implementation_the_forward_chose(rng):
     assert set(kernels.CALLS) == {"attnres_forward", "attnres_backward"}
     want = ref.depth_attention_vjp([np.asarray(x, np.float64) for x in xs], np.asarray(q, np.float64), None,
                                    np.ones((10, D)))
-    assert_close(np.stack(d_xs), np.stack(want["sources"]), "float32", "d_sources")
-    assert_close(d_q, want["query"], "float32", "d_query")
+    assert_close(np.stack(d_xs), np.stack(want["sources"]), "float32", "d_sources", grad=True)
+    assert_close(d_q, want["query"], "float32", "d_query", grad=True)
 
 
 def test_impl_keyword_wins_over_the_block_and_keys_the_trace(rng):
@@ -209,7 +209,7 @@ def test_impl_keyword_wins_over_the_block_and_keys_the_trace(rng):
         depth_attention_multi(xs, jnp.stack([q, q]), impl="xla")
         merge_partial(xs[0], jnp.zeros(10), xs[1], q, impl="xla")
         assert not kernels.CALLS
-    assert_close(kernel, xla, "float32", "d_query")
+    assert_close(kernel, xla, "float32", "d_query", grad=True)
 
 
 def test_impl_pallas_where_the_kernels_cannot_run_raises(rng):

@@ -36,15 +36,15 @@ def test_probe_matches_reference(rng, variant, dtype):
         (params, emb, w), (p64, e64, w64) = _probe_inputs(rng, config, dtype)
         f = jax.jit(lambda p, e, w: probe_forward(config, p, e, w))
         out, vjp = jax.vjp(f, params, emb, w)
-        assert_close(out, ref.probe_forward(config, p64, e64, w64), dtype, "out")
+        assert_close(out, ref.probe_forward(config, p64, e64, w64), dtype, "out", grad=False)
         cot = jnp.asarray(rng.standard_normal(out.shape), out.dtype)
         want = ref.probe_vjp(config, p64, e64, w64, np.asarray(cot, np.float64))
         d_params, d_emb, d_w = vjp(cot)
-        assert_close(d_emb, want["embedding"], dtype, "embedding")
-        assert_close(d_w, want["sublayer_weights"], dtype, "sublayer_weights")
+        assert_close(d_emb, want["embedding"], dtype, "embedding", grad=True)
+        assert_close(d_w, want["sublayer_weights"], dtype, "sublayer_weights", grad=True)
         assert set(d_params) == set(config.param_shapes(L, D))
         for name, value in d_params.items():
-            assert_close(value, want[name], dtype, name)
+            assert_close(value, want[name], dtype, name, grad=True)
 
 
 @pytest.mark.parametrize("block_size", [2, 3])  # L = 5: blocks (2, 2, 1) and (3, 2)
@@ -114,17 +114,17 @@ def test_mix_and_scale_match_reference(rng, variant, schedule, mix, traced):
             f = jax.jit(lambda p, e, w: probe_forward(config, p, e, w, schedule=schedule, mix=mix, scale=scale))
             out, vjp = jax.vjp(f, params, emb, w)
         kw = dict(schedule=schedule, mix=mix, scale=scale)
-        assert_close(out, ref.probe_forward(config, p64, e64, w64, **kw), "float64", "out")
+        assert_close(out, ref.probe_forward(config, p64, e64, w64, **kw), "float64", "out", grad=False)
         cot = jnp.asarray(rng.standard_normal(out.shape))
         want = ref.probe_vjp(config, p64, e64, w64, np.asarray(cot), **kw)
         d_params, d_emb, d_w = vjp(cot)
-        assert_close(d_emb, want["embedding"], "float64", "embedding")
-        assert_close(d_w, want["sublayer_weights"], "float64", "sublayer_weights")
+        assert_close(d_emb, want["embedding"], "float64", "embedding", grad=True)
+        assert_close(d_w, want["sublayer_weights"], "float64", "sublayer_weights", grad=True)
         for name, value in d_params.items():
             if mix == 0.0:  # M10: no gradient reaches the depth attention at alpha = 0
                 assert not np.any(np.asarray(value)) and not np.any(want[name]), name
             else:
-                assert_close(value, want[name], "float64", name)
+                assert_close(value, want[name], "float64", name, grad=True)
 
 
 def test_mix_errors():

@@ -17,6 +17,7 @@ SCRIPT = textwrap.dedent("""
     from attnres_numpy import ops
     from attnres_numpy.config import ResidualConfig
     from attnres_jax import depth_attention, probe_forward
+    from jax_helpers import assert_close  # the suite's metric and table (on PYTHONPATH below)
 
     assert len(jax.devices()) == 8, jax.devices()
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("batch", "seq"))
@@ -44,9 +45,9 @@ SCRIPT = textwrap.dedent("""
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
     want = ops.depth_attention_vjp(x64, q.astype(np.float64), g.astype(np.float64), 2 * want_out,
                                    np.ones(want_lse.shape))
-    np.testing.assert_allclose(np.stack(dx), np.stack(want["sources"]), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(dq, want["query"], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(dg, want["norm_weight"], rtol=1e-4, atol=1e-4)
+    assert_close(np.stack(dx), np.stack(want["sources"]), "float32", "d_sources", grad=True)
+    assert_close(dq, want["query"], "float32", "d_query", grad=True)
+    assert_close(dg, want["norm_weight"], "float32", "d_norm_weight", grad=True)
 
     config = ResidualConfig.variant("block", block_size=2)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in config.param_shapes(4, 16).items()}
@@ -81,7 +82,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_jit_over_batch_and_sequence():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SHARDING-OK" in proc.stdout

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from attnres_jax import depth_attention, depth_attention_multi, merge_partial
 from attnres_numpy import ops as ref
+from jax_helpers import assert_close
 
 
 def _inputs(rng, n=4, tokens=(2, 3), dim=8):
@@ -32,9 +33,9 @@ def test_grad_jit_checkpoint_agree_with_reference(rng):
     jitted = jax.jit(jax.grad(_loss, argnums=(0, 1, 2)))(xs, q, g, w)
     remat = jax.jit(jax.grad(jax.checkpoint(_loss), argnums=(0, 1, 2)))(xs, q, g, w)
     for grads in (plain, jitted, remat):
-        np.testing.assert_allclose(np.stack(grads[0]), np.stack(want["sources"]), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(grads[1], want["query"], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(grads[2], want["norm_weight"], rtol=1e-4, atol=1e-5)
+        assert_close(np.stack(grads[0]), np.stack(want["sources"]), "float32", "d_sources", grad=True)
+        assert_close(grads[1], want["query"], "float32", "d_query", grad=True)
+        assert_close(grads[2], want["norm_weight"], "float32", "d_norm_weight", grad=True)
 
 
 def test_vmap_matches_batched_call(rng):
@@ -52,7 +53,7 @@ def test_vmap_matches_batched_call(rng):
     for b in range(2):
         want = ref.depth_attention_vjp(np.asarray(xs[:, b], np.float64), np.asarray(qs[b], np.float64), None,
                                        2 * np.asarray(out[b], np.float64))
-        np.testing.assert_allclose(grad[b], want["query"], rtol=1e-4, atol=1e-5)
+        assert_close(grad[b], want["query"], "float32", "d_query", grad=True)
 
 
 def test_forward_backward_bitwise_deterministic(rng):

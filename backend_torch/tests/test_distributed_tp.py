@@ -72,13 +72,13 @@ def _worker(rank, world):
         sl = slice(shard.offset, shard.offset + shard.local_size)
         tol = dt  # outputs and source gradients round once to the sources' dtype
         ctol = "float64" if dt == "float64" else "float32"  # compute dtype (lse, gain gradient)
-        assert_close(out, want_out[..., sl], tol, f"{name} out")
+        assert_close(out, want_out[..., sl], tol, f"{name} out", grad=False)
         if lse is not None:
-            assert_close(lse, want_lse, ctol, f"{name} lse")
-        assert_close(dxs, [d[..., sl] for d in vjp["sources"]], tol, f"{name} d_sources")
-        assert_close(dq, vjp["query"][..., sl], "float32", f"{name} d_query")  # query is float32
+            assert_close(lse, want_lse, ctol, f"{name} lse", grad=False)
+        assert_close(dxs, [d[..., sl] for d in vjp["sources"]], tol, f"{name} d_sources", grad=True)
+        assert_close(dq, vjp["query"][..., sl], "float32", f"{name} d_query", grad=True)  # query is float32
         if g is not None:
-            assert_close(dg, vjp["norm_weight"][sl], ctol, f"{name} d_norm_weight")
+            assert_close(dg, vjp["norm_weight"][sl], ctol, f"{name} d_norm_weight", grad=True)
         # The single-process torch op on the full tensors gives the same slice.
         fx = [x.clone().requires_grad_() for x in xs]
         fq = q.clone().requires_grad_()
@@ -86,9 +86,9 @@ def _worker(rank, world):
         f_out = res[0] if d_lse is not None else res
         loss = (f_out.double() * d_out).sum() + (0 if d_lse is None else (res[1].double() * d_lse).sum())
         loss.backward()
-        assert_close(out, f64(f_out)[..., sl], tol, f"{name} out vs single process")
-        assert_close(dxs, [f64(x.grad)[..., sl] for x in fx], tol, f"{name} d_sources vs single")
-        assert_close(dq, f64(fq.grad)[..., sl], "float32", f"{name} d_query vs single process")
+        assert_close(out, f64(f_out)[..., sl], tol, f"{name} out vs single process", grad=False)
+        assert_close(dxs, [f64(x.grad)[..., sl] for x in fx], tol, f"{name} d_sources vs single", grad=True)
+        assert_close(dq, f64(fq.grad)[..., sl], "float32", f"{name} d_query vs single process", grad=True)
         # Communication: scalars per token and source (and head).
         h, tokens = opts.get("num_heads", 1), int(np.prod(tok))
         per = 2 if opts.get("key_norm", True) else 1

@@ -37,12 +37,12 @@ def test_router_matches_reference_probe(name, dname):
     w = torch.tensor(w_np, dtype=dtype, requires_grad=True)
     out = _probe(router, emb, w, cfg.eps)
     out.backward(torch.tensor(ct, dtype=dtype))
-    assert_close(out, model.probe_forward(cfg, params, emb_np, w_np), dname, "out")
+    assert_close(out, model.probe_forward(cfg, params, emb_np, w_np), dname, "out", grad=False)
     grads = model.probe_vjp(cfg, params, emb_np, w_np, ct)
-    assert_close(emb.grad, grads["embedding"], dname, "d_embedding")
-    assert_close(w.grad, grads["sublayer_weights"], dname, "d_sublayer_weights")
+    assert_close(emb.grad, grads["embedding"], dname, "d_embedding", grad=True)
+    assert_close(w.grad, grads["sublayer_weights"], dname, "d_sublayer_weights", grad=True)
     for k in params:
-        assert_close(getattr(router, k).grad, grads[k], dname, f"d_{k}")
+        assert_close(getattr(router, k).grad, grads[k], dname, f"d_{k}", grad=True)
 
 
 @pytest.mark.parametrize("name,schedule,mix,scale", [
@@ -60,17 +60,17 @@ def test_router_mix_and_scale_match_reference(name, schedule, mix, scale):
     w = torch.tensor(w_np, requires_grad=True)
     out = _probe(router, emb, w, cfg.eps, mix=mix, scale=scale)
     assert_close(out, model.probe_forward(cfg, params, emb_np, w_np, schedule=schedule, mix=mix, scale=scale),
-                 "float64", "out")
+                 "float64", "out", grad=False)
     out.backward(torch.tensor(ct))
     grads = model.probe_vjp(cfg, params, emb_np, w_np, ct, schedule=schedule, mix=mix, scale=scale)
-    assert_close(emb.grad, grads["embedding"], "float64", "d_embedding")
-    assert_close(w.grad, grads["sublayer_weights"], "float64", "d_sublayer_weights")
+    assert_close(emb.grad, grads["embedding"], "float64", "d_embedding", grad=True)
+    assert_close(w.grad, grads["sublayer_weights"], "float64", "d_sublayer_weights", grad=True)
     for k in params:
         got = getattr(router, k).grad
         if mix == 0.0:  # M10: no depth attention, so no gradient reaches its parameters
             assert got is None and not grads[k].any()
         else:
-            assert_close(got, grads[k], "float64", f"d_{k}")
+            assert_close(got, grads[k], "float64", f"d_{k}", grad=True)
 
 
 def test_router_mix_errors():
@@ -97,7 +97,7 @@ def test_two_phase_equals_direct_and_reference(block_size):
             outs[schedule] = _probe(router, torch.tensor(emb_np, dtype=torch.float32),
                                     torch.tensor(w_np, dtype=torch.float32), cfg.eps)
     ref = model.probe_forward(cfg, params, emb_np, w_np, schedule="two_phase")
-    assert_close(outs["two_phase"], ref, "float32", "two_phase")
+    assert_close(outs["two_phase"], ref, "float32", "two_phase", grad=False)
     torch.testing.assert_close(outs["two_phase"], outs["direct"], atol=2e-6, rtol=2e-6)
 
 
@@ -159,7 +159,7 @@ def test_depth_attention_module_returns_lse_and_weights():
                               layer.norm_weight.detach().double().numpy(), num_heads=2, scale=0.7,
                               eps=1e-5, return_lse=True, return_weights=True)
     for got, want in zip((out, lse, weights), ref):
-        assert_close(got, want, "float32")
+        assert_close(got, want, "float32", grad=False)
     with pytest.raises(TypeError):
         layer(xs, True)
 

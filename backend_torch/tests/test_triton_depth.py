@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 "runs this module in such a subprocess", allow_module_level=True)
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
-from _helpers import assert_close, f64, rand  # noqa: E402
+from _helpers import assert_close, compute_dtype, f64, rand  # noqa: E402
 from attnres_numpy import ops  # noqa: E402
 from attnres_torch.kernels import triton_depth as td  # noqa: E402
 
@@ -97,12 +97,12 @@ def _check_depth(gen, n, shape, dtype, *, per_token, gain, layout, launches):
                                   scale=SCALE)
     assert out.dtype == dtype and lse.dtype == torch.float32 and d_q.dtype == torch.float32
     assert all(d.dtype == dtype and d.shape == shape for d in d_src)
-    assert_close(out, ref_out, name, "out")
-    assert_close(lse, ref_lse, name, "lse")
-    assert_close(d_src, ref["sources"], name, "d_sources")
-    assert_close(d_q, ref["query"], name, "d_query")
+    assert_close(out, ref_out, name, "out", grad=False)
+    assert_close(lse, ref_lse, compute_dtype(name), "lse", grad=False)
+    assert_close(d_src, ref["sources"], name, "d_sources", grad=True)
+    assert_close(d_q, ref["query"], name, "d_query", grad=True)
     if gain:
-        assert_close(d_g, ref["norm_weight"], name, "d_norm_weight")
+        assert_close(d_g, ref["norm_weight"], name, "d_norm_weight", grad=True)
     else:
         assert d_g is None
     return out, lse, d_src, d_q, d_g
@@ -163,8 +163,8 @@ def test_multi_matches_reference(kernels, n, num_q, dim, gain):
     assert kernels == ["_depth_fwd_kernel"]
     _no_nan(out, lse)
     ref_out, ref_lse = ops.depth_attention_multi(f64(xs), f64(qs), f64(gs), eps=EPS, scale=SCALE)
-    assert_close(out, ref_out, "float32", "out")
-    assert_close(lse, ref_lse, "float32", "lse")
+    assert_close(out, ref_out, "float32", "out", grad=False)
+    assert_close(lse, ref_lse, "float32", "lse", grad=False)
 
 
 @pytest.mark.parametrize("kernels,per_token,dtype",
@@ -193,12 +193,12 @@ def test_merge_matches_reference_and_direct(kernels, per_token, dtype):
         _no_nan(out, lse)
         ref_out, ref_lse = ops.merge_partial(f64(o1), f64(l1), f64(partial), f64(q), f64(gs[s]),
                                              eps=EPS, scale=SCALE, return_lse=True)
-        assert_close(out, ref_out, name, "merge out")
-        assert_close(lse, ref_lse, name, "merge lse")
+        assert_close(out, ref_out, name, "merge out", grad=False)
+        assert_close(lse, ref_lse, compute_dtype(name), "merge lse", grad=False)
         direct_out, direct_lse = ops.depth_attention(f64(xs + [partial]), f64(q), f64(gs[s]),
                                                      eps=EPS, scale=SCALE, return_lse=True)
-        assert_close(out, direct_out, name, "merge(multi) vs direct out")
-        assert_close(lse, direct_lse, name, "merge(multi) vs direct lse")
+        assert_close(out, direct_out, name, "merge(multi) vs direct out", grad=False)
+        assert_close(lse, direct_lse, compute_dtype(name), "merge(multi) vs direct lse", grad=False)
 
 
 def test_supports():
@@ -236,9 +236,9 @@ def test_weights_at_large_logits_are_the_p_of_the_lse(kernels, n):
     if n == 1:
         assert torch.equal(w, torch.ones_like(w)) and torch.equal(out, xs[0])
     assert float((w.double().sum(0) - 1).abs().max()) <= 1e-6
-    assert_close(w, ref_w, "float32", "weights")
-    assert_close(lse, ref_lse, "float32", "lse")
-    assert_close(out, ref_out, "float32", "out")
+    assert_close(w, ref_w, "float32", "weights", grad=False)
+    assert_close(lse, ref_lse, "float32", "lse", grad=False)
+    assert_close(out, ref_out, "float32", "out", grad=False)
 
 
 @pytest.mark.parametrize("kernels", ["one_tile", "d_tiles"], indirect=True)
@@ -254,17 +254,17 @@ def test_huge_fp32_sources_keep_their_key_norm(kernels, magnitude):
     out, lse, w = td.forward(xs, q, g, EPS, 1.0, with_weights=True)
     ref_out, ref_lse, ref_w = ops.depth_attention(f64(xs), f64(q), f64(g), eps=EPS, scale=1.0,
                                                   return_lse=True, return_weights=True)
-    assert_close(w, ref_w, "float32", "weights")
-    assert_close(lse, ref_lse, "float32", "lse")
-    assert_close(out / magnitude, ref_out / magnitude, "float32", "out")
+    assert_close(w, ref_w, "float32", "weights", grad=False)
+    assert_close(lse, ref_lse, "float32", "lse", grad=False)
+    assert_close(out / magnitude, ref_out / magnitude, "float32", "out", grad=False)
     d_out = rand(gen, (4, dim), torch.float32)
     d_src, d_q, d_g = td.backward(xs, q, g, out, lse, d_out, None, EPS, 1.0)
     ref = ops.depth_attention_vjp(f64(xs), f64(q), f64(g), f64(d_out), None, eps=EPS, scale=1.0)
-    assert_close(d_src, ref["sources"], "float32", "d_sources")
+    assert_close(d_src, ref["sources"], "float32", "d_sources", grad=True)
     assert_close([d_q / magnitude, d_g / magnitude],
-                 [ref["query"] / magnitude, ref["norm_weight"] / magnitude], "float32", "d_qg")
+                 [ref["query"] / magnitude, ref["norm_weight"] / magnitude], "float32", "d_qg", grad=True)
     m_out, m_lse = td.merge_forward(out, lse, xs[0], q, g, EPS, 1.0)
     r_m_out, r_m_lse = ops.merge_partial(f64(out), f64(lse), f64(xs[0]), f64(q), f64(g), eps=EPS,
                                          scale=1.0, return_lse=True)
-    assert_close(m_lse, r_m_lse, "float32", "merge lse")
-    assert_close(m_out / magnitude, r_m_out / magnitude, "float32", "merge out")
+    assert_close(m_lse, r_m_lse, "float32", "merge lse", grad=False)
+    assert_close(m_out / magnitude, r_m_out / magnitude, "float32", "merge out", grad=False)

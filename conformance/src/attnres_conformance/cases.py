@@ -492,6 +492,18 @@ def _probe_cases(dtypes) -> List[Case]:
                 # 1.0 % / 1.1 % (fp16) and 13-20 % in d_norm_weights (bf16): the cells measure
                 # luck.  Checked in f64/f32; low-precision low-rank keys by the static rows.
                 continue
+            if dtype == "bfloat16" and variant == "low_rank_keys" and label == "L5-D8-T2x3":
+                # This draw's bf16 gradient is noise: perturbing only the float64 inputs by
+                # relative errors of 2^-9 (half a bf16 ulp) moves d_queries by 2-23 % and
+                # d_norm_weights by 3-38 % (eight draws; Full's row: at most 6 %), so jitted JAX
+                # (30 %) and eager torch/MLX (4 %) pass or fail by luck.  The other low-rank
+                # rows (block r = 3, window r = 2) move by at most 5 % and keep their bf16 cells.
+                continue
+            if dtype == "bfloat16" and variant == "compressed_history" and label.startswith("input-"):
+                # M14 with a per-token query in bf16: the same input perturbation (2^-9) moves
+                # the gradients by 14-131 %; the cell would pass on the adaptive bound and check
+                # nothing.  The static-query M14 rows keep their bf16 cells.
+                continue
             num_layers = int(re.search(r"(?:^|-)L(\d+)-", label).group(1))
             cases.append(_op_case(row, label, dtype, "probe", True, override="probe", variant=variant,
                                   num_layers=num_layers, overrides=overrides, schedule=schedule,

@@ -111,11 +111,25 @@ def test_compiled_once_per_structure_and_counted(rng):
                       cotangents={"out": rng.standard_normal((3, d))} if cot else None)
 
     first = adapter.call_op(call(8))
-    assert len(adapter._cache) == 2  # forward+residuals, pullback
+    assert len(adapter._cache) == 1  # the forward and the pullback: one program
     second = adapter.call_op(call(8))
-    assert len(adapter._cache) == 2 and not np.array_equal(first.outputs["out"], second.outputs["out"])
+    assert len(adapter._cache) == 1 and not np.array_equal(first.outputs["out"], second.outputs["out"])
     adapter.call_op(call(8, scale=2.0))
     adapter.call_op(call(4))
     adapter.call_op(call(4, cot=False))
-    assert len(adapter._cache) == 7
+    assert len(adapter._cache) == 4
     assert adapter.implementations_used() == {"xla": 5}
+
+
+def test_compile_options(monkeypatch):
+    """The suite compiles with XLA's fast-compile options unless told otherwise; a bad value is an
+    error naming the variable, never a silent default."""
+    from attnres_conformance.adapters import jax as adapter_mod
+
+    monkeypatch.delenv("ATTNRES_CONFORMANCE_JAX_COMPILE", raising=False)
+    assert adapter_mod.compiler_options() == adapter_mod.FAST_COMPILE
+    monkeypatch.setenv("ATTNRES_CONFORMANCE_JAX_COMPILE", "default")
+    assert adapter_mod.compiler_options() is None
+    monkeypatch.setenv("ATTNRES_CONFORMANCE_JAX_COMPILE", "O0")
+    with pytest.raises(ValueError, match="ATTNRES_CONFORMANCE_JAX_COMPILE"):
+        adapter_mod.JaxAdapter()

@@ -105,6 +105,16 @@ class Adapter:
         (a framework that compiles may cache on it)."""
         raise NotImplementedError
 
+    def value_and_grads(self, fn: Callable, leaves: list, cotangents: Callable[[list], list],
+                        key=None) -> Tuple[tuple, list]:
+        """(outputs, gradients) in one go: `cotangents(outputs)` builds the cotangents from the
+        outputs (only their dtypes are read: `dtype_name` must accept what is passed).  The
+        default calls `vjp` and its pullback; a compiling framework may override it to build the
+        cotangents from the outputs' abstract shapes first and compile the forward and the
+        pullback as one program (JAX: one executable per case instead of two)."""
+        outs, pullback = self.vjp(fn, leaves, key)
+        return outs, pullback(cotangents(list(outs)))
+
     def probe(self, config, params: Dict[str, Any], embedding, sublayer_weights, *, schedule: str,
               mix, scale):
         """The spec's probe network (section 6) on native arrays -> `out` `[..., D]`."""
@@ -152,12 +162,14 @@ class Adapter:
         key = ("op", call.op, repr(sorted(attrs.items())), _layout(args))
         if call.cotangents is None:
             return dict(zip(names, self.forward(fn, leaves, key))), {}
-        outs, pullback = self.vjp(fn, leaves, key)
-        cts = [None if name == "weights" or call.cotangents.get(name) is None  # C11
-               else self.array(np.asarray(call.cotangents[name], np.float64), self.dtype_name(y),
-                               call.device, False)
-               for name, y in zip(names, outs)]
-        grads = pullback(cts)
+
+        def cotangents(outs):
+            return [None if name == "weights" or call.cotangents.get(name) is None  # C11
+                    else self.array(np.asarray(call.cotangents[name], np.float64), self.dtype_name(y),
+                                    call.device, False)
+                    for name, y in zip(names, outs)]
+
+        outs, grads = self.value_and_grads(fn, leaves, cotangents, key)
         return dict(zip(names, outs)), rebuild(grads)
 
     def call_op(self, call: OpCall) -> OpResult:
@@ -215,9 +227,9 @@ class Adapter:
                    call.scale)
             if call.cotangent is None:
                 return ProbeResult(out=self.to_numpy(self.forward(fn, leaves, key)[0]))
-            (out,), pullback = self.vjp(fn, leaves, key)
-            ct = self.array(np.asarray(call.cotangent, np.float64), self.dtype_name(out), call.device, False)
-            grads = pullback([ct])
+            (out,), grads = self.value_and_grads(
+                fn, leaves, lambda outs: [self.array(np.asarray(call.cotangent, np.float64),
+                                                     self.dtype_name(outs[0]), call.device, False)], key)
             keys = ["embedding", "sublayer_weights", *names]
             return ProbeResult(out=self.to_numpy(out), grads={
                 k: np.zeros(np.shape(self.to_numpy(a))) if g is None else self.to_numpy(g)

@@ -8,11 +8,13 @@ Strided inputs: JAX arrays have no strides (XLA owns layouts), so `strided=True`
 slicing producer feeds the op correctly; it cannot exercise non-contiguous memory.
 
 Speed: every distinct call structure compiles once under `jax.jit`, cached by the structure
-(see `_compiled`), since the suite's cases rarely share one; see `forward` / `vjp`.
+(see `_compiled`), with XLA's fast-compile options (`FAST_COMPILE`), since the suite's cases
+rarely share one; a gradient call is one executable (`value_and_grads`).
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from importlib import metadata
 from typing import Dict
@@ -34,6 +36,24 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: structure except in the repeated calls of one case (determinism), and an unbounded cache holds
 #: every executable of a ~1000-case run (XLA ran out of memory on the 2-core CI machine).
 CACHE_SIZE = 16
+#: XLA options for the suite's compiles: XLA:CPU's fast-compile settings (LLVM -O0, the loop
+#: emitters, one codegen module).  A case compiles once and runs on inputs of a few KB, so
+#: compile time is nearly all of the run: these cut it ~3x (1.2 s -> 0.35 s of CPU for the
+#: gradient program of N = 9 sources).  The program XLA optimizes is the library's, and the
+#: HLO passes run; the machine code differs in rounding only (no FMA contraction at -O0), far
+#: inside every tolerance.  backend_jax's own tests run the default compile against the float64
+#: reference.  ATTNRES_CONFORMANCE_JAX_COMPILE=default uses XLA's defaults here too.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
+                "xla_cpu_parallel_codegen_split_count": 1}
+COMPILE_MODES = {"fast": FAST_COMPILE, "default": None}
+
+
+def compiler_options():
+    """The XLA options of `ATTNRES_CONFORMANCE_JAX_COMPILE` ("fast", the default, or "default")."""
+    mode = os.environ.get("ATTNRES_CONFORMANCE_JAX_COMPILE", "fast")
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"ATTNRES_CONFORMANCE_JAX_COMPILE: expected one of {sorted(COMPILE_MODES)}, got {mode!r}")
+    return COMPILE_MODES[mode]
 
 
 def _x64_needed(call) -> bool:
@@ -51,6 +71,7 @@ class JaxAdapter(Adapter):
         self._counts: Dict[str, int] = {}
         self._cache: "OrderedDict[tuple, object]" = OrderedDict()
         self._impl: Dict[object, str] = {}  # full key -> "pallas" / "xla"
+        self._options = compiler_options()
 
     def is_available(self) -> bool:
         try:
@@ -116,12 +137,12 @@ class JaxAdapter(Adapter):
     def _compiled(self, kind, fn, leaves, key, make):
         """(full key, the jitted `make(fn)`): built once per (key, leaf shapes/dtypes, x64)."""
         if key is None:
-            return None, jax.jit(make(fn))
+            return None, jax.jit(make(fn), compiler_options=self._options)
         full = (kind, key, tuple((x.shape, str(x.dtype)) for x in leaves), jax.config.jax_enable_x64)
         if full in self._cache:
             self._cache.move_to_end(full)
         else:
-            self._cache[full] = jax.jit(make(fn))
+            self._cache[full] = jax.jit(make(fn), compiler_options=self._options)
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return full, self._cache[full]
@@ -130,18 +151,24 @@ class JaxAdapter(Adapter):
         full, run = self._compiled("forward", fn, leaves, key, lambda f: f)
         return self._count(full, lambda: run(*leaves))
 
-    def vjp(self, fn, leaves, key=None):
-        # jax.vjp's pullback is a pytree (`Partial`), so the forward and its residuals come out
-        # of one compiled call and the pullback compiles once per structure too.
-        full, run = self._compiled("vjp", fn, leaves, key, lambda f: lambda *xs: jax.vjp(f, *xs))
-        outs, pull = self._count(full, lambda: run(*leaves))
-        _, apply = self._compiled("pullback", fn, leaves, key, lambda f: lambda p, cts: p(cts))
+    def value_and_grads(self, fn, leaves, cotangents, key=None):
+        # One executable per structure: the outputs' abstract shapes (a trace, no compile) give
+        # the cotangents' dtypes, then the forward and the pullback compile as one program (a
+        # separate pullback executable doubled the compile time of every gradient case).
+        cts = tuple(cotangents(list(jax.eval_shape(fn, *leaves))))
+        mask = tuple(c is None for c in cts)
 
-        def pullback(cts):
-            cts = tuple(jnp.zeros_like(y) if c is None else c for y, c in zip(outs, cts))
-            return list(apply(pull, cts))
+        def make(f):
+            def value_and_grads(xs, given):
+                outs, pull = jax.vjp(f, *xs)
+                it = iter(given)
+                full_cts = tuple(jnp.zeros_like(y) if none else next(it) for y, none in zip(outs, mask))
+                return outs, pull(full_cts)
+            return value_and_grads
 
-        return outs, pullback
+        full, run = self._compiled("vjp", fn, leaves, (key, mask) if key is not None else None, make)
+        outs, grads = self._count(full, lambda: run(tuple(leaves), tuple(c for c in cts if c is not None)))
+        return outs, list(grads)
 
     def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale):
         return probe_forward(config, params, embedding, sublayer_weights, schedule=schedule, mix=mix,

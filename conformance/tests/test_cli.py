@@ -181,3 +181,32 @@ def test_jobs_runs_backends_in_separate_processes_and_merges(tmp_path):
     assert [r["case_summary"]["fail"] for r in data["reports"]] == [0, 1]
     unknown = cli("--backend", "numpy", "--backend", "nosuch", "--case", case, "--jobs", "2")
     assert unknown.returncode == 2 and "unknown name 'nosuch'" in unknown.stderr
+
+
+def test_shards_split_one_backend_and_join_to_the_unsplit_report(tmp_path):
+    """--jobs 2 --shards 2 runs every case once across two processes and writes the report the
+    unsplit run writes (same cases in the same order, same cells); a failure in one shard fails
+    the whole; a part can also be run alone with --shard and joined with --merge."""
+    select = ["--select", "depth_attention/base/", "--select", "merge_partial/base/"]
+    whole = cli("--backend", "adapters:broken_norm_weight_grad", *select, "--json", str(tmp_path / "whole.json"))
+    split = cli("--backend", "adapters:broken_norm_weight_grad", *select, "--jobs", "2", "--shards", "2",
+                "--json", str(tmp_path / "split.json"))
+    assert whole.returncode == split.returncode == 1, split.stdout + split.stderr
+    assert "[shard 0/2]: done in" in split.stderr and "[shard 1/2]: done in" in split.stderr
+    cells = lambda r: [(x["id"], x["forward"], x["gradient"]) for x in r["results"]]  # noqa: E731
+    a = json.loads((tmp_path / "whole.json").read_text())["reports"][0]
+    b = json.loads((tmp_path / "split.json").read_text())["reports"][0]
+    assert len(a["results"]) > 4 and cells(a) == cells(b) and a["case_summary"] == b["case_summary"]
+    assert (a["shards"], b["shards"], b["shard"]) == (1, 2, None)
+    assert "(2 shards in parallel)" in split.stdout
+    parts = []
+    for i in range(2):
+        path = tmp_path / f"part{i}.json"
+        cli("--backend", "adapters:broken_norm_weight_grad", *select, "--shard", f"{i}/2", "--json", str(path))
+        parts.append(path)
+        assert json.loads(path.read_text())["reports"][0]["shard"] == [i, 2]
+    merged = cli("--merge", str(parts[1]), "--merge", str(parts[0]), "--json", str(tmp_path / "merged.json"))
+    assert merged.returncode == 1
+    assert cells(json.loads((tmp_path / "merged.json").read_text())["reports"][0]) == cells(a)
+    bad = cli("--backend", "numpy", "--shard", "2/2")
+    assert bad.returncode == 2 and "0 <= I < K" in bad.stderr

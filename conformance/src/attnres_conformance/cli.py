@@ -40,7 +40,7 @@ from . import SPEC_VERSION, __version__
 from .legend import document_dict, document_markdown, summary_text
 from .numerics import DTYPES
 from .registry import BACKENDS, ENV_VAR, BackendSelectionError, load_backend
-from .runner import BackendUnavailable, Report, run_conformance
+from .runner import BackendUnavailable, Report, merge_shards, run_conformance
 
 QUICK_HELP = ("reduced grid for fast iteration: N in {1, 33}, D in {7, 123}, one token shape, the "
               "main option of each op, every probe variant, the spec errors, one determinism and "
@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="write both reports into DIR, named by the backends they cover (see above)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="run up to N backends at once, each in its own process (default 1)")
+    p.add_argument("--shards", type=int, default=1, metavar="K",
+                   help="with --jobs: split each backend's cases over K processes (default 1)")
+    p.add_argument("--shard", type=_shard, metavar="I/K",
+                   help="run only part I of K (0-based: every K-th case from the I-th); --merge joins "
+                        "the parts' JSON reports of one backend into one report")
     p.add_argument("--skips", type=Path, metavar="FILE", help="the port's skips/xfails file")
     p.add_argument("--case", action="append", metavar="ID", help="run only this case (repeatable)")
     p.add_argument("--select", action="append", metavar="PREFIX",
@@ -77,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--export-vectors", type=Path, metavar="DIR",
                    help="write every generated op/probe case with its reference results as golden vectors")
     return p
+
+
+def _shard(text: str):
+    """"I/K" -> (I, K) with 0 <= I < K."""
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/K (e.g. 0/2), got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"expected 0 <= I < K, got {text!r}")
+    return index, count
 
 
 def _export(directory: Path, dtypes, quick: bool) -> int:
@@ -157,12 +173,13 @@ def _parallel(specs: Sequence[str], argv: Sequence[str], args) -> int:
 
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="attnres-conformance-") as tmp:
-        runs = run_children(specs, argv, args.jobs, Path(tmp))
+        runs = run_children(specs, argv, args.jobs, Path(tmp), shards=args.shards)
         for run in runs:
             if run.returncode not in (0, 1) or not run.json.is_file():
                 print(run.stdout, end="")
-                print(f"attnres-conformance: error: backend {run.spec}: exit status {run.returncode}, no report",
-                      file=sys.stderr)
+                part = f" (shard {run.shard}/{args.shards})" if args.shards > 1 else ""
+                print(f"attnres-conformance: error: backend {run.spec}{part}: exit status {run.returncode}, "
+                      "no report", file=sys.stderr)
                 return 2
         return _merge([run.json for run in runs], args, time.monotonic() - start)
 
@@ -176,9 +193,41 @@ def _merge(paths: Sequence[Path], args, wall_time: Optional[float] = None) -> in
         except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"attnres-conformance: error: --merge {path}: {exc!r}", file=sys.stderr)
             return 2
+    try:
+        reports = _join_shards(reports)
+    except ValueError as exc:
+        print(f"attnres-conformance: error: --merge: {exc}", file=sys.stderr)
+        return 2
     for report in reports:
         print(report.to_text())
     return _finish(reports, args, wall_time)
+
+
+def _join_shards(reports: List[Report]) -> List[Report]:
+    """Reports of one backend's shards (`shard` recorded, in order) joined into one."""
+    out: List[Report] = []
+    groups: dict = {}
+    for report in reports:
+        part = report.shard
+        if part is None:
+            out.append(report)
+            continue
+        key = (report.spec, part[1])
+        if key not in groups:
+            groups[key] = [None] * part[1]
+            out.append(key)
+        groups[key][part[0]] = report
+    joined = []
+    for item in out:
+        if isinstance(item, Report):
+            joined.append(item)
+            continue
+        parts = groups[item]
+        missing = [i for i, p in enumerate(parts) if p is None]
+        if missing:
+            raise ValueError(f"backend {item[0]}: shards {missing} of {item[1]} missing")
+        joined.append(merge_shards(parts))
+    return joined
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -203,17 +252,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name = report_name(specs, args)
         args.json = args.json or args.report_dir / f"{name}.json"
         args.markdown = args.markdown or args.report_dir / f"{name}.md"
-    if args.jobs > 1 and len(specs) > 1:
+    if args.shards < 1:
+        print(f"attnres-conformance: error: --shards: expected K >= 1, got {args.shards}", file=sys.stderr)
+        return 2
+    if args.jobs > 1 and (len(specs) > 1 or args.shards > 1):
         return _parallel(specs, argv, args)
     reports: List[Report] = []
     start = time.monotonic()
     for spec in specs:
         try:
             backend = load_backend(spec)
-            meter = None if args.no_progress else Progress(spec)
+            part = "" if args.shard is None else f" [shard {args.shard[0]}/{args.shard[1]}]"
+            meter = None if args.no_progress else Progress(spec + part)
             report = run_conformance(backend, dtypes=dtypes, devices=args.device, quick=args.quick,
                                      skips=args.skips, case_ids=args.case, select=args.select, spec=spec,
-                                     progress=meter)
+                                     progress=meter, shard=args.shard)
             if meter is not None:
                 meter.finish()
         except (BackendSelectionError, BackendUnavailable, ImportError, ValueError, OSError) as exc:

@@ -1,7 +1,8 @@
-"""`attnres-conformance --jobs N`: several backends at once, each in its own process.
+"""`attnres-conformance --jobs N [--shards K]`: several backends (and K parts of each) at once,
+each in its own process.
 
 Each backend runs as `python -m attnres_conformance --backend NAME --json FILE <the other
-options>`; its progress lines (stderr) pass straight through, each prefixed with its backend's
+options>`, with `--shard i/K` for its i-th part when it is split; its progress lines (stderr) pass straight through, each prefixed with its backend's
 name, and its stdout is kept for when it fails to produce a report.  The CLI then merges the JSON
 reports into one (`--merge`).  Processes, not threads: the frameworks keep global state (JAX's
 compilation cache, torch's thread pool) and a crash in one must not take the others down.
@@ -17,12 +18,13 @@ from pathlib import Path
 from typing import List, Sequence
 
 #: Options of the parent that a child must not get: it runs one backend and writes one JSON.
-PARENT_ONLY = ("--backend", "--jobs", "--json", "--markdown", "--report-dir", "--merge")
+PARENT_ONLY = ("--backend", "--jobs", "--shards", "--json", "--markdown", "--report-dir", "--merge")
 
 
 @dataclass
 class ChildRun:
     spec: str
+    shard: int  # 0-based part of the backend's cases (0 when not split)
     returncode: int
     json: Path
     stdout: str
@@ -43,16 +45,20 @@ def child_argv(argv: Sequence[str]) -> List[str]:
     return out
 
 
-def run_children(specs: Sequence[str], argv: Sequence[str], jobs: int, workdir: Path) -> List[ChildRun]:
-    """Run one child per backend spec, at most `jobs` at a time; results in the order of `specs`."""
+def run_children(specs: Sequence[str], argv: Sequence[str], jobs: int, workdir: Path,
+                 shards: int = 1) -> List[ChildRun]:
+    """Run one child per backend spec and shard (`shards` parts each: `--shard i/shards`), at most
+    `jobs` at a time; results in the order of `specs`, then shard."""
     rest = child_argv(argv)
+    work = [(spec, i) for spec in specs for i in range(shards)]
 
     def one(item) -> ChildRun:
-        index, spec = item
+        index, (spec, part) = item
         report = workdir / f"{index}.json"
+        split = ["--shard", f"{part}/{shards}"] if shards > 1 else []
         run = subprocess.run([sys.executable, "-m", "attnres_conformance", "--backend", spec, "--json", str(report),
-                              *rest], stdout=subprocess.PIPE, text=True)
-        return ChildRun(spec, run.returncode, report, run.stdout)
+                              *split, *rest], stdout=subprocess.PIPE, text=True)
+        return ChildRun(spec, part, run.returncode, report, run.stdout)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, enumerate(specs)))
+        return list(pool.map(one, enumerate(work)))

@@ -25,7 +25,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import SPEC_VERSION, __version__
 from . import cases as cases_mod
@@ -158,6 +158,10 @@ class Report:
     wall_time: Optional[float] = None
     commit: str = UNKNOWN
     implementations: Optional[Dict[str, int]] = None
+    #: How many processes ran it (`--shards`): the wall time is then the longest shard's.
+    shards: int = 1
+    #: (i, k): this report holds part i of k (`run_conformance(shard=...)`); None when whole.
+    shard: Optional[Tuple[int, int]] = None
 
     @property
     def failed(self) -> bool:
@@ -232,6 +236,8 @@ class Report:
         versions = ", ".join(f"{k} {v}" for k, v in sorted(self.versions.items()))
         cases, checks, matrix = self.case_summary(device), self.summary(device), self.matrix_summary(device)
         wall = "" if self.wall_time is None else f", {self.wall_time:.1f} s"
+        if self.shards > 1:
+            wall += f" ({self.shards} shards in parallel)"
         count = lambda s: ", ".join(f"{n} {k}" for k, n in s.items())  # noqa: E731
         return [f"attnres conformance: backend {self.backend} ({self.spec}) on {device}"
                 f"{' [quick]' if self.quick else ''}; {versions}",
@@ -289,7 +295,8 @@ class Report:
     def to_dict(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "suite_version": __version__, "spec_version": SPEC_VERSION,
                 "backend": self.backend, "spec": self.spec, "date": self.date, "commit": self.commit,
-                "wall_time_s": self.wall_time, "versions": self.versions, "capabilities": self.capabilities,
+                "wall_time_s": self.wall_time, "shards": self.shards,
+                "shard": None if self.shard is None else list(self.shard), "versions": self.versions, "capabilities": self.capabilities,
                 "implementations_used": self.implementations, "devices": self.devices,
                 "dtypes": self.dtypes, "quick": self.quick, "summary": self.summary(),
                 "case_summary": self.case_summary(), "matrix": {d: self.matrix_summary(d) for d in self.devices},
@@ -309,7 +316,8 @@ class Report:
                               cell(r["gradient"]), r["reproducer"]) for r in data["results"]]
         return cls(data["backend"], data["spec"], data["versions"], data["capabilities"], data["devices"],
                    data["dtypes"], data["quick"], results, list(data["warnings"]), data.get("date", ""),
-                   data.get("wall_time_s"), data.get("commit", UNKNOWN), data.get("implementations_used"))
+                   data.get("wall_time_s"), data.get("commit", UNKNOWN), data.get("implementations_used"),
+                   int(data.get("shards", 1)), None if data.get("shard") is None else tuple(data["shard"]))
 
 
 def _caps_dict(caps) -> dict:
@@ -377,7 +385,8 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
                     skips: Union[None, str, Path, Sequence[SkipRule]] = None,
                     case_ids: Optional[Sequence[str]] = None, select: Optional[Sequence[str]] = None,
                     spec: Optional[str] = None, vectors_dir=None,
-                    progress: Optional[Callable[[int, int, str], None]] = None) -> Report:
+                    progress: Optional[Callable[[int, int, str], None]] = None,
+                    shard: Optional[Tuple[int, int]] = None) -> Report:
     """Run the suite on `backend` (an object implementing `Backend`).
 
     dtypes: default all four (those the backend does not declare are reported as skipped);
@@ -385,7 +394,8 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
     parsed rules.  case_ids: run only these cases; select: only cases whose id starts with one
     of these prefixes.  spec: how reproducers name the backend
     (default: its registry name).  progress: called as `progress(done, total, case_id)` after
-    every case (the CLI prints from it)."""
+    every case (the CLI prints from it).  shard: (i, k) runs every k-th selected case from the
+    i-th (0-based), one part of a run split over k processes (`merge_shards` joins them)."""
     if not backend.is_available():
         raise BackendUnavailable(f"backend {backend.name!r}: is_available() is False here")
     start, date = time.monotonic(), utc_now()
@@ -403,8 +413,13 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
         selected = cases_mod.generate(dtypes=dtypes, quick=quick, caps=caps, vectors_dir=vectors_dir)
     if select:
         selected = [c for c in selected if c.id.startswith(tuple(select))]
+    if shard is not None:
+        index, count = shard
+        if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count):
+            raise ValueError(f"shard: expected (i, k) with 0 <= i < k, got {shard!r}")
+        selected = selected[index::count]
     report = Report(backend.name, spec, dict(backend.versions()), _caps_dict(caps), devices, dtypes, quick,
-                    date=date, commit=git_commit(source_file(backend)))
+                    date=date, commit=git_commit(source_file(backend)), shard=shard)
     before = _implementations(backend, report.warnings)
     used = set()
     total, done = len(devices) * len(selected), 0
@@ -437,3 +452,36 @@ def _implementations(backend, warnings: List[str]) -> Optional[Dict[str, int]]:
     except Exception as exc:  # noqa: BLE001
         warnings.append(f"implementations_used() raised {type(exc).__name__}: {exc}")
         return None
+
+
+def merge_shards(parts: Sequence[Report]) -> Report:
+    """One report from the shards of one backend's run (`run_conformance(shard=(i, k))` for
+    i = 0..k-1, in that order): the results in the order of the unsharded run, the implementation
+    counts added, the wall time of the longest shard (they run at once).  A skips-file warning
+    ("matches no case") is kept only if no shard used the rule."""
+    if not parts:
+        raise ValueError("merge_shards: no reports")
+    first = parts[0]
+    if any((p.backend, p.spec) != (first.backend, first.spec) for p in parts):
+        raise ValueError(f"merge_shards: reports of different backends {sorted({p.spec for p in parts})}")
+    results = []
+    for device in first.devices:
+        lanes = [[r for r in p.results if r.device == device] for p in parts]
+        for j in range(max(len(lane) for lane in lanes)):
+            results += [lane[j] for lane in lanes if j < len(lane)]
+    warnings = []
+    for w in (w for p in parts for w in p.warnings):
+        unused_rule = w.startswith("skips line") and w.endswith("matches no case")
+        if w not in warnings and (not unused_rule or all(w in p.warnings for p in parts)):
+            warnings.append(w)
+    counts = [p.implementations for p in parts if p.implementations is not None]
+    implementations = None
+    if counts:
+        implementations = {}
+        for c in counts:
+            for k, n in c.items():
+                implementations[k] = implementations.get(k, 0) + n
+    walls = [p.wall_time for p in parts if p.wall_time is not None]
+    return dataclasses.replace(first, results=results, warnings=warnings, implementations=implementations,
+                               wall_time=max(walls) if walls else None, shards=len(parts), shard=None,
+                               date=min(p.date for p in parts))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attnres_conformance.tolerances import TOLERANCES, rel_err
+from attnres_jax import _xla
 from attnres_jax.pallas import dispatch
 
 D = 16
@@ -211,3 +212,33 @@ def test_wrong_shape_cotangent_raises_jax_value_error(op):
         out, pull = jax.vjp(lambda p: aj.merge_partial(xs[0], jnp.zeros(3), p, jnp.ones(D)), xs[1])
     with pytest.raises(ValueError):
         pull(jnp.ones(out.shape[:-1] + (D + 1,), jnp.float32))
+
+
+@pytest.mark.parametrize("n", [_xla.UNROLL_MAX, _xla.UNROLL_MAX + 1, 40])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_unrolled_and_stacked_source_paths_match_the_reference(rng, n, per_token):
+    """Up to `UNROLL_MAX` sources the formulas are unrolled, above it vmapped over the stacked
+    sources: both paths, jitted, with key norm, 2 heads, lse and random cotangents for every input,
+    against the float64 reference on the same fp32 values."""
+    from jax_helpers import assert_close
+
+    t, d, h = 5, 24, 2
+    xs = [rng.standard_normal((t, d)).astype(np.float32) for _ in range(n)]
+    q = (rng.standard_normal((t, d) if per_token else d) * 0.5).astype(np.float32)
+    g = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    d_out, d_lse = rng.standard_normal((t, d)), rng.standard_normal((t, h))
+    opts = dict(num_heads=h, scale=0.7)
+
+    def f(xs, q, g):
+        return aj.depth_attention(xs, q, g, return_lse=True, **opts)
+
+    (out, lse), pull = jax.jit(lambda *a: jax.vjp(f, *a))([jnp.asarray(x) for x in xs], jnp.asarray(q), jnp.asarray(g))
+    d_xs, d_q, d_g = pull((jnp.asarray(d_out, jnp.float32), jnp.asarray(d_lse, jnp.float32)))
+    up = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    want_out, want_lse = ref.depth_attention([up(x) for x in xs], up(q), up(g), return_lse=True, **opts)
+    want = ref.depth_attention_vjp([up(x) for x in xs], up(q), up(g), d_out, d_lse, **opts)
+    assert_close(out, want_out, "float32", "out", grad=False)
+    assert_close(lse, want_lse, "float32", "lse", grad=False)
+    assert_close(np.stack(d_xs), np.stack(want["sources"]), "float32", "d_sources", grad=True)
+    assert_close(d_q, want["query"], "float32", "d_query", grad=True)
+    assert_close(d_g, want["norm_weight"], "float32", "d_norm_weight", grad=True)

@@ -95,7 +95,10 @@ def _tests(session: nox.Session, backend: str) -> None:
         session.run("pytest", tests, *session.posargs, success_codes=[0, 5] if session.posargs else [0])
     # The conformance suite against this backend (the same checks `nox -s conformance` reports).
     dtypes = ("--dtype", "float64") if backend == "numpy" else ()  # the reference is float64-only
-    session.run("attnres-conformance", "--backend", backend, *dtypes)
+    # JAX compiles every case: its cases are split over one process per core (--shards).
+    cores = str(os.cpu_count() or 1)
+    split = ("--jobs", cores, "--shards", cores) if backend == "jax" else ()
+    session.run("attnres-conformance", "--backend", backend, *dtypes, *split)
     if backend == "torch":  # again on the chunked torch kernel, the fallback without a C compiler
         session.run("attnres-conformance", "--backend", backend, env={"ATTNRES_TORCH_CPU_C": "0"})
 
@@ -130,13 +133,15 @@ def conformance(session: nox.Session) -> None:
 
     `nox -s conformance -- torch jax --quick`: backend names first, then options for
     attnres-conformance.  Reports go to reports/, named by what they cover (conformance.md and
-    .json only for the full run; else e.g. conformance-torch.md), and the backends run
-    concurrently, one process each, as many at once as there are CPU cores."""
+    .json only for the full run; else e.g. conformance-torch.md).  Each backend's cases are split
+    over one process per CPU core (--shards), and those processes run as many at once as there are
+    cores (--jobs): JAX, which compiles every case, is the long pole."""
     backends, options = _conformance_args(session)
     _install(session, *backends)
     args = [a for b in backends for a in ("--backend", b)]
-    jobs = str(min(len(backends), os.cpu_count() or 1))
-    session.run("attnres-conformance", *args, "--report-dir", "reports", "--jobs", jobs, *options)
+    cores = str(os.cpu_count() or 1)
+    session.run("attnres-conformance", *args, "--report-dir", "reports", "--jobs", cores, "--shards", cores,
+                *options)
 
 
 def _conformance_args(session: nox.Session) -> tuple:

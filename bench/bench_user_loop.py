@@ -73,10 +73,11 @@ def torch_rows(args, case, dtype_name, keep):
     from attnres_torch import composite, cpu_c
 
     torch.set_num_threads(args.threads)
+    kept = None
     if keep:
         from attnres_torch import cpu
 
-        cpu.keep_large_blocks()
+        kept = cpu.keep_large_blocks()  # False off glibc: the "keep" rows are then plain ones
     dtype = getattr(torch, dtype_name)
     n, t, d = args.sources, args.tokens, args.dim
     xs_np, q_np, g_np, do_np = np_inputs(n, t, d)
@@ -151,6 +152,9 @@ def torch_rows(args, case, dtype_name, keep):
     info["version"] = torch.__version__
     info["threads"] = torch.get_num_threads()
     info["build_flags"] = " ".join(cpu_c.build_flags() or ())
+    info["vector_width"] = cpu_c.vector_width(dtype)
+    if keep:
+        info["large_blocks_kept"] = kept
     return rows, info
 
 
@@ -313,6 +317,7 @@ def summarize(case, dtype, times, args):
     copy = times.get("torch: copy")
     copy_gbs = (2 * n * t * d * es / statistics.median(copy) / 1e9) if copy else None
     jax_t = times.get("jax xla (jit)")
+    plain = times.get("torch: ours")
     out = []
     for name, ts in times.items():
         if name.endswith(": copy"):
@@ -326,7 +331,9 @@ def summarize(case, dtype, times, args):
                    per_floor=None if floor is None or ": floor" in name else
                    statistics.median(a / b for a, b in zip(ts, floor)),
                    jax_over_row=None if jax_t is None else
-                   statistics.median(j / a for j, a in zip(jax_t, ts)))
+                   statistics.median(j / a for j, a in zip(jax_t, ts)),
+                   plain_over_row=None if plain is None or ": floor" in name else
+                   statistics.median(p / a for p, a in zip(plain, ts)))
         out.append(row)
     return out, copy_gbs
 
@@ -345,21 +352,24 @@ def markdown(results, meta, args):
         "`mx.vjp` of every source, query and gain with a random cotangent (fresh gradients).",
         "Minimal bytes: forward (N + 1) `[T, D]`, forward+backward (3N + 2) `[T, D]` (2N + 1 reads, "
         "N + 1 writes). `/ floor`: per-round ratio to the floor row of the same process. "
-        "`JAX / row`: per-round JAX time over this row's (> 1: the row is faster).",
+        "`JAX / row`, `ours / row`: per-round time of JAX, of torch's plain `ours`, over this "
+        "row's (> 1: the row is faster).",
         "",
     ]
     for (case, dtype), (rows, copy_gbs) in results.items():
         title = "forward" if case == "fwd" else "forward + backward"
         cg = "n/a" if copy_gbs is None else f"{copy_gbs:.1f} GB/s"
         lines += [f"### {title}, {dtype} (copy bandwidth in this run: {cg})", "",
-                  "| row | ms (median) | min-max ms | GB/s | % copy bw | / floor | JAX / row |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| row | ms (median) | min-max ms | GB/s | % copy bw | / floor | JAX / row | "
+                  "ours / row |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             def f(v, fmt):
                 return "" if v is None else fmt.format(v)
             lines.append(f"| {r['row']} | {r['ms']:.1f} | {r['ms_min']:.1f}-{r['ms_max']:.1f} | "
                          f"{r['gbs']:.1f} | {f(r['copy_frac'] and 100 * r['copy_frac'], '{:.0f}%')} | "
-                         f"{f(r['per_floor'], '{:.2f}x')} | {f(r['jax_over_row'], '{:.2f}x')} |")
+                         f"{f(r['per_floor'], '{:.2f}x')} | {f(r['jax_over_row'], '{:.2f}x')} | "
+                         f"{f(r['plain_over_row'], '{:.2f}x')} |")
         lines.append("")
     lines.append(f"Implementations: {meta['impls']}.")
     return "\n".join(lines) + "\n"
@@ -408,8 +418,12 @@ def main():
     meta["load_after"] = loadavg()
     first = next(iter(infos.values()))
     meta["versions"] = ", ".join(f"{k} {v.get('version')}" for k, v in first.items())
-    meta["impls"] = "; ".join(f"{k}: {v.get('impl')}" + (f" ({v['build_flags']})" if v.get("build_flags") else "")
-                              for k, v in first.items())
+    meta["impls"] = "; ".join(
+        f"{k} {case}: {v.get('impl')}" + (f" ({v['build_flags']}, {v['vector_width']} lanes)"
+                                          if v.get("build_flags") else "")
+        + ("" if v.get("large_blocks_kept", True) else " (keep_large_blocks unavailable: plain)")
+        for case, info in infos.items() if case.startswith("fwd/") for k, v in info.items()
+        if k.startswith("torch") or case == next(iter(infos)))
     text = markdown(results, meta, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -1,35 +1,43 @@
-"""GPU check of the Triton depth-attention kernels: one prepared script for a CUDA session (H200).
+"""GPU check of the Triton depth-attention kernels against the peers: one prepared script for the
+one H200 session (issue 13, item 3), under 8 minutes.
 
-    python bench/gpu_check.py [--iters 20] [--warmup 5] [--skip-compile] [--skip-peers]
-                              [--out bench/results/triton.md]
-    TRITON_INTERPRET=1 python bench/gpu_check.py --device cpu --quick   # dry run of the logic
+    python bench/gpu_check.py --out-dir bench/results/h200      # the GPU run
+    python bench/gpu_check.py --dry-run --out-dir /tmp/dry       # the whole script on the CPU
+
+Peers come from `bench/.peers/site` (filled by `bench/fetch_peers.sh`; put on sys.path here) or
+the environment; the adapters are `bench/peers` (one class per peer, tested on the CPU).
 
 1. Correctness on the device against the float64 reference (`attnres_numpy.ops`) on the upcast
    inputs, at small shapes: forward, backward (random d_out and d_lse), phase 1 (multi), phase 2
-   (merge); fp32/bf16/fp16; N in {1, 2, 9, 33}; D in {1, 7, 123, 1000, 4096, 20000} (20000
-   walks D in tiles); shared and per-token queries;
-   unaligned row-strided sources; NaN-poisoned output buffers; bitwise repeatability.
-2. Timings (CUDA events, median of --iters after --warmup):
-   - forward, N=9 x T=8192 x D=7168 bf16;
-   - forward+backward, N=10 x T=32768 x D=4096 bf16;
-   - one two-phase block (8 cached blocks, 12 sublayers): phase 1 + 11 merges against 12
-     independent depth-attention reads (both include the partial-sum update), T=8192, D=7168;
-   each against the naive eager composition, `torch.compile` of it, and peers when importable
-   (fla fused_attnres, liger, fast-attnres, flash-attn-res).  GB/s are on the minimal bytes of
-   each operation, also as a fraction of the measured copy bandwidth (`dst.copy_(src)`).
-3. Distributed smoke (`attnres_torch.distributed.smoke`, in a child process): a torch.distributed
-   world of size 1 on NCCL; tensor parallelism, the sequence-sharded prefill and the pipeline
-   (gpipe, 1f1b, interleaved_1f1b) against the float64 reference under a device-mixing detector.
-   Prints PASS / FAIL / SKIPPED with the reason; --skip-distributed leaves it out.
-Prints a markdown table (and writes it to --out).  Exit status: 0 all correct, 1 a correctness
+   (merge); fp32/bf16/fp16; N in {1, 2, 9, 33}; D in {1, 7, 123, 1000, 4096, 20000}; shared and
+   per-token queries; unaligned row-strided sources; NaN-poisoned output buffers; bitwise
+   repeatability.
+2. Distributed smoke (`attnres_torch.distributed.smoke`, child process; NCCL, gloo on the CPU).
+3. Timings, each section under its own wall-clock cap (`--section-cap`), each peer under
+   `--peer-cap` seconds in all (its compiles and autotuning included; past it the peer is skipped
+   for the rest of the run, with the reason):
+   - forward, N=9 x T=8192 x D=7168 bf16; forward, backward-only, forward+backward at
+     N=10 x T=32768 x D=4096 bf16; phase 1 (8 blocks, 12 queries) and merge at T=8192, D=7168 and
+     D=4096 (flash-attn-res needs a power-of-two D); one two-phase block against 12 independent
+     reads;
+   - ours (the kernels, and the autograd op), the eager composite, `torch.compile` of it, FLA
+     (default and Gluon), Liger, fast-attnres, flash-attn-res;
+   - two numbers per row: "kernel ms" = CUDA-graph replay of the call (the mean over many
+     replays between two events), or, where capture fails (autograd calls), many back-to-back
+     calls between two events; "call ms" = median wall time of one call + synchronize, the
+     latency a user sees; GB/s on the minimal bytes of the operation and the fraction of the copy
+     bandwidth (`dst.copy_(src)`) measured in the same run;
+   - every peer's output is compared with ours at the timed shape (max |peer - ours|).
+Writes `report.md` and `report.json` to --out-dir.  Exit status: 0 all correct, 1 a correctness
 failure (kernels or distributed smoke), 2 no usable device.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
+import json
+import os
+import signal
 import statistics
 import sys
 import time
@@ -44,15 +52,27 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (needs TRITON_INTERPRET=1)")
-    p.add_argument("--iters", type=int, default=20, help="timed repetitions (median reported)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed repetitions first")
-    p.add_argument("--quick", action="store_true", help="tiny shapes everywhere (dry run)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the whole script on the CPU at tiny shapes: --device cpu --quick with "
+                        "TRITON_INTERPRET=1 (set before Triton is imported)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes everywhere")
+    p.add_argument("--out-dir", type=Path, help="write report.md and report.json here")
+    p.add_argument("--target-ms", type=float, default=200.0,
+                   help="device time per measurement; sets the replay count (default 200)")
+    p.add_argument("--max-iters", type=int, default=200, help="most replays per measurement")
+    p.add_argument("--latency-calls", type=int, default=10, help="calls timed one by one")
+    p.add_argument("--section-cap", type=float, default=90.0, help="seconds per timing section")
+    p.add_argument("--peer-cap", type=float, default=75.0,
+                   help="seconds per peer over the whole run (compiles and autotuning included)")
     p.add_argument("--skip-compile", action="store_true", help="no torch.compile rows")
     p.add_argument("--skip-peers", action="store_true", help="no peer-library rows")
     p.add_argument("--skip-timing", action="store_true", help="correctness only")
-    p.add_argument("--skip-distributed", action="store_true", help="no distributed (NCCL) smoke test")
-    p.add_argument("--out", type=Path, help="also write the markdown report here")
-    return p.parse_args(argv)
+    p.add_argument("--skip-distributed", action="store_true", help="no distributed smoke test")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.device, args.quick = "cpu", True
+        args.target_ms, args.max_iters, args.latency_calls = 1.0, 1, 1
+    return args
 
 
 # ---------------------------------------------------------------- correctness
@@ -72,9 +92,12 @@ class Checker:
     def f64(self, t):
         return self.h.f64(_cpu(t))
 
-    def close(self, got, ref, dtype_name, what):
+    def close(self, got, ref, dtype_name, what, grad=False):
+        """The suite's comparison (`_helpers.assert_close`): `dtype_name` is the result's dtype
+        (the sources' for out and d_sources, "float32" for lse and fp32 parameters' gradients),
+        `grad` picks the gradient column."""
         try:
-            self.h.assert_close(_cpu(got), ref, dtype_name, what)
+            self.h.assert_close(_cpu(got), ref, dtype_name, what, grad=grad)
             self.passed += 1
         except AssertionError as e:
             self.failures.append(str(e))
@@ -110,11 +133,11 @@ class Checker:
         ref = ops.depth_attention_vjp(f64(xs), f64(q), f64(g), f64(d_out), f64(d_lse), eps=EPS,
                                       scale=SCALE)
         self.close(out, ref_out, name, f"{tag}: out")
-        self.close(lse, ref_lse, name, f"{tag}: lse")
-        self.close(d_src, ref["sources"], name, f"{tag}: d_sources")
-        self.close(d_q, ref["query"], name, f"{tag}: d_query")
+        self.close(lse, ref_lse, "float32", f"{tag}: lse")
+        self.close(d_src, ref["sources"], name, f"{tag}: d_sources", grad=True)
+        self.close(d_q, ref["query"], "float32", f"{tag}: d_query", grad=True)
         if gain:
-            self.close(d_g, ref["norm_weight"], name, f"{tag}: d_norm_weight")
+            self.close(d_g, ref["norm_weight"], "float32", f"{tag}: d_norm_weight", grad=True)
 
     def two_phase(self, n, num_q, shape, dtype):
         torch, td, ops, f64 = self.torch, self.td, self.ops, self.f64
@@ -127,18 +150,18 @@ class Checker:
         out1, lse1 = td.multi_forward(xs, qs, gs, EPS, SCALE)
         r_out, r_lse = ops.depth_attention_multi(f64(xs), f64(qs), f64(gs), eps=EPS, scale=SCALE)
         self.close(out1, r_out, name, f"{tag}: multi out")
-        self.close(lse1, r_lse, name, f"{tag}: multi lse")
+        self.close(lse1, r_lse, "float32", f"{tag}: multi lse")
         partial = self.rand(gen, shape, dtype)
         for s in range(num_q):
             out, lse = td.merge_forward(out1[s], lse1[s], partial, qs[s], gs[s], EPS, SCALE)
             d_out, d_lse = ops.depth_attention(f64(xs + [partial]), f64(qs[s]), f64(gs[s]),
                                                eps=EPS, scale=SCALE, return_lse=True)
             self.close(out, d_out, name, f"{tag}: merge(multi) vs direct out, query {s}")
-            self.close(lse, d_lse, name, f"{tag}: merge(multi) vs direct lse, query {s}")
+            self.close(lse, d_lse, "float32", f"{tag}: merge(multi) vs direct lse, query {s}")
             m_out, m_lse = ops.merge_partial(f64(out1[s]), f64(lse1[s]), f64(partial), f64(qs[s]),
                                              f64(gs[s]), eps=EPS, scale=SCALE, return_lse=True)
             self.close(out, m_out, name, f"{tag}: merge out, query {s}")
-            self.close(lse, m_lse, name, f"{tag}: merge lse, query {s}")
+            self.close(lse, m_lse, "float32", f"{tag}: merge lse, query {s}")
 
     def run(self, quick):
         torch = self.torch
@@ -185,202 +208,338 @@ def distributed_smoke(device, timeout=600):
 
 # ---------------------------------------------------------------- timing
 
-def naive(sources, q, g, eps=EPS, scale=SCALE):
-    """The op composed from eager PyTorch ops (stacks the sources; fp32 math)."""
-    import torch
-    x = torch.stack(sources).float()                                   # [N, T, D]
-    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    z = scale * (x * r * (q.float() * g.float())).sum(-1)              # [N, T]
-    out = (torch.softmax(z, 0).unsqueeze(-1) * x).sum(0)
-    return out.to(sources[0].dtype), torch.logsumexp(z, 0)
+class Timeout(Exception):
+    """A section or a peer ran past its wall-clock cap."""
+
+
+class Caps:
+    """Wall-clock caps: one per section, one per peer over the whole run.  `guard(peer)` arms
+    SIGALRM for the smaller remaining cap (a compile or autotune loop in Python is interrupted;
+    a single long C call finishes first), charges the peer for the time spent, and raises
+    Timeout with the reason."""
+
+    def __init__(self, section_cap, peer_cap):
+        self.section_cap, self.peer_cap = section_cap, peer_cap
+        self.section_end, self.section_name = float("inf"), ""
+        self.peer_used = {}
+
+    def start_section(self, name):
+        self.section_name, self.section_end = name, time.perf_counter() + self.section_cap
+
+    def left(self, peer):
+        sec = self.section_end - time.perf_counter()
+        if peer is None:
+            return sec, f"section '{self.section_name}' over its {self.section_cap:.0f} s cap"
+        mine = self.peer_cap - self.peer_used.get(peer, 0.0)
+        if mine < sec:
+            return mine, f"{peer}: over its {self.peer_cap:.0f} s cap for the run"
+        return sec, f"section '{self.section_name}' over its {self.section_cap:.0f} s cap"
+
+    def guard(self, peer=None):
+        caps = self
+
+        class _Guard:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+                seconds, self.reason = caps.left(peer)
+                if seconds <= 0:
+                    raise Timeout(self.reason)
+
+                def alarm(signum, frame):
+                    raise Timeout(self.reason)
+                self.old = signal.signal(signal.SIGALRM, alarm)
+                signal.setitimer(signal.ITIMER_REAL, seconds)
+                return self
+
+            def __exit__(self, *exc):
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, self.old)
+                if peer is not None:
+                    caps.peer_used[peer] = caps.peer_used.get(peer, 0.0) + time.perf_counter() - self.t0
+                return False
+        return _Guard()
 
 
 class Timer:
-    def __init__(self, torch, device, iters, warmup):
-        self.torch, self.device, self.iters, self.warmup = torch, device, iters, warmup
+    """kernel ms: CUDA-graph replay (or back-to-back calls) between two events, mean per call;
+    call ms: median of single calls each followed by a synchronize (host overhead included)."""
 
-    def __call__(self, fn):
-        """Median milliseconds of fn()."""
+    def __init__(self, torch, device, target_ms, max_iters, latency_calls):
+        self.torch, self.dev = torch, device
+        self.target_ms, self.max_iters, self.latency_calls = target_ms, max_iters, latency_calls
+
+    def sync(self):
+        if self.dev == "cuda":
+            self.torch.cuda.synchronize()
+
+    def _graph(self, fn):
         torch = self.torch
-        for _ in range(self.warmup):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
             fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+
+    def latency(self, fn):
         times = []
-        for _ in range(self.iters):
-            if self.device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+        for _ in range(self.latency_calls):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
-
-def peer_functions():
-    """(name, callable, wants a stacked [N, ..., D] tensor) for every importable peer."""
-    found = []
-    candidates = [("fla fused_attnres", "fla.ops.attnres", "fused_attnres", False),
-                  ("liger attn_res", "liger_kernel.transformers.functional", "liger_attn_res", True),
-                  ("fast-attnres", "fast_attnres", None, False),
-                  ("flash-attn-res", "flash_attn_res", None, True)]
-    for name, module, attr, stacked in candidates:
-        try:
-            mod = importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-            found.append((name, None, f"not importable ({type(e).__name__})"))
-            continue
-        fn = getattr(mod, attr, None) if attr else next(
-            (getattr(mod, a) for a in dir(mod) if "attn" in a.lower() and callable(getattr(mod, a))
-             and not a.startswith("_")), None)
-        found.append((name, fn, stacked) if fn else (name, None, f"no callable in {module}"))
-    return found
-
-
-def call_peer(fn, stacked, xs, q, g):
-    """Call a peer by parameter names (query / residuals|sources|values / weight / eps / scale)."""
-    import torch
-    params = list(inspect.signature(fn).parameters)
-    srcs = torch.stack(xs) if stacked else xs
-    kw = {}
-    for p in params:
-        low = p.lower()
-        if "query" in low or low in ("q", "w_query", "w"):
-            kw[p] = q
-        elif any(k in low for k in ("resid", "source", "values", "inputs")) or low in ("v", "x", "xs"):
-            kw[p] = srcs
-        elif "weight" in low or "norm" in low:
-            kw[p] = g
-        elif "eps" in low:
-            kw[p] = EPS
-        elif low == "scale":
-            kw[p] = SCALE
-    if len(kw) < 2:
-        raise TypeError(f"cannot map signature {inspect.signature(fn)}")
-    return lambda: fn(**kw)
+    def measure(self, fn, graph=True):
+        """-> dict(kernel_ms, call_ms, method, iters); fn is warmed up (compiled) first."""
+        torch = self.torch
+        fn()
+        self.sync()
+        if self.dev != "cuda":
+            iters = self.max_iters
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            kernel = (time.perf_counter() - t0) * 1e3 / iters
+            return dict(kernel_ms=kernel, call_ms=self.latency(fn), iters=iters,
+                        method="back-to-back (host clock)")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        one = max(start.elapsed_time(end), 1e-3)
+        iters = int(min(max(self.target_ms / one, 3), self.max_iters))
+        run, method, g = fn, "back-to-back", None
+        if graph:
+            try:
+                g = self._graph(fn)
+                run, method = g.replay, "CUDA graph replay"
+            except Exception as e:  # noqa: BLE001 - not capturable: say so, time back-to-back
+                method = f"back-to-back (graph capture failed: {type(e).__name__}: {str(e)[:60]})"
+                g = None
+                try:
+                    torch.cuda.synchronize()
+                except Exception:  # noqa: BLE001
+                    pass
+        run()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            run()
+        end.record()
+        end.synchronize()
+        kernel = start.elapsed_time(end) / iters
+        del g
+        return dict(kernel_ms=kernel, call_ms=self.latency(fn), iters=iters, method=method)
 
 
 class Bench:
-    """The timed cases; each case is a method so its large tensors are freed on return."""
+    """The timed sections; each case is a method so its large tensors are freed on return."""
 
-    def __init__(self, args, torch, td, rows, notes):
-        self.args, self.torch, self.td, self.rows, self.notes = args, torch, td, rows, notes
+    def __init__(self, args, torch, td, peers):
+        self.args, self.torch, self.td, self.peers = args, torch, td, peers
         self.dev = args.device
-        self.timer = Timer(torch, self.dev, args.iters, args.warmup)
-        self.compiled = None if args.skip_compile else torch.compile(naive, dynamic=False)
-        self.peers = [] if args.skip_peers else peer_functions()
+        self.rows, self.notes = [], []
+        self.timer = Timer(torch, self.dev, args.target_ms, args.max_iters, args.latency_calls)
+        self.caps = Caps(args.section_cap, args.peer_cap)
+        self.dead = {}                                  # peer name -> why it is skipped from now on
+        adapters = [peers.Eager()] + ([] if args.skip_compile else [peers.Compiled()])
+        if not args.skip_peers:
+            adapters += [a for a in peers.all_adapters() if type(a) not in (peers.Eager, peers.Compiled)]
+        self.adapters = adapters
         self.copy_gbs = self.copy_bandwidth()
 
+    # ---- bookkeeping
+
     def copy_bandwidth(self):
-        """GB/s of dst.copy_(src) (read + write) on a large buffer."""
+        """GB/s of dst.copy_(src) (read + write) on a large buffer, by the same timer."""
         numel = (1 << 16) if self.args.quick else (1 << 30)
         src = self.torch.empty(numel, dtype=self.torch.uint8, device=self.dev)
         dst = self.torch.empty_like(src)
-        gbs = 2 * numel / (self.timer(lambda: dst.copy_(src)) * 1e-3) / 1e9
-        self.notes.append(f"measured copy bandwidth (dst.copy_(src), {numel / 2**30:.2f} GiB): "
-                          f"{gbs:.0f} GB/s")
+        m = self.timer.measure(lambda: dst.copy_(src))
+        gbs = 2 * numel / (m["kernel_ms"] * 1e-3) / 1e9
+        self.notes.append(f"measured copy bandwidth (dst.copy_(src), {numel / 2**30:.3g} GiB, "
+                          f"{m['method']}): {gbs:.0f} GB/s")
         return gbs
 
-    def sources(self, n, t, d):
-        return [self.torch.randn(t, d, device=self.dev, dtype=self.torch.bfloat16)
+    def row(self, section, case, impl, status, m=None, nbytes=None, note=""):
+        r = dict(section=section, case=case, impl=impl, status=status, note=note, kernel_ms=None,
+                 call_ms=None, gbs=None, frac_copy=None, method=None, iters=None, bytes=nbytes)
+        if m is not None:
+            r.update(m)
+            r["gbs"] = nbytes / (m["kernel_ms"] * 1e-3) / 1e9
+            r["frac_copy"] = r["gbs"] / self.copy_gbs
+        self.rows.append(r)
+        shown = (f"{r['kernel_ms']:.4g} ms kernel, {r['call_ms']:.4g} ms call, {r['gbs']:.0f} GB/s "
+                 f"({r['frac_copy']:.2f} of copy), {r['method']}" if m else status)
+        print(f"  [{section}] {case} | {impl}: {shown}{' | ' + note if note else ''}", flush=True)
+
+    def time(self, section, case, impl, make, nbytes, graph=True, peer=None, note=""):
+        """make() builds the call (untimed; may raise peers.Unsupported); then it is timed."""
+        Unsupported = self.peers.Unsupported
+        if peer is not None and peer in self.dead:
+            return self.row(section, case, impl, "skipped", note=self.dead[peer])
+        try:
+            with self.caps.guard(peer):
+                fn, extra = make()
+                m = self.timer.measure(fn, graph)
+            self.row(section, case, impl, "ok", m, nbytes, "; ".join(x for x in (note, extra) if x))
+        except Unsupported as e:
+            self.row(section, case, impl, "skipped", note=str(e))
+        except Timeout as e:
+            if peer is not None and "section" not in str(e):
+                self.dead[peer] = str(e)
+            self.row(section, case, impl, "skipped", note=str(e))
+        except Exception as e:  # noqa: BLE001 - a peer or compile failure is reported, not fatal
+            self.row(section, case, impl, "failed", note=f"{type(e).__name__}: {str(e)[:200]}")
+        finally:
+            if self.dev == "cuda":
+                self.torch.cuda.empty_cache()
+
+    def sources(self, n, t, d, requires_grad=False):
+        torch = self.torch
+        return [torch.randn(t, d, device=self.dev, dtype=torch.bfloat16).requires_grad_(requires_grad)
                 for _ in range(n)]
 
-    def row(self, *row):
-        self.rows.append(row)
-        print("  ", " | ".join("-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-                              for v in row), flush=True)
-
-    def add(self, case, impl, ms, nbytes, extra=""):
-        gbs = nbytes / (ms * 1e-3) / 1e9
-        self.row(case, impl, ms, gbs, gbs / self.copy_gbs, extra)
-
-    def failed(self, case, impl, e):
-        self.row(case, impl, None, None, None, f"failed: {type(e).__name__}: {str(e)[:80]}")
-
-    def time(self, case, impl, fn, nbytes, extra=""):
-        try:
-            self.add(case, impl, self.timer(fn), nbytes, extra)
-        except Exception as e:  # noqa: BLE001 - a peer or compile failure is reported, not fatal
-            self.failed(case, impl, e)
-
-    def forward(self):
-        torch, td = self.torch, self.td
-        n, t, d = (3, 8, 64) if self.args.quick else (9, 8192, 7168)
-        case = f"forward N={n} T={t} D={d} bf16"
+    def inputs(self, n, t, d):
+        torch = self.torch
         xs = self.sources(n, t, d)
-        q, g = torch.randn(d, device=self.dev), torch.randn(d, device=self.dev)
+        q = torch.randn(d, device=self.dev)
+        g = torch.rand(d, device=self.dev) + 0.5
+        return self.peers.Inputs(xs, q, g, EPS, SCALE)
+
+    def _diff(self, out, ours):
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        diff = (out.float() - ours.float()).abs().max().item()
+        return f"max |out - ours| = {diff:.3g}"
+
+    def _peer_forward(self, ad, inp, ours, requires_grad=False):
+        def make():
+            ad.load()
+            ad.check(inp)
+            prep = ad.prepare(inp, requires_grad)
+            note = self._diff(ad.forward(prep), ours)
+            return (lambda: ad.forward(prep)), note + (f"; {ad.notes}" if ad.notes else "")
+        return make
+
+    # ---- sections
+
+    def forward(self, n, t, d):
+        td, sec = self.td, "forward"
+        case = f"N={n} T={t} D={d} bf16"
+        self.caps.start_section(f"{sec} {case}")
+        inp = self.inputs(n, t, d)
+        xs, q, g = inp.sources, inp.query, inp.gain
         nbytes = (n + 1) * t * d * 2 + t * 4            # read N sources, write out and lse
         ours = td.forward(xs, q, g, EPS, SCALE)[0]
-        self.time(case, "attnres triton", lambda: td.forward(xs, q, g, EPS, SCALE), nbytes)
-        self.time(case, "naive eager", lambda: naive(xs, q, g), nbytes)
-        if self.compiled is not None:
-            self.time(case, "naive torch.compile", lambda: self.compiled(xs, q, g), nbytes)
-        for name, fn, stacked in self.peers:
-            if fn is None:
-                self.row(case, name, None, None, None, stacked)
-                continue
-            try:
-                call = call_peer(fn, stacked, xs, q, g)
-                res = call()
-                res = res[0] if isinstance(res, (tuple, list)) else res
-                diff = (res.float() - ours.float()).abs().max().item()
-            except Exception as e:  # noqa: BLE001
-                self.failed(case, name, e)
-                continue
-            self.time(case, name, call, nbytes, f"max abs(peer - ours) = {diff:.3g}")
+        self.time(sec, case, "attnres triton kernels",
+                  lambda: ((lambda: td.forward(xs, q, g, EPS, SCALE)), ""), nbytes)
+        self.time(sec, case, "attnres_torch.depth_attention", lambda: (
+            (lambda: self.op(xs, q, g)), ""), nbytes)
+        for ad in self.adapters:
+            with ad.environment():
+                self.time(sec, case, ad.name, self._peer_forward(ad, inp, ours), nbytes, peer=ad.name)
 
-    def forward_backward(self):
+    def op(self, xs, q, g):
+        import attnres_torch
+        return attnres_torch.depth_attention(xs, q, g, eps=EPS, scale=SCALE)
+
+    def training(self, n, t, d):
+        """backward-only and forward+backward (random d_out; gradients of every leaf)."""
         torch, td = self.torch, self.td
-        n, t, d = (3, 8, 64) if self.args.quick else (10, 32768, 4096)
-        case = f"fwd+bwd N={n} T={t} D={d} bf16"
-        xs = [x.requires_grad_(True) for x in self.sources(n, t, d)]
-        q = torch.randn(d, device=self.dev, requires_grad=True)
-        g = torch.randn(d, device=self.dev, requires_grad=True)
+        case = f"N={n} T={t} D={d} bf16"
+        self.caps.start_section(f"backward {case}")
+        inp = self.inputs(n, t, d)
+        xs, q, g = inp.sources, inp.query, inp.gain
         d_out = torch.randn(t, d, device=self.dev, dtype=torch.bfloat16)
-        # forward: read N sources, write out; backward: read N sources and d_out, write N grads
-        nbytes = (n + 1) * t * d * 2 + (2 * n + 1) * t * d * 2
+        fwd_bytes = (n + 1) * t * d * 2
+        bwd_bytes = (2 * n + 1) * t * d * 2            # read N sources and d_out, write N grads
+        out, lse = td.forward(xs, q, g, EPS, SCALE)
 
-        def ours():
-            out, lse = td.forward(xs, q, g, EPS, SCALE)
-            return td.backward(xs, q, g, out, lse, d_out, None, EPS, SCALE)
+        def ours_fb():
+            o, s = td.forward(xs, q, g, EPS, SCALE)
+            return td.backward(xs, q, g, o, s, d_out, None, EPS, SCALE)
 
-        def autograd(fn):
-            def run():
-                out = fn(xs, q, g)
-                out = out[0] if isinstance(out, (tuple, list)) else out
-                return torch.autograd.grad(out, xs + [q, g], d_out)
-            return run
+        def autograd_make(ad, fwd_too):
+            def make():
+                ad.load()
+                ad.check(inp)
+                prep = ad.prepare(inp, requires_grad=True)
+                if fwd_too:
+                    def fn():
+                        return torch.autograd.grad(ad.forward(prep), prep.leaves, d_out)
+                    return fn, ad.notes
+                o = ad.forward(prep)
+                return (lambda: torch.autograd.grad(o, prep.leaves, d_out, retain_graph=True)), \
+                    ad.notes
+            return make
 
-        self.time(case, "attnres triton (kernels)", ours, nbytes)
-        try:
-            import attnres_torch
-            self.time(case, "attnres_torch.depth_attention (autograd)", autograd(
-                lambda a, b, c: attnres_torch.depth_attention(a, b, c, eps=EPS, scale=SCALE)), nbytes)
-        except ImportError as e:
-            self.notes.append(f"attnres_torch op row skipped: {e}")
-        self.time(case, "naive eager", autograd(naive), nbytes)
-        if self.compiled is not None:
-            self.time(case, "naive torch.compile", autograd(self.compiled), nbytes)
-        for name, fn, stacked in self.peers:
-            if fn is None:
-                continue
-            try:
-                call = call_peer(fn, stacked, xs, q, g)
-            except Exception as e:  # noqa: BLE001
-                self.failed(case, name, e)
-                continue
-            self.time(case, name, autograd(lambda a, b, c, call=call: call()), nbytes)
+        op = _OpAdapter(self)
+        for sec, nbytes, fwd_too in (("backward only", bwd_bytes, False),
+                                     ("forward+backward", fwd_bytes + bwd_bytes, True)):
+            self.caps.start_section(f"{sec} {case}")
+            if fwd_too:
+                self.time(sec, case, "attnres triton kernels", lambda: (ours_fb, ""), nbytes)
+            else:
+                self.time(sec, case, "attnres triton kernels", lambda: (
+                    (lambda: td.backward(xs, q, g, out, lse, d_out, None, EPS, SCALE)), ""), nbytes)
+            # autograd calls: back-to-back for backward only (a backward recorded outside a
+            # capture runs on the legacy stream); forward+backward tries a graph
+            for ad in [op] + self.adapters:
+                with ad.environment():
+                    self.time(sec, case, ad.name, autograd_make(ad, fwd_too), nbytes,
+                              graph=fwd_too, peer=None if ad is op else ad.name)
 
-    def block(self):
-        """One block of the two-phase schedule against independent reads (both update partial)."""
+    def two_phase(self, nb, s_l, t, d):
+        """phase 1 (S queries over nb blocks) and one merge, ours against the peers with those
+        entry points (flash-attn-res, the composites)."""
         torch, td = self.torch, self.td
-        nb, s_l, t, d = (3, 4, 8, 64) if self.args.quick else (8, 12, 8192, 7168)
-        case = f"block: {nb} cached blocks x {s_l} sublayers, T={t} D={d} bf16"
+        case = f"{nb} blocks x {s_l} queries, T={t} D={d} bf16"
+        inp = self.inputs(nb, t, d)
+        qs, gs = torch.randn(s_l, d, device=self.dev), torch.rand(s_l, d, device=self.dev) + 0.5
+        tdb = t * d * 2
+        out1, lse1 = td.multi_forward(inp.sources, qs, gs, EPS, SCALE)
+        partial = self.sources(1, t, d)[0]
+        with_p1 = [a for a in self.adapters if type(a).phase1 is not self.peers.Adapter.phase1]
+        with_merge = [a for a in self.adapters if type(a).merge is not self.peers.Adapter.merge]
+
+        def make(ad, kind):
+            def build():
+                ad.load()
+                if kind == "phase 1":
+                    fn = ad.phase1(inp, qs, gs)
+                    return fn, self._diff(fn(), out1)
+                fn = ad.merge(out1[1], lse1[1], partial, qs[1], gs[1], EPS, SCALE)
+                return fn, self._diff(fn(), ours_merge)
+            return build
+
+        ours_merge = td.merge_forward(out1[1], lse1[1], partial, qs[1], gs[1], EPS, SCALE)[0]
+        for kind, nbytes, ours, ads in (
+                ("phase 1", (nb + s_l) * tdb,
+                 lambda: td.multi_forward(inp.sources, qs, gs, EPS, SCALE), with_p1),
+                ("merge", 3 * tdb,
+                 lambda: td.merge_forward(out1[1], lse1[1], partial, qs[1], gs[1], EPS, SCALE),
+                 with_merge)):
+            self.caps.start_section(f"{kind} {case}")
+            self.time(kind, case, "attnres triton kernels", lambda ours=ours: (ours, ""), nbytes)
+            for ad in ads:
+                with ad.environment():
+                    self.time(kind, case, ad.name, make(ad, kind), nbytes, peer=ad.name)
+
+    def block(self, nb, s_l, t, d):
+        """One block of the two-phase schedule against independent reads (both update partial)."""
+        td = self.td
+        sec, case = "block", f"{nb} cached blocks x {s_l} sublayers, T={t} D={d} bf16"
+        self.caps.start_section(f"{sec} {case}")
         blocks = self.sources(nb, t, d)
-        qs, gs = torch.randn(s_l, d, device=self.dev), torch.randn(s_l, d, device=self.dev)
+        qs = self.torch.randn(s_l, d, device=self.dev)
+        gs = self.torch.rand(s_l, d, device=self.dev) + 0.5
         updates = self.sources(s_l, t, d)                              # stand-ins for f_l(h_l)
         tdb = t * d * 2
 
@@ -406,34 +565,103 @@ class Bench:
         # an add: 3.
         two_bytes = (nb + s_l) * tdb + 3 * tdb + (s_l - 2) * 6 * tdb
         ind_bytes = sum((nb + (i > 0) + 1) * tdb for i in range(s_l)) + (s_l - 2) * 3 * tdb
-        self.time(case, "attnres two-phase (multi + merges)", two_phase, two_bytes)
-        self.time(case, f"attnres {s_l} independent reads", independent, ind_bytes)
-        self.notes.append("block rows: GB/s each on its own minimal bytes; the times give the speedup")
+        self.time(sec, case, "attnres two-phase (multi + merges)", lambda: (two_phase, ""), two_bytes)
+        self.time(sec, case, f"attnres {s_l} independent reads", lambda: (independent, ""), ind_bytes)
+        self.notes.append("block rows: GB/s each on its own minimal bytes; the kernel-ms ratio is "
+                          "the two-phase speedup (target >= 1.5x)")
+
+    def run(self):
+        q = self.args.quick
+        self.forward(*((3, 8, 64) if q else (9, 8192, 7168)))
+        self.forward(*((3, 8, 64) if q else (10, 32768, 4096)))
+        self.training(*((3, 8, 64) if q else (10, 32768, 4096)))
+        self.two_phase(*((3, 4, 8, 48) if q else (8, 12, 8192, 7168)))
+        self.two_phase(*((3, 4, 8, 64) if q else (8, 12, 8192, 4096)))
+        self.block(*((3, 4, 8, 64) if q else (8, 12, 8192, 7168)))
 
 
-def render(rows, notes, device_name, failures, passed):
-    lines = [f"### Triton depth-attention kernels on {device_name}", "",
+class _OpAdapter:
+    """Our public autograd op, timed through the same autograd path as the peers."""
+    name, notes, env = "attnres_torch.depth_attention (autograd)", "", {}
+
+    def __init__(self, bench):
+        self.bench = bench
+
+    def load(self):
+        pass
+
+    def check(self, inp):
+        pass
+
+    def prepare(self, inp, requires_grad=False):
+        from peers import Prepared  # noqa: PLC0415 - bench/ is on sys.path in main()
+        xs = [s.detach().requires_grad_(requires_grad) for s in inp.sources]
+        q, g = (t.detach().requires_grad_(requires_grad) for t in (inp.query, inp.gain))
+        return Prepared((xs, q, g), leaves=xs + [q, g])
+
+    def forward(self, prep):
+        return self.bench.op(*prep.args)
+
+    def environment(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- report
+
+def _fmt(v, spec):
+    return "–" if v is None else format(v, spec)
+
+
+def render(meta, rows, notes, failures, passed):
+    lines = [f"### Depth attention on {meta['device']} ({meta['date']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}; peers: "
+             + ", ".join(f"{k} {v}" for k, v in meta["peers"].items()), "",
              f"Correctness vs float64 reference: {passed} comparisons passed, "
-             f"{len(failures)} failures.", ""]
-    lines += ["| case | implementation | median ms | GB/s (minimal bytes) | fraction of copy BW | note |",
-              "|---|---|---:|---:|---:|---|"]
-    for case, impl, ms, gbs, frac, extra in rows:
-        if ms is None:
-            lines.append(f"| {case} | {impl} | – | – | – | {extra} |")
-        else:
-            lines.append(f"| {case} | {impl} | {ms:.3f} | {gbs:.0f} | {frac:.2f} | {extra} |")
+             f"{len(failures)} failures.", "",
+             "| section | case | implementation | kernel ms | call ms | GB/s (minimal bytes) "
+             "| fraction of copy BW | timing | note |",
+             "|---|---|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        status = "" if r["status"] == "ok" else f"**{r['status']}**: "
+        lines.append(f"| {r['section']} | {r['case']} | {r['impl']} | {_fmt(r['kernel_ms'], '.4g')} "
+                     f"| {_fmt(r['call_ms'], '.4g')} | {_fmt(r['gbs'], '.4g')} "
+                     f"| {_fmt(r['frac_copy'], '.2f')} | {r['method'] or ''} "
+                     f"| {status}{r['note']} |")
     lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines)
 
 
+def peer_status(peers):
+    """name -> version or why it is absent (import attempted once per adapter)."""
+    out = {}
+    for ad in peers.all_adapters():
+        if ad.module is None or ad.name in out:
+            continue
+        try:
+            ad.load()
+            from importlib.metadata import version
+            out[ad.name] = version(ad.dist)
+        except peers.Unsupported as e:
+            out[ad.name] = str(e)
+        except Exception as e:  # noqa: BLE001 - importable, but no distribution metadata
+            out[ad.name] = f"version unknown ({type(e).__name__})"
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"           # before anything imports Triton
+    t0 = time.perf_counter()
+    for sub in ("reference_numpy/src", "backend_torch/src", "backend_torch/tests", "bench"):
+        sys.path.insert(0, str(ROOT / sub))
+    import peers
+    site = peers.add_peer_site()
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a dry run)")
+        print("gpu_check: no CUDA device (--dry-run runs the whole script on the CPU)")
         return 2
-    for sub in ("reference_numpy/src", "backend_torch/src", "backend_torch/tests"):
-        sys.path.insert(0, str(ROOT / sub))
     import _helpers
     from attnres_numpy import ops
     from attnres_torch.kernels import triton_depth as td
@@ -443,8 +671,17 @@ def main(argv=None):
         print("gpu_check: the Triton kernels do not support this device (Triton missing, or a CPU "
               "run without TRITON_INTERPRET=1)")
         return 2
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (interpreter)"
-    t0 = time.perf_counter()
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "CPU (interpreter)",
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
+                triton=triton_version, peer_site=str(peers.PEER_SITE) if site else None,
+                peers={} if args.skip_peers else peer_status(peers),
+                args={k: str(v) for k, v in vars(args).items()})
+    print(f"peers: {meta['peers']} (site {meta['peer_site']})")
     checker = Checker(torch, td, ops, _helpers, args.device)
     failures = checker.run(args.quick)
     print(f"correctness: {checker.passed} passed, {len(failures)} failed "
@@ -460,19 +697,23 @@ def main(argv=None):
         print(f"distributed smoke: {dist_verdict} ({time.perf_counter() - t1:.1f} s)")
     rows, notes = [], []
     if not args.skip_timing:
-        bench = Bench(args, torch, td, rows, notes)
-        bench.forward()
-        bench.forward_backward()
-        bench.block()
+        bench = Bench(args, torch, td, peers)
+        bench.run()
+        rows, notes = bench.rows, bench.notes
     if dist_verdict is not None:
         notes.append(f"distributed smoke (torch.distributed world of 1, "
                      f"{'NCCL' if args.device == 'cuda' else 'gloo'}): {dist_verdict}")
-    report = render(rows, notes, device_name, failures, checker.passed)
+    report = render(meta, rows, notes, failures, checker.passed)
+    total = time.perf_counter() - t0
     print(report)
-    print(f"\ntotal {time.perf_counter() - t0:.1f} s")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report + "\n")
+    print(f"\ntotal {total:.1f} s")
+    if args.out_dir:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "report.md").write_text(report + f"\n\ntotal {total:.1f} s\n")
+        (args.out_dir / "report.json").write_text(json.dumps(dict(
+            meta=meta, correctness=dict(passed=checker.passed, failures=failures),
+            distributed=dist_verdict, copy_gbs=getattr(locals().get("bench"), "copy_gbs", None),
+            rows=rows, notes=notes, total_s=total), indent=1) + "\n")
     return 1 if failures or dist_verdict == "FAIL" else 0
 
 

@@ -13,9 +13,10 @@ the environment; the adapters are `bench/peers` (one class per peer, tested on t
    per-token queries; unaligned row-strided sources; NaN-poisoned output buffers; bitwise
    repeatability.
 2. Distributed smoke (`attnres_torch.distributed.smoke`, child process; NCCL, gloo on the CPU).
-3. Timings, each section under its own wall-clock cap (`--section-cap`), each peer under
-   `--peer-cap` seconds in all (its compiles and autotuning included; past it the peer is skipped
-   for the rest of the run, with the reason):
+3. Timings in what is left of `--budget` (450 s for the whole run), each section under its own
+   wall-clock cap (`--section-cap`), each peer under `--peer-cap` seconds in all (its compiles
+   and autotuning included; past it the peer is skipped for the rest of the run, with the
+   reason); the targets' cases run first:
    - forward, N=9 x T=8192 x D=7168 bf16; forward, backward-only, forward+backward at
      N=10 x T=32768 x D=4096 bf16; phase 1 (8 blocks, 12 queries) and merge at T=8192, D=7168 and
      D=4096 (flash-attn-res needs a power-of-two D); one two-phase block against 12 independent
@@ -27,7 +28,9 @@ the environment; the adapters are `bench/peers` (one class per peer, tested on t
      calls between two events; "call ms" = median wall time of one call + synchronize, the
      latency a user sees; GB/s on the minimal bytes of the operation and the fraction of the copy
      bandwidth (`dst.copy_(src)`) measured in the same run;
-   - every peer's output is compared with ours at the timed shape (max |peer - ours|).
+   - every peer's output is compared with ours at the timed shape (max |peer - ours|);
+   - JAX: attnres_jax impl="xla" and impl="pallas", jitted, forward and forward+backward at the
+     two target shapes, in a child process (`--jax-python`; back-to-back async dispatch).
 Writes `report.md` and `report.json` to --out-dir.  Exit status: 0 all correct, 1 a correctness
 failure (kernels or distributed smoke), 2 no usable device.
 """
@@ -62,8 +65,15 @@ def parse_args(argv=None):
     p.add_argument("--max-iters", type=int, default=200, help="most replays per measurement")
     p.add_argument("--latency-calls", type=int, default=10, help="calls timed one by one")
     p.add_argument("--section-cap", type=float, default=90.0, help="seconds per timing section")
-    p.add_argument("--peer-cap", type=float, default=75.0,
+    p.add_argument("--peer-cap", type=float, default=90.0,
                    help="seconds per peer over the whole run (compiles and autotuning included)")
+    p.add_argument("--budget", type=float, default=450.0,
+                   help="seconds for the whole run (default 450, under the 8 minutes): the timing "
+                        "sections share what correctness and the smoke test leave (at least 60)")
+    p.add_argument("--jax-python", default=sys.executable,
+                   help="interpreter for the JAX section (child process; default: this one)")
+    p.add_argument("--jax-child", help=argparse.SUPPRESS)
+    p.add_argument("--skip-jax", action="store_true", help="no JAX (XLA, Pallas) rows")
     p.add_argument("--skip-compile", action="store_true", help="no torch.compile rows")
     p.add_argument("--skip-peers", action="store_true", help="no peer-library rows")
     p.add_argument("--skip-timing", action="store_true", help="correctness only")
@@ -218,22 +228,29 @@ class Caps:
     a single long C call finishes first), charges the peer for the time spent, and raises
     Timeout with the reason."""
 
-    def __init__(self, section_cap, peer_cap):
+    def __init__(self, section_cap, peer_cap, total):
         self.section_cap, self.peer_cap = section_cap, peer_cap
         self.section_end, self.section_name = float("inf"), ""
         self.peer_used = {}
+        self.total, self.end = total, time.perf_counter() + total
 
     def start_section(self, name):
-        self.section_name, self.section_end = name, time.perf_counter() + self.section_cap
+        self.section_name = name
+        self.section_end = min(time.perf_counter() + self.section_cap, self.end)
 
     def left(self, peer):
         sec = self.section_end - time.perf_counter()
         if peer is None:
-            return sec, f"section '{self.section_name}' over its {self.section_cap:.0f} s cap"
+            return sec, self._section_reason()
         mine = self.peer_cap - self.peer_used.get(peer, 0.0)
         if mine < sec:
             return mine, f"{peer}: over its {self.peer_cap:.0f} s cap for the run"
-        return sec, f"section '{self.section_name}' over its {self.section_cap:.0f} s cap"
+        return sec, self._section_reason()
+
+    def _section_reason(self):
+        if self.section_end >= self.end:
+            return f"section '{self.section_name}': timing budget of {self.total:.0f} s spent"
+        return f"section '{self.section_name}' over its {self.section_cap:.0f} s cap"
 
     def guard(self, peer=None):
         caps = self
@@ -342,12 +359,12 @@ class Timer:
 class Bench:
     """The timed sections; each case is a method so its large tensors are freed on return."""
 
-    def __init__(self, args, torch, td, peers):
+    def __init__(self, args, torch, td, peers, timing_budget):
         self.args, self.torch, self.td, self.peers = args, torch, td, peers
         self.dev = args.device
         self.rows, self.notes = [], []
         self.timer = Timer(torch, self.dev, args.target_ms, args.max_iters, args.latency_calls)
-        self.caps = Caps(args.section_cap, args.peer_cap)
+        self.caps = Caps(args.section_cap, args.peer_cap, timing_budget)
         self.dead = {}                                  # peer name -> why it is skipped from now on
         adapters = [peers.Eager()] + ([] if args.skip_compile else [peers.Compiled()])
         if not args.skip_peers:
@@ -393,7 +410,7 @@ class Bench:
         except Unsupported as e:
             self.row(section, case, impl, "skipped", note=str(e))
         except Timeout as e:
-            if peer is not None and "section" not in str(e):
+            if peer is not None and not str(e).startswith("section"):
                 self.dead[peer] = str(e)
             self.row(section, case, impl, "skipped", note=str(e))
         except Exception as e:  # noqa: BLE001 - a peer or compile failure is reported, not fatal
@@ -571,13 +588,50 @@ class Bench:
                           "the two-phase speedup (target >= 1.5x)")
 
     def run(self):
+        """The targets' cases first (the budget may run out before the last sections)."""
         q = self.args.quick
         self.forward(*((3, 8, 64) if q else (9, 8192, 7168)))
-        self.forward(*((3, 8, 64) if q else (10, 32768, 4096)))
         self.training(*((3, 8, 64) if q else (10, 32768, 4096)))
+        self.block(*((3, 4, 8, 64) if q else (8, 12, 8192, 7168)))
+        if not self.args.skip_jax:
+            self.jax()
+        self.forward(*((3, 8, 64) if q else (10, 32768, 4096)))
         self.two_phase(*((3, 4, 8, 48) if q else (8, 12, 8192, 7168)))
         self.two_phase(*((3, 4, 8, 64) if q else (8, 12, 8192, 4096)))
-        self.block(*((3, 4, 8, 64) if q else (8, 12, 8192, 7168)))
+
+    def jax(self):
+        """attnres_jax (impl "xla" and "pallas"), jitted, in a child process (JAX and torch in one
+        process would fight over the GPU's memory; XLA_PYTHON_CLIENT_PREALLOCATE=false there):
+        forward at the forward shape, forward+backward (VJP of every source, query and gain) at
+        the training shape.  Its rows arrive as JSON lines."""
+        import subprocess
+        self.caps.start_section("jax")
+        seconds, reason = self.caps.left(None)
+        if seconds <= 5:
+            return self.row("jax", "-", "attnres_jax", "skipped", note=reason)
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(
+            [str(ROOT / "backend_jax" / "src"), str(ROOT / "reference_numpy" / "src"),
+             os.environ.get("PYTHONPATH", "")]))
+        env.pop("TRITON_INTERPRET", None)
+        cmd = [self.args.jax_python, str(Path(__file__).resolve()), "--jax-child",
+               "quick" if self.args.quick else "full", "--device", self.dev,
+               "--target-ms", str(self.args.target_ms), "--max-iters", str(self.args.max_iters),
+               "--latency-calls", str(self.args.latency_calls)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=seconds)
+            out, err, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err, rc = reason, "timeout"
+        got = [json.loads(line[5:]) for line in out.splitlines() if line.startswith("ROW: ")]
+        for r in got:
+            m = r.pop("m", None)
+            self.row("jax " + r["section"], r["case"], r["impl"], r["status"], m, r["bytes"],
+                     r["note"])
+        if rc != 0:
+            tail = " | ".join((err or "").strip().splitlines()[-3:])[:300]
+            self.row("jax", "-", "attnres_jax child", "skipped" if "No module named 'jax'" in tail
+                     else "failed", note=f"exit {rc}: {tail}")
 
 
 class _OpAdapter:
@@ -605,6 +659,70 @@ class _OpAdapter:
     def environment(self):
         import contextlib
         return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- JAX child
+
+def jax_child(args):
+    """The JAX section's child process: prints one `ROW: {json}` line per measurement."""
+    import jax
+    import jax.numpy as jnp
+    from attnres_jax import depth_attention
+
+    dev = jax.devices("gpu")[0] if args.device == "cuda" else jax.devices("cpu")[0]
+    quick = args.jax_child == "quick"
+
+    def timed(fn, *xs):
+        jax.block_until_ready(fn(*xs))                   # compile
+        t0 = time.perf_counter()
+        one = jax.block_until_ready(fn(*xs))
+        one = (time.perf_counter() - t0) * 1e3
+        iters = int(min(max(args.target_ms / max(one, 1e-3), 3), args.max_iters))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            r = fn(*xs)
+        jax.block_until_ready(r)
+        kernel = (time.perf_counter() - t0) * 1e3 / iters
+        lat = []
+        for _ in range(args.latency_calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*xs))
+            lat.append((time.perf_counter() - t0) * 1e3)
+        return dict(kernel_ms=kernel, call_ms=statistics.median(lat), iters=iters,
+                    method="back-to-back, async dispatch (host clock)")
+
+    def emit(section, case, impl, status, m=None, nbytes=None, note=""):
+        print("ROW: " + json.dumps(dict(section=section, case=case, impl=impl, status=status, m=m,
+                                        bytes=nbytes, note=note)), flush=True)
+
+    key = jax.random.PRNGKey(0)
+    for section, (n, t, d) in (("forward", (3, 8, 64) if quick else (9, 8192, 7168)),
+                               ("forward+backward", (3, 8, 64) if quick else (10, 32768, 4096))):
+        case = f"N={n} T={t} D={d} bf16"
+        ks = jax.random.split(key, n + 3)
+        xs = [jax.device_put(jax.random.normal(k, (t, d), jnp.bfloat16), dev) for k in ks[:n]]
+        q = jax.device_put(jax.random.normal(ks[n], (d,), jnp.float32), dev)
+        g = jax.device_put(jax.random.uniform(ks[n + 1], (d,), jnp.float32) + 0.5, dev)
+        cot = jax.device_put(jax.random.normal(ks[n + 2], (t, d), jnp.bfloat16), dev)
+        fwd_bytes = (n + 1) * t * d * 2
+        for impl in ("xla", "pallas"):
+            def f(xs, q, g, impl=impl):
+                return depth_attention(xs, q, g, eps=EPS, scale=SCALE, impl=impl)
+            if section == "forward":
+                fn, nbytes = jax.jit(f), fwd_bytes
+            else:
+                def fb(xs, q, g, f=f):
+                    out, pull = jax.vjp(f, xs, q, g)
+                    return pull(cot)
+                fn, nbytes = jax.jit(fb), fwd_bytes + (2 * n + 1) * t * d * 2
+            try:
+                emit(section, case, f"attnres_jax impl={impl}", "ok", timed(fn, xs, q, g), nbytes)
+            except ValueError as e:       # the implementation cannot run this call: a skip
+                emit(section, case, f"attnres_jax impl={impl}", "skipped", note=str(e)[:200])
+            except Exception as e:  # noqa: BLE001
+                emit(section, case, f"attnres_jax impl={impl}", "failed",
+                     note=f"{type(e).__name__}: {str(e)[:200]}")
+    return 0
 
 
 # ---------------------------------------------------------------- report
@@ -651,6 +769,8 @@ def peer_status(peers):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.jax_child:
+        return jax_child(args)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"           # before anything imports Triton
     t0 = time.perf_counter()
@@ -697,7 +817,7 @@ def main(argv=None):
         print(f"distributed smoke: {dist_verdict} ({time.perf_counter() - t1:.1f} s)")
     rows, notes = [], []
     if not args.skip_timing:
-        bench = Bench(args, torch, td, peers)
+        bench = Bench(args, torch, td, peers, max(args.budget - (time.perf_counter() - t0), 60.0))
         bench.run()
         rows, notes = bench.rows, bench.notes
     if dist_verdict is not None:

@@ -14,11 +14,13 @@
   subprocess, under 90 s; no row may fail (a failure is a bug in the script, not a skip).
 """
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -258,8 +260,6 @@ def test_environment_is_set_only_around_the_calls():
 
 
 def test_peer_cap_interrupts_a_slow_peer_and_keeps_it_out():
-    import time
-
     import gpu_check
     caps = gpu_check.Caps(section_cap=60.0, peer_cap=0.3, total=60.0)
     caps.start_section("forward")
@@ -278,6 +278,78 @@ def test_peer_cap_interrupts_a_slow_peer_and_keeps_it_out():
     with pytest.raises(gpu_check.Timeout, match="section 'merge'"):
         with caps.guard(None):
             pass
+
+
+class _FakeCuda:
+    """The `torch.cuda` calls gpu_check's Timer makes, on the host clock: lets the CPU run the CUDA
+    branch of `Timer.measure` (graph capture, its fallback, events) that the dry run cannot."""
+
+    def __init__(self, capture_fails):
+        self.capture_fails, self.captures, self.syncs = capture_fails, 0, 0
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing):
+                assert enable_timing
+
+            def record(self):
+                self.t = time.perf_counter()
+
+            def synchronize(self):
+                cuda.syncs += 1
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) * 1e3
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        class CUDAGraph:
+            def replay(self):
+                self.fn()
+
+        self.Event, self.Stream, self.CUDAGraph = Event, Stream, CUDAGraph
+
+    def synchronize(self):
+        self.syncs += 1
+
+    def current_stream(self):
+        return self.Stream()
+
+    def stream(self, s):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def graph(self, g):
+        self.captures += 1
+        if self.capture_fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        yield
+        g.fn = self.last_fn                     # replay re-runs the captured call
+
+
+@pytest.mark.parametrize("capture_fails", [False, True])
+def test_timer_cuda_branch_graph_replay_and_fallback(capture_fails):
+    import gpu_check
+    cuda = _FakeCuda(capture_fails)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        cuda.last_fn = fn
+    timer = gpu_check.Timer(types.SimpleNamespace(cuda=cuda), "cuda", target_ms=5.0, max_iters=7,
+                            latency_calls=3)
+    m = timer.measure(fn, graph=True)
+    assert cuda.captures == 1 and m["iters"] == 7 and m["kernel_ms"] >= 0 and m["call_ms"] >= 0
+    if capture_fails:
+        assert m["method"].startswith("back-to-back (graph capture failed: RuntimeError")
+    else:
+        assert m["method"] == "CUDA graph replay"
+    # warm-up 1 + one-call estimate 1 + side-stream warm-up 2 (+1 captured) + 1 + 7 timed + 3 latency
+    assert len(calls) == (1 + 1 + 2 + (0 if capture_fails else 1) + 1 + 7 + 3)
+    m = timer.measure(fn, graph=False)
+    assert m["method"] == "back-to-back" and cuda.captures == 1
 
 
 # ---------------------------------------------------------------- real peers

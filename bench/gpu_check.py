@@ -432,8 +432,12 @@ class Bench:
         return self.peers.Inputs(xs, q, g, EPS, SCALE)
 
     def _diff(self, out, ours):
+        """max |out - ours|; a peer's extra unit axes (flash-attn-res's B = 1) are dropped, any
+        other shape difference is a failure (never a broadcast)."""
         out = out[0] if isinstance(out, (tuple, list)) else out
-        diff = (out.float() - ours.float()).abs().max().item()
+        if out.numel() != ours.numel():
+            raise ValueError(f"output shape {tuple(out.shape)} != ours {tuple(ours.shape)}")
+        diff = (out.reshape(ours.shape).float() - ours.float()).abs().max().item()
         return f"max |out - ours| = {diff:.3g}"
 
     def _peer_forward(self, ad, inp, ours, requires_grad=False):
@@ -606,6 +610,8 @@ class Bench:
         the training shape.  Its rows arrive as JSON lines."""
         import subprocess
         self.caps.start_section("jax")
+        if self.dev == "cuda":
+            self.torch.cuda.empty_cache()              # hand torch's cached blocks back for JAX
         seconds, reason = self.caps.left(None)
         if seconds <= 5:
             return self.row("jax", "-", "attnres_jax", "skipped", note=reason)

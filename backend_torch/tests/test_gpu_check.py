@@ -352,6 +352,60 @@ def test_timer_cuda_branch_graph_replay_and_fallback(capture_fails):
     assert m["method"] == "back-to-back" and cuda.captures == 1
 
 
+def _fake_td():
+    """Our kernels' host API (`triton_depth`) stood in for by the composites, so Bench's sections
+    run on the CPU without the interpreter."""
+    def backward(xs, q, g, out, lse, d_out, d_lse, eps, scale):
+        leaves = [x.detach().requires_grad_(True) for x in xs] + [
+            q.detach().requires_grad_(True), g.detach().requires_grad_(True)]
+        o = peers.naive(leaves[:-2], leaves[-2], leaves[-1], eps, scale)[0]
+        grads = torch.autograd.grad(o, leaves, d_out)
+        return list(grads[:-2]), grads[-2], grads[-1]
+    return types.SimpleNamespace(
+        forward=lambda xs, q, g, eps, scale: peers.naive(xs, q, g, eps, scale),
+        backward=backward,
+        multi_forward=lambda xs, qs, gs, eps, scale: peers.naive_multi(xs, qs, gs, eps, scale),
+        merge_forward=peers.naive_merge)
+
+
+def test_bench_sections_with_every_peer_present(monkeypatch):
+    """Every timing section of Bench with every peer "installed" (the fake modules above; their
+    CUDA-only checks lifted): no row fails, each peer is timed where it can express the call and
+    skipped with its reason where not (flash-attn-res at D = 48)."""
+    import gpu_check
+    fakes = {peers.FLA: fake_fla, peers.Liger: fake_liger, peers.FastAttnRes: fake_fast,
+             peers.FlashAttnRes: fake_far}
+
+    def adapters():
+        out = []
+        for cls in (peers.Eager, peers.FLA, peers.Liger, peers.FastAttnRes, peers.FlashAttnRes):
+            ad = cls()
+            ad.cuda_only = False
+            if cls in fakes:
+                ad.mod = fakes[cls]([])
+            out.append(ad)
+        return out
+    monkeypatch.setattr(peers, "all_adapters", adapters)
+    args = gpu_check.parse_args(["--device", "cpu", "--quick", "--skip-jax", "--skip-compile",
+                                 "--max-iters", "1", "--latency-calls", "1", "--target-ms", "1"])
+    bench = gpu_check.Bench(args, torch, _fake_td(), peers, timing_budget=120.0)
+    bench.run()
+    rows = bench.rows
+    assert not [r for r in rows if r["status"] == "failed"], [r for r in rows if r["status"] == "failed"]
+    ok = {(r["section"], r["case"], r["impl"]) for r in rows if r["status"] == "ok"}
+    for name in ("fla fused_attnres", "liger attn_res", "fast-attnres", "flash-attn-res"):
+        for sec in ("forward", "backward only", "forward+backward"):
+            assert (sec, "N=3 T=8 D=64 bf16", name) in ok, (sec, name)
+    for sec in ("phase 1", "merge"):
+        assert (sec, "3 blocks x 4 queries, T=8 D=64 bf16", "flash-attn-res") in ok
+        (skip,) = [r for r in rows if r["section"] == sec and r["impl"] == "flash-attn-res"
+                   and "D=48" in r["case"]]
+        assert skip["status"] == "skipped" and "power-of-two D" in skip["note"]
+    diffs = [r["note"] for r in rows if r["impl"] == "flash-attn-res" and r["status"] == "ok"
+             and r["section"] in ("forward", "phase 1", "merge")]
+    assert diffs and all("max |out - ours|" in n for n in diffs)
+
+
 # ---------------------------------------------------------------- real peers
 
 peers.add_peer_site()

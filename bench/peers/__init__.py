@@ -377,9 +377,12 @@ class FlashAttnRes(Adapter):
         return lambda: self.mod.phase_1_batched_attention_triton_op(v, w, inp.eps)
 
     def merge(self, out1, lse1, partial, q, g, eps, scale):
+        import torch
         t, d = partial.reshape(-1, partial.shape[-1]).shape
-        if d & (d - 1) or str(partial.dtype) != "torch.bfloat16":
-            raise Unsupported(f"bf16, power-of-two D only (got {partial.dtype}, D={d})")
+        if partial.dtype != torch.bfloat16:
+            raise Unsupported(f"bf16 only (got {partial.dtype})")
+        if d & (d - 1):
+            raise Unsupported(f"power-of-two D only (got D={d})")
         args = (partial.reshape(1, t, d), self._w(q, g, scale), out1.reshape(1, t, d),
                 lse1.reshape(1, t), eps)
         return lambda: self.mod.phase_2_online_softmax_merge_triton_op(*args)

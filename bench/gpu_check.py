@@ -780,7 +780,10 @@ def main(argv=None):
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"           # before anything imports Triton
     t0 = time.perf_counter()
-    for sub in ("reference_numpy/src", "backend_torch/src", "backend_torch/tests", "bench"):
+    # nothing of ours is installed on the GPU machine: every package from the tree
+    # (_helpers compares with the suite's tolerance table, attnres_conformance)
+    for sub in ("conformance/src", "reference_numpy/src", "backend_torch/src",
+                "backend_torch/tests", "bench"):
         sys.path.insert(0, str(ROOT / sub))
     import peers
     site = peers.add_peer_site()

@@ -464,6 +464,7 @@ print("liger ok")
 """
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not _importable("liger_kernel") or not _importable("triton"),
                     reason="liger-kernel or triton not importable: run bench/fetch_peers.sh")
 def test_liger_kernel_interpreted_against_float64_reference():
@@ -476,6 +477,7 @@ def test_liger_kernel_interpreted_against_float64_reference():
 
 # ---------------------------------------------------------------- the dry run
 
+@pytest.mark.triton
 @pytest.mark.skipif(not _importable("triton"), reason="Triton is not installed")
 def test_gpu_check_dry_run(tmp_path):
     """The whole script on the CPU at tiny shapes: correctness (interpreted kernels), distributed

@@ -10,6 +10,7 @@
 #   flash-attn-res  -> flash_attn_res.phase_{1,2}_* triton ops
 #   einops          -> needed by fla-core (the H200 image has it; harmless when it does)
 # Usage: bench/fetch_peers.sh [python]   (default: python3; needs pip and network)
+# The folder is git-ignored: a device run must carry it (the run tool's carry: ["bench/.peers"], ~13 MB).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 py="${1:-python3}"

@@ -4,8 +4,10 @@ one H200 session (issue 13, item 3), under 8 minutes.
     python bench/gpu_check.py --out-dir bench/results/h200      # the GPU run
     python bench/gpu_check.py --dry-run --out-dir /tmp/dry       # the whole script on the CPU
 
-Peers come from `bench/.peers/site` (filled by `bench/fetch_peers.sh`; put on sys.path here) or
-the environment; the adapters are `bench/peers` (one class per peer, tested on the CPU).
+Peers come from `bench/.peers/site` (filled by `bench/fetch_peers.sh`; git-ignored, so a device
+run carries it; put on sys.path here) or the environment; the adapters are `bench/peers` (one
+class per peer, tested on the CPU).  Nothing of ours needs installing: the packages are imported
+from the tree.
 
 1. Correctness on the device against the float64 reference (`attnres_numpy.ops`) on the upcast
    inputs, at small shapes: forward, backward (random d_out and d_lse), phase 1 (multi), phase 2

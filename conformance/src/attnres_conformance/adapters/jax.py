@@ -72,6 +72,7 @@ class JaxAdapter(Adapter):
         self._cache: "OrderedDict[tuple, object]" = OrderedDict()
         self._impl: Dict[object, str] = {}  # full key -> "pallas" / "xla"
         self._options = compiler_options()
+        self._shapes: Dict[tuple, list] = {}  # the forward's output shapes by (key, leaves, x64)
 
     def is_available(self) -> bool:
         try:
@@ -149,13 +150,21 @@ class JaxAdapter(Adapter):
 
     def forward(self, fn, leaves, key=None):
         full, run = self._compiled("forward", fn, leaves, key, lambda f: f)
-        return self._count(full, lambda: run(*leaves))
+        outs = self._count(full, lambda: run(*leaves))
+        if full is not None:  # the gradient call of the same case needs no trace for these
+            self._shapes[full[1:]] = [jax.ShapeDtypeStruct(y.shape, y.dtype) for y in outs]
+            while len(self._shapes) > CACHE_SIZE:
+                self._shapes.pop(next(iter(self._shapes)))
+        return outs
 
     def value_and_grads(self, fn, leaves, cotangents, key=None):
-        # One executable per structure: the outputs' abstract shapes (a trace, no compile) give
-        # the cotangents' dtypes, then the forward and the pullback compile as one program (a
+        # One executable per structure: the outputs' abstract shapes (from the case's forward
+        # call, else a trace: no compile) give the cotangents' dtypes, then the forward and the pullback compile as one program (a
         # separate pullback executable doubled the compile time of every gradient case).
-        cts = tuple(cotangents(list(jax.eval_shape(fn, *leaves))))
+        sig = None if key is None else (key, tuple((x.shape, str(x.dtype)) for x in leaves),
+                                         jax.config.jax_enable_x64)
+        shapes = self._shapes.get(sig) or jax.eval_shape(fn, *leaves)
+        cts = tuple(cotangents(list(shapes)))
         mask = tuple(c is None for c in cts)
 
         def make(f):

@@ -2,9 +2,6 @@
 (`attnres_conformance/signatures.json`: names, order, kinds and defaults of every shared op and
 class; framework-specific extras only from its allowlist, each with its reason), issue 17."""
 
-import functools
-import inspect
-
 import attnres_mlx
 from attnres_conformance import signatures
 
@@ -14,22 +11,10 @@ def test_public_signatures_agree_with_the_shared_table():
     assert problems == [], "\n".join(problems)
 
 
-def _renamed(fn, old, new):
-    s = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    wrapper.__signature__ = s.replace(parameters=[p.replace(name=new) if p.name == old else p
-                                                  for p in s.parameters.values()])
-    return wrapper
-
-
 def test_a_renamed_keyword_fails(monkeypatch):
     """Seen failing: `scale` renamed to `logit_scale` in the real depth_attention."""
     monkeypatch.setattr(attnres_mlx, "depth_attention",
-                        _renamed(attnres_mlx.depth_attention, "scale", "logit_scale"))
+                        signatures.renamed(attnres_mlx.depth_attention, "scale", "logit_scale"))
     problems = signatures.mismatches("mlx")
     assert len(problems) == 1 and problems[0].startswith("mlx.depth_attention: signature"), problems
     assert "unexpected ['logit_scale']" in problems[0] and "missing ['scale']" in problems[0]

@@ -4,8 +4,6 @@ reordered or re-kinded parameter, a changed default, a missing or unlisted name,
 allowlist entry) on fake backend modules.  Each backend's own test session checks its real
 surface (backend_*/tests/test_signatures.py): no environment here has all three frameworks."""
 
-import functools
-import inspect
 import types
 
 import attnres_numpy
@@ -91,19 +89,6 @@ def module(**names):
     return m
 
 
-def renamed(fn, old, new):
-    """`fn` with its parameter `old` renamed to `new` (only the signature changes)."""
-    s = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        return fn(*a, **k)
-
-    wrapper.__signature__ = s.replace(parameters=[p.replace(name=new) if p.name == old else p
-                                                  for p in s.parameters.values()])
-    return wrapper
-
-
 def check(backend, **names):
     return sig.mismatches(backend, [module(**names)], TABLE)
 
@@ -118,7 +103,7 @@ def test_fake_backends_that_agree_pass():
 
 
 def test_renamed_keyword_fails():
-    problems = check("torch", op=renamed(op, "eps", "epsilon"), Layer=Layer, helper=helper)
+    problems = check("torch", op=sig.renamed(op, "eps", "epsilon"), Layer=Layer, helper=helper)
     assert len(problems) == 1 and "torch.op" in problems[0]
     assert "unexpected ['epsilon']" in problems[0] and "missing ['eps']" in problems[0]
 
@@ -199,7 +184,7 @@ def test_same_as_requires_the_very_object():
 
 def test_the_real_table_catches_a_renamed_keyword_in_the_reference(monkeypatch):
     """Seen failing on the packaged table: the reference with `eps` renamed."""
-    monkeypatch.setattr(attnres_numpy, "merge_partial", renamed(attnres_numpy.merge_partial, "eps", "epsilon"))
+    monkeypatch.setattr(attnres_numpy, "merge_partial", sig.renamed(attnres_numpy.merge_partial, "eps", "epsilon"))
     problems = sig.mismatches("numpy")
     assert len(problems) == 1 and problems[0].startswith("numpy.merge_partial: signature")
     assert "unexpected ['epsilon']" in problems[0]

@@ -31,6 +31,7 @@ mismatches of the installed backend, `--dump` its current surface.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import json
@@ -247,6 +248,21 @@ def mismatches(backend: str, modules: Optional[Sequence] = None, table: Optional
         problems += [f"{backend}.{n}: listed as backend_only, but also a shared name" for n in own
                      if n in table["signatures"]]
     return problems
+
+
+
+def renamed(fn, old: str, new: str):
+    """`fn` with its parameter `old` renamed to `new` (only the signature changes): the defect the
+    checker's own tests inject to see it fail."""
+    s = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    wrapper.__signature__ = s.replace(parameters=[p.replace(name=new) if p.name == old else p
+                                                  for p in s.parameters.values()])
+    return wrapper
 
 
 def dump(backend: str) -> Dict[str, str]:

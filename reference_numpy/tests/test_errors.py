@@ -65,6 +65,29 @@ DA_ERRORS = [
     (lambda: depth_attention_vjp(X, Q, None, ROW, np.ones(3), activation="sigmoid"), ValueError, "return_lse:"),
     (lambda: depth_attention_vjp([], Q, None, ROW), ValueError, "sources: expected N >= 1"),
     (lambda: depth_attention_vjp(X, Q, np.ones(2), ROW), ValueError, "norm_weight: expected shape"),
+    # C17: the fused output norm's gain and eps
+    (lambda: depth_attention(X, Q, out_norm_weight=np.ones(D + 1)), ValueError,
+     r"out_norm_weight: expected shape \[D\]"),
+    (lambda: depth_attention(X, Q, out_norm_weight=np.ones((1, D))), ValueError, "out_norm_weight: expected shape"),
+    (lambda: depth_attention(X, Q, out_norm_weight=np.ones(D, dtype=np.int32)), TypeError,
+     "out_norm_weight: expected a floating"),
+    (lambda: depth_attention(X, Q, out_norm_weight=G, out_norm_eps=0.0), ValueError,
+     "out_norm_eps: expected out_norm_eps > 0"),
+    (lambda: depth_attention(X, Q, out_norm_weight=G, out_norm_eps=-1e-6), ValueError,
+     "out_norm_eps: expected out_norm_eps > 0"),
+    (lambda: depth_attention(X, Q, out_norm_weight=G, out_norm_eps=float("inf")), ValueError,
+     "out_norm_eps: expected a finite"),
+    (lambda: depth_attention(X, Q, out_norm_weight=G, out_norm_eps=True), TypeError, "out_norm_eps: expected a real"),
+    (lambda: depth_attention(X, Q, out_norm_weight=G, out_norm_eps="1e-6"), TypeError,
+     "out_norm_eps: expected a real"),
+    (lambda: depth_attention(X, Q, out_norm_eps=1e-5), ValueError, "out_norm_eps: given .* out_norm_weight is None"),
+    (lambda: depth_attention_vjp(X, Q, None, ROW, out_norm_eps=1e-5), ValueError, "out_norm_eps: given"),
+    (lambda: depth_attention_vjp(X, Q, None, ROW, d_out_normed=ROW), ValueError,
+     "d_out_normed: given while out_norm_weight is None"),
+    (lambda: depth_attention_vjp(X, Q, None, ROW, out_norm_weight=G, d_out_normed=np.ones(D)), ValueError,
+     "d_out_normed: expected the output's shape"),
+    (lambda: depth_attention_vjp(X, Q, None, ROW, out_norm_weight=np.ones(2)), ValueError,
+     "out_norm_weight: expected shape"),
 ]
 
 MULTI_ERRORS = [
@@ -187,6 +210,8 @@ def _all_calls(rng):
         (depth_attention, (list(x), x[0], g), dict(num_heads=2)),
         (depth_attention_vjp, (x, q, g, d, dl), {}),
         (depth_attention_vjp, (list(x), q, None, d), dict(activation="sigmoid", key_norm=False)),
+        (depth_attention, (x, q, g), dict(out_norm_weight=g, return_lse=True)),  # C17
+        (depth_attention_vjp, (list(x), q, g, d, dl), dict(out_norm_weight=g, d_out_normed=d)),
         (depth_attention_multi, (x, qs, gs), {}),
         (depth_attention_multi_vjp, (list(x), qs, gs, rng.standard_normal((2, 2, D)), rng.standard_normal((2, 2))), {}),
         (merge_partial, (d, l1, p, q, g), dict(return_lse=True)),

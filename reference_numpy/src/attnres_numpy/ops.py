@@ -13,6 +13,8 @@ Notation (spec section 2.1), per token and head:
     p_i   = softmax_i(z) or sigmoid(z_i)               depth weights
     out   = sum_i p_i x_i
     lse   = log sum_i exp(z_i)                         (softmax only)
+    rho   = 1 / sqrt(mean_D(out ** 2) + eps_o)        fused output norm (C17), over all D channels
+    out_normed = rho * out * out_norm_weight
 """
 
 from __future__ import annotations
@@ -65,15 +67,35 @@ def _stats(x, q, g, *, eps, scale, num_heads, key_norm):
 
     Returns r `[N, ..., H]`, qg `[..., H, Dh]`, s `[N, ..., H]`, z `[N, ..., H]`.
     """
-    head_dim = x.shape[-1]
     with np.errstate(invalid="ignore", over="ignore"):
-        return _stats_unguarded(x, q, g, eps=eps, scale=scale, key_norm=key_norm, head_dim=head_dim)
+        return _stats_unguarded(x, q, g, eps=eps, scale=scale, key_norm=key_norm)
 
 
-def _stats_unguarded(x, q, g, *, eps, scale, key_norm, head_dim):
+def _inv_rms(x: np.ndarray, eps: float) -> np.ndarray:
+    """`(mean(x ** 2) + eps) ** -0.5` over the last axis: `[..., K]` -> `[...]`.
+
+    C10.6: overflow-safe for every finite row.  Where the sum of squares overflows float64
+    (|x| beyond ~1e154) the row is scaled by a power of two 2^-k (exact) first and the result
+    scaled back: (mean(x^2) + eps)^-1/2 = 2^-k (mean((2^-k x)^2) + 2^-2k eps)^-1/2.  Rows with a
+    non-finite element keep the plain formula (C12: inf -> r = 0, then NaN downstream).
+    """
+    with np.errstate(invalid="ignore", over="ignore"):
+        ms = np.sum(x * x, axis=-1) / x.shape[-1]
+        r = 1.0 / np.sqrt(ms + eps)
+        redo = ~np.isfinite(ms) & np.all(np.isfinite(x), axis=-1)
+    if np.any(redo):
+        _, k = np.frexp(np.max(np.abs(x[redo]), axis=-1))  # max |x| < 2^k
+        xs = np.ldexp(x[redo], -k[:, None])
+        inner = np.sum(xs * xs, axis=-1) / x.shape[-1] + np.ldexp(eps, -2 * k)
+        r = np.array(r, copy=True)
+        r[redo] = np.ldexp(1.0 / np.sqrt(inner), -k)
+    return r
+
+
+def _stats_unguarded(x, q, g, *, eps, scale, key_norm):
     # C12: Inf/NaN inputs propagate (inf * 0 -> NaN) without warnings or exceptions.
     if key_norm:
-        r = 1.0 / np.sqrt(np.sum(x * x, axis=-1) / head_dim + eps)
+        r = _inv_rms(x, eps)
     else:
         r = np.ones(x.shape[:-1])
     qg = q * g
@@ -98,15 +120,19 @@ def _lse(z: np.ndarray) -> np.ndarray:
         return m + np.log(np.sum(np.exp(z - m[None]), axis=0))
 
 
-def _prepare(sources, query, norm_weight, eps, scale, num_heads, activation, key_norm, return_lse):
+def _prepare(sources, query, norm_weight, eps, scale, num_heads, activation, key_norm, return_lse,
+             out_norm_weight=None, out_norm_eps=None):
     shapes, dtypes, stacked = _source_meta(sources)
     query = np.asarray(query)
     nw = None if norm_weight is None else np.asarray(norm_weight)
+    ow = None if out_norm_weight is None else np.asarray(out_norm_weight)
     geo = validation.check_depth_attention(
         shapes, dtypes, query.shape, _dtype_name(query),
         None if nw is None else nw.shape, None if nw is None else _dtype_name(nw),
         stacked=stacked, eps=eps, scale=scale, num_heads=num_heads, activation=activation,
         key_norm=key_norm, return_lse=return_lse,
+        out_norm_weight_shape=None if ow is None else ow.shape,
+        out_norm_weight_dtype=None if ow is None else _dtype_name(ow), out_norm_eps=out_norm_eps,
     )
     x, _ = _as_stack(sources)
     h = geo.num_heads
@@ -114,6 +140,15 @@ def _prepare(sources, query, norm_weight, eps, scale, num_heads, activation, key
     qh = _heads(query.astype(np.float64), h)  # [H, Dh] or [..., H, Dh]
     gh = _heads(np.ones(geo.dim) if nw is None else nw.astype(np.float64), h)  # [H, Dh]
     return geo, xh, qh, gh
+
+
+def _out_norm(out: np.ndarray, eps_o: float):
+    """C17: rho `[...]` and y_hat = rho * out `[..., D]` of out `[..., D]`, over ALL D channels
+    (whatever num_heads).  rho comes from the overflow-safe `_inv_rms` (C10.6) and y_hat is
+    formed as one product rho * y, so it is finite and of RMS ~1 for every finite out."""
+    with np.errstate(invalid="ignore", over="ignore"):  # C12: NaN/Inf propagate silently
+        rho = _inv_rms(out, eps_o)
+        return rho, rho[..., None] * out
 
 
 def depth_attention(
@@ -128,8 +163,10 @@ def depth_attention(
     key_norm: bool = True,
     return_lse: bool = False,
     return_weights: bool = False,
+    out_norm_weight=None,
+    out_norm_eps: Optional[float] = None,
 ):
-    """Depth attention over N sources (spec section 2, constraints C1-C12).
+    """Depth attention over N sources (spec section 2, constraints C1-C12, C17).
 
     Args:
       sources: a sequence of N >= 1 arrays `[..., D]` or one stacked array `[N, ..., D]`.
@@ -138,16 +175,22 @@ def depth_attention(
       eps, scale, num_heads, activation, key_norm: spec options (C8, C9).
       return_lse / return_weights: also return lse `[...]` (`[..., H]` if H > 1) and the depth
         weights `[N, ...]` (`[N, ..., H]` if H > 1).
+      out_norm_weight: the fused output norm's gain `[D]` (C17), or None (off); then also return
+        out_normed `[..., D]` = rmsnorm(out) * out_norm_weight over all D channels.
+      out_norm_eps: that norm's eps; None means `eps`.
 
     Returns:
-      out `[..., D]` float64; or a tuple `(out, lse?, weights?)` in that order.
+      out `[..., D]` float64; or a tuple `(out, out_normed?, lse?, weights?)` in that order.
     """
     geo, xh, qh, gh = _prepare(sources, query, norm_weight, eps, scale, num_heads, activation,
-                               key_norm, return_lse)
+                               key_norm, return_lse, out_norm_weight, out_norm_eps)
     _, _, _, z = _stats(xh, qh, gh, eps=eps, scale=scale, num_heads=geo.num_heads, key_norm=key_norm)
     p = _weights(z, activation)
     out = np.sum(p[..., None] * xh, axis=0).reshape(geo.batch_shape + (geo.dim,))
     extra = []
+    if out_norm_weight is not None:  # C17: from out before any rounding
+        _, y_hat = _out_norm(out, geo.out_norm_eps)
+        extra.append(y_hat * np.asarray(out_norm_weight, dtype=np.float64))
     if return_lse:
         lse = _lse(z)
         extra.append(lse if geo.num_heads > 1 else lse[..., 0])
@@ -173,27 +216,48 @@ def depth_attention_vjp(
     num_heads: int = 1,
     activation: str = "softmax",
     key_norm: bool = True,
+    out_norm_weight=None,
+    out_norm_eps: Optional[float] = None,
+    d_out_normed=None,
 ) -> Dict[str, object]:
-    """VJP of `depth_attention` (spec section 2.3).
+    """VJP of `depth_attention` (spec sections 2.3 and 2.6).
 
     Args:
-      d_out: cotangent of out `[..., D]`; d_lse: optional cotangent of lse `[...]` (`[..., H]`).
+      d_out: cotangent of out `[..., D]` (None: zero); d_lse: optional cotangent of lse `[...]`
+        (`[..., H]`); d_out_normed: optional cotangent of out_normed `[..., D]` (needs
+        out_norm_weight).  out_norm_weight, out_norm_eps: as in `depth_attention` (C17).
 
     Returns a dict: "sources" (a list of `[..., D]` if sources was a sequence, else `[N, ..., D]`),
-    "query" (shaped like query), "norm_weight" (`[D]`, or None when norm_weight is None).
+    "query" (shaped like query), "norm_weight" (`[D]`, or None when norm_weight is None),
+    "out_norm_weight" (`[D]`, or None when out_norm_weight is None).
     Depth weights are not differentiable (C11).
     """
     geo, xh, qh, gh = _prepare(sources, query, norm_weight, eps, scale, num_heads, activation,
-                               key_norm, d_lse is not None)
+                               key_norm, d_lse is not None, out_norm_weight, out_norm_eps)
     full_shape = geo.batch_shape + (geo.dim,)
-    validation.check_cotangent("d_out", np.shape(d_out), full_shape)
+    if d_out is not None:
+        validation.check_cotangent("d_out", np.shape(d_out), full_shape)
     if d_lse is not None:
         lse_shape = geo.batch_shape + ((geo.num_heads,) if geo.num_heads > 1 else ())
         validation.check_cotangent("d_lse", np.shape(d_lse), lse_shape)
+    if d_out_normed is not None:
+        if out_norm_weight is None:
+            raise ValueError("d_out_normed: given while out_norm_weight is None (there is no "
+                             "out_normed output to take a cotangent of)")
+        validation.check_cotangent("d_out_normed", np.shape(d_out_normed), full_shape)
     r, qg, s, z = _stats(xh, qh, gh, eps=eps, scale=scale, num_heads=geo.num_heads, key_norm=key_norm)
     p = _weights(z, activation)
-    g_out = _heads(np.asarray(d_out, dtype=np.float64), geo.num_heads)  # [..., H, Dh]
-    out = np.sum(p[..., None] * xh, axis=0)
+    out = np.sum(p[..., None] * xh, axis=0)  # [..., H, Dh]
+    g_full = np.zeros(full_shape) if d_out is None else np.asarray(d_out, dtype=np.float64)
+    d_onw = None
+    if out_norm_weight is not None:  # C17 backward: fold d_out_normed into d_out
+        w = np.asarray(out_norm_weight, dtype=np.float64)
+        gn = np.zeros(full_shape) if d_out_normed is None else np.asarray(d_out_normed, dtype=np.float64)
+        rho, y_hat = _out_norm(out.reshape(full_shape), geo.out_norm_eps)
+        a = gn * w
+        g_full = g_full + rho[..., None] * (a - y_hat * (np.sum(a * y_hat, axis=-1) / geo.dim)[..., None])
+        d_onw = np.sum((gn * y_hat).reshape(-1, geo.dim), axis=0)
+    g_out = _heads(g_full, geo.num_heads)  # [..., H, Dh]
     dp = np.sum(g_out[None] * xh, axis=-1)  # [N, ..., H]
     if activation == "softmax":
         dz = p * (dp - np.sum(g_out * out, axis=-1)[None])
@@ -222,6 +286,7 @@ def depth_attention_vjp(
         "sources": d_sources,
         "query": dq.reshape(np.shape(query)),
         "norm_weight": None if norm_weight is None else dg.reshape(geo.dim),
+        "out_norm_weight": d_onw,
     }
 
 

@@ -31,6 +31,7 @@ class DepthAttentionGeometry:
     num_sources: N >= 1.  batch_shape: the token axes `...` of every source.  dim: D.
     head_dim: D // num_heads.  per_token_query: query is `[..., D]` rather than `[D]`.
     compute_dtype: "float64" for float64 sources, else "float32" (C10).
+    out_norm_eps: the fused output norm's eps in effect (C17), None when out_norm_weight is None.
     """
 
     num_sources: int
@@ -41,6 +42,7 @@ class DepthAttentionGeometry:
     per_token_query: bool
     source_dtype: str
     compute_dtype: str
+    out_norm_eps: Optional[float] = None
 
 
 def check_floating(name: str, dtype: str) -> None:
@@ -51,15 +53,36 @@ def check_floating(name: str, dtype: str) -> None:
         )
 
 
+def _check_finite_real(name: str, value) -> None:
+    """C8: `value` is a finite real number (a bool is not a real)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+
+
 def check_eps_scale(eps, scale) -> None:
     """C8: eps is a finite real number > 0; scale is a finite real number."""
     for name, value in (("eps", eps), ("scale", scale)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
-        if not math.isfinite(float(value)):
-            raise ValueError(f"{name}: expected a finite number, got {value!r}")
+        _check_finite_real(name, value)
     if float(eps) <= 0.0:
         raise ValueError(f"eps: expected eps > 0, got {eps!r}")
+
+
+def check_out_norm(weight_shape: Optional[Shape], weight_dtype: Optional[str], out_norm_eps,
+                   dim: int) -> None:
+    """C17 (with C5, C8): out_norm_weight is None or a floating `[D]`; out_norm_eps is None or a
+    finite real > 0, and only given together with out_norm_weight."""
+    if weight_shape is None:
+        if out_norm_eps is not None:
+            raise ValueError(f"out_norm_eps: given ({out_norm_eps!r}) while out_norm_weight is None; "
+                             "out_norm_eps applies only with out_norm_weight")
+        return
+    check_vector("out_norm_weight", weight_shape, weight_dtype, dim)
+    if out_norm_eps is not None:
+        _check_finite_real("out_norm_eps", out_norm_eps)
+        if float(out_norm_eps) <= 0.0:
+            raise ValueError(f"out_norm_eps: expected out_norm_eps > 0, got {out_norm_eps!r}")
 
 
 def check_options(num_heads, activation, key_norm, return_lse) -> None:
@@ -152,12 +175,20 @@ def check_depth_attention(
     activation="softmax",
     key_norm=True,
     return_lse=False,
+    out_norm_weight_shape: Optional[Shape] = None,
+    out_norm_weight_dtype: Optional[str] = None,
+    out_norm_eps=None,
 ) -> DepthAttentionGeometry:
-    """All checks of `depth_attention` (C1-C9) in the spec's order; returns the geometry."""
+    """All checks of `depth_attention` (C1-C9, C17) in the spec's order; returns the geometry.
+
+    out_norm_weight_shape / _dtype: the fused output norm's gain `[D]` (None: off); out_norm_eps:
+    its eps (None: `eps`).  The geometry's `out_norm_eps` is the eps in effect (None when off).
+    """
     n, batch, dim, dtype = check_sources(source_shapes, source_dtypes, stacked)
     per_token = check_query(query_shape, query_dtype, tuple(batch) + (dim,))
     if norm_weight_shape is not None:
         check_vector("norm_weight", norm_weight_shape, norm_weight_dtype, dim)
+    check_out_norm(out_norm_weight_shape, out_norm_weight_dtype, out_norm_eps, dim)
     check_eps_scale(eps, scale)
     check_options(num_heads, activation, key_norm, return_lse)
     if dim % num_heads:
@@ -171,6 +202,8 @@ def check_depth_attention(
         per_token_query=per_token,
         source_dtype=dtype,
         compute_dtype=compute_dtype_for(dtype),
+        out_norm_eps=None if out_norm_weight_shape is None else float(
+            eps if out_norm_eps is None else out_norm_eps),
     )
 
 

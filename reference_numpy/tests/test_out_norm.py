@@ -165,3 +165,14 @@ def test_nonfinite_propagates_per_token(rng):
                                    d_out_normed=np.ones((3, D)))
     assert np.all(np.isnan(grad["out_norm_weight"]))
     assert np.all(np.isfinite(grad["sources"][:, [0, 2]]))
+
+
+def test_spec_worked_example():
+    """The fused-output-norm line of spec section 2.5 (6 decimals)."""
+    x = [np.array(r, float) for r in ([1, 2, 3, 4], [-2, 0, 2, 1], [0.5, -1, 0, 3])]
+    q, g, w = np.array([0.5, -0.25, 1, 0]), np.array([1, 2, 1, 0.5]), np.array([1, 0.5, 2, -1.0])
+    _, normed = ops.depth_attention(x, q, g, out_norm_weight=w)
+    np.testing.assert_allclose(normed, [-0.059046, 0.165145, 2.218623, -1.629984], atol=5e-7)
+    grad = ops.depth_attention_vjp(x, q, g, np.array([1, 0, -1, 0.5]), 0.25, out_norm_weight=w,
+                                   d_out_normed=np.array([0.5, 1, 0, -1.0]))
+    np.testing.assert_allclose(grad["out_norm_weight"], [-0.029523, 0.330290, 0, -1.629984], atol=5e-7)

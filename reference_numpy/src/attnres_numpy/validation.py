@@ -188,11 +188,11 @@ def check_depth_attention(
     per_token = check_query(query_shape, query_dtype, tuple(batch) + (dim,))
     if norm_weight_shape is not None:
         check_vector("norm_weight", norm_weight_shape, norm_weight_dtype, dim)
-    check_out_norm(out_norm_weight_shape, out_norm_weight_dtype, out_norm_eps, dim)
     check_eps_scale(eps, scale)
     check_options(num_heads, activation, key_norm, return_lse)
     if dim % num_heads:
         raise ValueError(f"num_heads: D = {dim} is not divisible by num_heads = {num_heads}")
+    check_out_norm(out_norm_weight_shape, out_norm_weight_dtype, out_norm_eps, dim)
     return DepthAttentionGeometry(
         num_sources=n,
         batch_shape=tuple(batch),

@@ -229,7 +229,7 @@ def depth_attention_vjp(
 
     Returns a dict: "sources" (a list of `[..., D]` if sources was a sequence, else `[N, ..., D]`),
     "query" (shaped like query), "norm_weight" (`[D]`, or None when norm_weight is None),
-    "out_norm_weight" (`[D]`, or None when out_norm_weight is None).
+    and "out_norm_weight" (`[D]`) only when out_norm_weight is given.
     Depth weights are not differentiable (C11).
     """
     geo, xh, qh, gh = _prepare(sources, query, norm_weight, eps, scale, num_heads, activation,
@@ -282,12 +282,14 @@ def depth_attention_vjp(
     dg = np.sum(dg_full, axis=tok_axes)
     dx = dx.reshape((geo.num_sources,) + full_shape)
     d_sources = dx if isinstance(sources, np.ndarray) else [dx[i] for i in range(geo.num_sources)]
-    return {
+    grads = {
         "sources": d_sources,
         "query": dq.reshape(np.shape(query)),
         "norm_weight": None if norm_weight is None else dg.reshape(geo.dim),
-        "out_norm_weight": d_onw,
     }
+    if out_norm_weight is not None:  # only then: callers that map every key onto an argument keep working
+        grads["out_norm_weight"] = d_onw
+    return grads
 
 
 def _check_multi(sources, queries, norm_weights, eps, scale):

@@ -5,7 +5,7 @@
 * fp32 sources of magnitude 1e18 / 1e25: the key norm must not overflow (C10.6) and the backward
   must not form s r^3 (underflow), forward and gradients within the fp32 tolerance;
 * `merge_partial` with lse1 - z2 ~ 10: w2 from its own logistic, not 1 - w1;
-* the fp32 forward at D = 1024 sums over D pairwise (`_xla.tree_sum`), not sequentially;
+* the fp32 forward at D = 1024 sums over D with a reduce (`_xla.channel_sum`), not a sequential matvec;
 * a cotangent of the wrong shape raises JAX's own ValueError.
 """
 
@@ -182,19 +182,31 @@ def test_merge_small_partial_weight_keeps_its_gradient(rng, impl):
 # -- fp32 forward accuracy at D = 1024 (pairwise sums over D) ----------------------------------------------
 
 
-def test_fp32_forward_sums_over_d_pairwise():
-    """N = 9, T = 64, D = 1024, q = 0.05 randn, jitted: sequential sums over D (XLA's lowering of
-    `jnp.sum` / a matvec) gave a max rel err of 1.1e-6..1.7e-6 on these draws; pairwise sums give
-    5.6e-7..8.7e-7.  The bound is on the mean over three draws, between the two."""
+def _plain_jnp_port(xs, q):
+    """The op as a plain jnp port writes it (issue 17 compared tpu-inference's Kimi code):
+    key = x * rsqrt(mean(x^2) + eps), logits by a reduce, softmax over depth, einsum."""
+    k = xs * jax.lax.rsqrt(jnp.mean(xs * xs, -1, keepdims=True) + 1e-6)
+    p = jax.nn.softmax(jnp.sum(k * q, -1), axis=0)
+    return jnp.einsum("nt,ntd->td", p, xs, precision="highest")
+
+
+def test_fp32_forward_sums_over_d_without_a_sequential_matvec():
+    """N = 9, T = 64, D = 1024, q = 0.05 randn, jitted, the suite's per-element metric: logits
+    from a matvec `x @ Qm` (XLA:CPU's dot emitter accumulates sequentially) gave 1.1e-6..1.7e-6
+    on these draws, 4-5x worse than issue 17's plain port; a reduce of the elementwise product
+    (`_xla.channel_sum`) gives 8.4e-7..9.6e-7, and the plain jnp port 1.5e-6..2.9e-6 here."""
     rng = np.random.default_rng(17)
     f = jax.jit(lambda xs, q: aj.depth_attention(list(xs), q, impl="xla"))
-    errs = []
+    port = jax.jit(_plain_jnp_port)
+    errs, port_errs = [], []
     for _ in range(3):
         xs = np.asarray(rng.standard_normal((9, 64, 1024)), np.float32)
         q = np.asarray(0.05 * rng.standard_normal(1024), np.float32)
         want = ref.depth_attention(list(xs.astype(np.float64)), q.astype(np.float64))
         errs.append(rel_err(np.asarray(f(xs, q), np.float64), want, TOLERANCES["float32"].atol)[0])
-    assert np.mean(errs) < 1.0e-6, errs
+        port_errs.append(rel_err(np.asarray(port(xs, q), np.float64), want, TOLERANCES["float32"].atol)[0])
+    assert np.mean(errs) < 1.2e-6, errs
+    assert np.mean(errs) < np.mean(port_errs), (errs, port_errs)
 
 
 # -- cotangent shape ---------------------------------------------------------------------------------------

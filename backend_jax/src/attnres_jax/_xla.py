@@ -14,8 +14,8 @@ propagate unchanged).  Per-token statistics are `[..., K]` (K = S * H columns, c
 k = s * H + h).  Pseudo-queries also become one block-diagonal matrix `Qm [D, K]` (column k holds
 qg[s] on head h's channels) for the backward's products, at HIGHEST precision (a TPU/GPU would
 otherwise run them in bf16/tf32).  Every contraction over D (the logits s, <d_out, x_i>, the key
-norm's sum of squares) is an elementwise product and a pairwise `tree_sum`, not a matmul or
-`jnp.sum`, which XLA accumulates sequentially (~D eps instead of ~log2(D) eps).
+norm's sum of squares) is an elementwise product and a reduce (`channel_sum`), not a matmul:
+XLA:CPU's dot emitter accumulates a matvec sequentially (~D eps), its reduce in vector lanes.
 
 Numerics (C10): every intermediate in the compute dtype `ct` (`_args.compute_dtype`), one final
 cast by the caller.  Memory: the residuals are the inputs plus p, s `[N, ..., K]` and
@@ -102,37 +102,23 @@ def _expand(v, s: int, num_heads: int, dim: int):
     return jnp.broadcast_to(v, v.shape[:-1] + (dim // num_heads,)).reshape(v.shape[:-2] + (dim,))
 
 
-#: Up to this many channels a sum over D is one reduce (error <= LEAF eps; a program a few hundred
-#: ops smaller per source at the small D of the conformance grid).  Only there: at D = 1024 a
-#: reduce over blocks of 8 ran 3.3x slower on XLA:CPU than the halving below.
-LEAF = 8
+def channel_sum(w):
+    """`[..., n]` -> `[..., 1]`: the sum over the last axis as one reduce (C10.5: the order is
+    fixed by the shape, C15).
 
-
-def tree_sum(w):
-    """`[..., n]` -> `[..., 1]`: the sum over the last axis by pairwise halving (C10); one reduce
-    when n <= `LEAF`.
-
-    Under jit XLA lowers `jnp.sum` over D (and a matvec) as one sequential accumulation: relative
-    error ~D eps (fp32, D = 1024: s_i off by ~1.2e-6, the forward by ~1.5e-6 against the float64
-    reference).  Halving (`w[:n/2] + w[n/2:]`, zero-padded to a power of two) gives ~log2(D) eps
-    and stays one fused elementwise pass.  The order is fixed by the shape (C10.5, C15)."""
-    n = w.shape[-1]
-    if n <= LEAF:
-        return jnp.sum(w, axis=-1, keepdims=True)
-    width = 1 << (n - 1).bit_length()
-    if width != n:
-        w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, width - n)])
-    while w.shape[-1] > 1:  # lax slices: the same HLO as `w[..., :half]`, ~10x cheaper to trace
-        half = w.shape[-1] // 2
-        w = jax.lax.slice_in_dim(w, 0, half, axis=-1) + jax.lax.slice_in_dim(w, half, 2 * half, axis=-1)
-    return w
+    Not a matmul: XLA:CPU lowers a matvec `x @ qg` as one sequential accumulation (fp32, D = 1024:
+    the forward off by 1.1e-6..1.7e-6 against the float64 reference), a reduce over the minor axis
+    in vector lanes (2e-7..3e-7, the accuracy of a plain `jnp` port).  A pairwise halving through
+    slices was as accurate and ran the jitted D = 1024 forward 2.5x slower (125 vs 50 ms at N = 9,
+    T = 8192): XLA emits it as scalar code per token."""
+    return jnp.sum(w, axis=-1, keepdims=True)
 
 
 def _head_sums(w, num_heads: int):
-    """`[..., D]` -> sums over each head's channels `[..., H]` (`tree_sum`)."""
+    """`[..., D]` -> sums over each head's channels `[..., H]` (`channel_sum`)."""
     if num_heads == 1:
-        return tree_sum(w)
-    return tree_sum(w.reshape(w.shape[:-1] + (num_heads, w.shape[-1] // num_heads)))[..., 0]
+        return channel_sum(w)
+    return channel_sum(w.reshape(w.shape[:-1] + (num_heads, w.shape[-1] // num_heads)))[..., 0]
 
 
 def _columns(w, num_heads: int):
@@ -173,11 +159,21 @@ def inv_rms(x, reduce, count: int, eps: float):
     return jnp.where(big, lo * jax.lax.rsqrt(ms_lo), jax.lax.rsqrt(ms + eps))
 
 
+def inv_rms_cond(x, reduce, count: int, eps: float):
+    """`inv_rms` with its overflow branch behind one `lax.cond`: the rescaled second sum of
+    squares runs only when some mean overflowed (C10.6), not on every call (as a `jnp.where`
+    does: that extra pass over x ran the jitted N = 9, T = 8192, D = 1024 fp32 forward 1.7x
+    slower).  Under `vmap` the cond becomes a select and both sides run, as in `inv_rms`."""
+    ms = reduce(x * x) / count
+    return jax.lax.cond(jnp.any(jnp.isinf(ms)), lambda: inv_rms(x, reduce, count, eps),
+                        lambda: jax.lax.rsqrt(ms + eps))
+
+
 def _head_rms(x, opts: Options):
     """r `[..., H]`: 1 / sqrt(mean over each head's channels of x^2 + eps) (ones without key norm)."""
     if not opts.key_norm:
         return jnp.ones(x.shape[:-1] + (opts.num_heads,), x.dtype)
-    return inv_rms(x, lambda v: _head_sums(v, opts.num_heads), x.shape[-1] // opts.num_heads, opts.eps)
+    return inv_rms_cond(x, lambda v: _head_sums(v, opts.num_heads), x.shape[-1] // opts.num_heads, opts.eps)
 
 
 # -- the query side --------------------------------------------------------------------------------
@@ -243,7 +239,7 @@ def forward(xs: list, qs: Query, opts: Options, ct):
 
     def stats(x):
         x = x.astype(ct)
-        if qs.qm is not None:  # [S, 1.., D] query sets against x: per-column tree sums (C10)
+        if qs.qm is not None:  # [S, 1.., D] query sets against x: per-column sums (C10)
             s = _columns(_lead(x) * qs.qg.reshape((sets,) + (1,) * (x.ndim - 1) + (dim,)), h)
         else:
             s = _columns(_lead(x * qs.qg), h)
@@ -331,7 +327,7 @@ def merge(opts: MergeOptions, out1, lse1, partial, query, norm_weight, ct):
     qg = query.astype(ct)
     if norm_weight is not None:
         qg = qg * norm_weight.astype(ct)
-    r = inv_rms(x, lambda v: jnp.sum(v, axis=-1), x.shape[-1], opts.eps)
+    r = inv_rms_cond(x, lambda v: jnp.sum(v, axis=-1), x.shape[-1], opts.eps)
     s = jnp.sum(qg * x, axis=-1)
     z2 = opts.scale * r * s
     l1 = lse1.astype(ct)

@@ -45,18 +45,50 @@ def logits(sources: List[torch.Tensor], query, norm_weight, *, eps, scale, num_h
     return scale * rho * (y * _heads(qg, num_heads)).sum(-1)
 
 
-def depth_attention(sources: List[torch.Tensor], query, norm_weight: Optional[torch.Tensor], *,
-                    eps: float, scale: float, num_heads: int, activation: str, key_norm: bool):
-    """Returns out `[..., D]` (source dtype), lse `[..., H]` (compute dtype, None for sigmoid) and
-    weights `[N, ..., H]` (compute dtype)."""
+def _depth_attention(sources: List[torch.Tensor], query, norm_weight: Optional[torch.Tensor], *,
+                     eps: float, scale: float, num_heads: int, activation: str, key_norm: bool):
+    """(y `[..., D]` in the compute dtype, before out's rounding; lse; weights)."""
     cdtype = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
     z = logits(sources, query, norm_weight, eps=eps, scale=scale, num_heads=num_heads,
                key_norm=key_norm, cdtype=cdtype)
     p = torch.softmax(z, 0) if activation == "softmax" else torch.sigmoid(z)
     x = _heads(torch.stack([s.to(cdtype) for s in sources]), num_heads)
-    out = (p.unsqueeze(-1) * x).sum(0).flatten(-2).to(sources[0].dtype)
+    y = (p.unsqueeze(-1) * x).sum(0).flatten(-2)
     lse = torch.logsumexp(z, 0) if activation == "softmax" else None
-    return out, lse, p
+    return y, lse, p
+
+
+def depth_attention(sources: List[torch.Tensor], query, norm_weight: Optional[torch.Tensor], *,
+                    eps: float, scale: float, num_heads: int, activation: str, key_norm: bool):
+    """Returns out `[..., D]` (source dtype), lse `[..., H]` (compute dtype, None for sigmoid) and
+    weights `[N, ..., H]` (compute dtype)."""
+    y, lse, p = _depth_attention(sources, query, norm_weight, eps=eps, scale=scale,
+                                 num_heads=num_heads, activation=activation, key_norm=key_norm)
+    return y.to(sources[0].dtype), lse, p
+
+
+def rms_norm(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(rho y) w over the last axis of y `[..., D]` in y's dtype (C17), rho = (mean(y^2) + eps)^-1/2.
+
+    Evaluated on y / a (a = 2^e `[..., 1]`, exact, detached) as rho' (y / a) with
+    rho' = (mean((y / a)^2) + eps / a^2)^-1/2 = a rho: the sum of squares stays finite for every
+    finite y (C10.6) and rho y is one factor of order 1 (autograd never forms rho^3 alone)."""
+    a = _pow2_scale(y)
+    ys = y / a
+    rho = torch.rsqrt(ys.square().mean(-1, keepdim=True) + eps / a.square())
+    return (rho * ys) * weight.to(y.dtype)
+
+
+def depth_attention_out_norm(sources: List[torch.Tensor], query, norm_weight, out_norm_weight, *,
+                             eps: float, scale: float, num_heads: int, activation: str,
+                             key_norm: bool, out_norm_eps: float):
+    """`depth_attention` with the fused output norm (C17, spec 2.6): returns out, out_normed
+    (`[..., D]`, both in the source dtype; out_normed from the unrounded y over all D channels),
+    lse and weights."""
+    y, lse, p = _depth_attention(sources, query, norm_weight, eps=eps, scale=scale,
+                                 num_heads=num_heads, activation=activation, key_norm=key_norm)
+    normed = rms_norm(y, out_norm_weight, out_norm_eps)
+    return y.to(sources[0].dtype), normed.to(sources[0].dtype), lse, p
 
 
 class _LogisticPair(torch.autograd.Function):

@@ -122,9 +122,10 @@ def _load(defines: tuple = ()) -> Optional[ctypes.CDLL]:
     lib.attnres_set_hugepages(int(_state["hugepages"]))
     f64 = ctypes.c_double
     lib.attnres_forward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, f64, f64, ptr,
-                                    i64, f32p, f32p, ctypes.c_int]
+                                    i64, f32p, f32p, f32p, f64, ptr, i64, ctypes.c_int]
     lib.attnres_backward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, ptr, i64, f32p,
-                                     f64, f64, ptr, ptr, f32p, ctypes.c_int]
+                                     f64, f64, ptr, ptr, f32p, ptr, i64, f32p, f64, f32p,
+                                     ctypes.c_int]
     lib.attnres_multi_forward.argtypes = [ctypes.c_int, i64, i64, i64, i64, ptr, ptr, f32p, f64, f64,
                                           ptr, i64, i64, f32p, ctypes.c_int]
     lib.attnres_merge_forward.argtypes = [ctypes.c_int, i64, i64, ptr, i64, f32p, ptr, i64, f32p, i64,
@@ -255,14 +256,26 @@ def _done(rc: int, name: str) -> None:
         raise MemoryError(f"cpu_c: {name} could not allocate its scratch or threads")
 
 
+def _check_out_norm(w: torch.Tensor, dim: int) -> None:
+    """The output norm's gain (C17): a contiguous fp32 `[D]`."""
+    _check("out_norm_weight", w, torch.float32, (dim,))
+
+
 @torch.no_grad()
 def forward_into(sources: List[torch.Tensor], qg: torch.Tensor, eps: float, scale: float,
                  out: torch.Tensor, lse: torch.Tensor,
-                 weights: Optional[torch.Tensor] = None) -> None:
+                 weights: Optional[torch.Tensor] = None,
+                 out_norm: Optional[tuple] = None) -> None:
     """out `[T, D]` (sources' dtype) and lse `[T]` (fp32, contiguous) of depth attention; with
     `weights` (`[N, T]` fp32, contiguous) also the softmax weights, taken from the same logits,
-    max and sum as lse (so they sum to 1 and are exactly 1 at N = 1)."""
+    max and sum as lse (so they sum to 1 and are exactly 1 at N = 1).  With
+    `out_norm = (w [D] fp32 contiguous, eps_o, out_normed [T, D] sources' dtype)` the same pass
+    also writes out_normed = rmsnorm(y) * w of the row's fp32 accumulator y (C17)."""
     rows, dim, dtype = _check_common(sources, qg)
+    onw, on_eps, normed = out_norm if out_norm is not None else (None, 0.0, None)
+    if out_norm is not None:
+        _check_out_norm(onw, dim)
+        _check("out_normed", normed, dtype, (rows, dim))
     lib = _library_for(dtype)
     _check("out", out, dtype, (rows, dim))
     _check("lse", lse, torch.float32, (rows,))
@@ -274,19 +287,30 @@ def forward_into(sources: List[torch.Tensor], qg: torch.Tensor, eps: float, scal
     rc = lib.attnres_forward(_DTYPES[dtype], len(sources), rows, dim, src, src_rs, qg.data_ptr(),
                              _qg_row_stride(qg), eps, scale, out.data_ptr(), out.stride(0),
                              lse.data_ptr(), None if weights is None else weights.data_ptr(),
-                             torch.get_num_threads())
+                             None if onw is None else onw.data_ptr(), float(on_eps),
+                             None if normed is None else normed.data_ptr(),
+                             0 if normed is None else normed.stride(0), torch.get_num_threads())
     _done(rc, "attnres_forward")
 
 
 @torch.no_grad()
 def backward_into(sources: List[torch.Tensor], qg: torch.Tensor, lse: torch.Tensor,
                   d_out: torch.Tensor, d_lse: Optional[torch.Tensor], eps: float, scale: float,
-                  d_sources: List[torch.Tensor]) -> torch.Tensor:
+                  d_sources: List[torch.Tensor], out_norm: Optional[tuple] = None):
     """Writes d_sources N x `[T, D]` (sources' dtype); returns d(qg) in fp32 (`[D]` summed over
     tokens, or `[T, D]` for a per-token query).  d_out `[T, D]` in the sources' dtype, d_lse `[T]`
     fp32 contiguous or None.  `lse` is checked but not read (the interface of
-    `chunked.backward_into`): the kernel recomputes the weights from the logits in float64."""
+    `chunked.backward_into`): the kernel recomputes the weights from the logits in float64.
+    With `out_norm = (w [D] fp32 contiguous, eps_o, d_out_normed [T, D] sources' dtype)` (C17)
+    the kernel recomputes y in fp32 per row, folds d_out_normed into d_out and returns
+    (d(qg), d_out_norm_weight `[D]` fp32)."""
     rows, dim, dtype = _check_common(sources, qg)
+    onw, on_eps, d_normed = out_norm if out_norm is not None else (None, 0.0, None)
+    d_onw = None
+    if out_norm is not None:
+        _check_out_norm(onw, dim)
+        _check("d_out_normed", d_normed, dtype, (rows, dim))
+        d_onw = torch.empty(dim, dtype=torch.float32)
     lib = _library_for(dtype)
     _check("lse", lse, torch.float32, (rows,))
     _check("d_out", d_out, dtype, (rows, dim))
@@ -300,9 +324,12 @@ def backward_into(sources: List[torch.Tensor], qg: torch.Tensor, lse: torch.Tens
     rc = lib.attnres_backward(_DTYPES[dtype], len(sources), rows, dim, src, src_rs, qg.data_ptr(),
                               _qg_row_stride(qg), d_out.data_ptr(), d_out.stride(0),
                               None if d_lse is None else d_lse.data_ptr(), eps, scale, dst, dst_rs,
-                              d_qg.data_ptr(), torch.get_num_threads())
+                              d_qg.data_ptr(), None if d_normed is None else d_normed.data_ptr(),
+                              0 if d_normed is None else d_normed.stride(0),
+                              None if onw is None else onw.data_ptr(), float(on_eps),
+                              None if d_onw is None else d_onw.data_ptr(), torch.get_num_threads())
     _done(rc, "attnres_backward")
-    return d_qg
+    return d_qg if out_norm is None else (d_qg, d_onw)
 
 
 @torch.no_grad()

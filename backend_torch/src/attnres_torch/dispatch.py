@@ -7,11 +7,14 @@ one, in this order, whose device every tensor of the call is on and that support
   `triton_depth.supports(...)`.
 * "cpu_c" (`cpu_c.py`, `csrc/depth_cpu.c`): the fused C kernel, for the default op on the CPU
   (softmax, key norm, one head, float16/bfloat16/float32 sources with unit stride along D) when
-  it could be built; also `merge_partial` without gradients.
+  it could be built, with or without the fused output norm (C17); also `merge_partial` without
+  gradients.
 * "chunked" (`chunked.py`): the chunked torch kernel of the same calls: the fallback without a C
-  compiler (or with `ATTNRES_TORCH_CPU_C=0`) and for sources strided along D.  No merge kernel.
+  compiler (or with `ATTNRES_TORCH_CPU_C=0`) and for sources strided along D.  No merge kernel
+  and no fused output norm (such a call falls back to the composition).
 * "composite" (`composite.py`): the plain differentiable torch composition, every call: float64,
-  heads, sigmoid, no key norm, `merge_partial` with gradients; also the comparison baseline.
+  heads, sigmoid, no key norm, `merge_partial` with gradients, the output norm where no kernel
+  serves it; also the comparison baseline.
 
 The first three are kernels: `library.py` wraps their `forward` / `backward` / `multi_forward`
 in `torch.library` custom ops (the op's `impl` string argument is the name, looked up once per
@@ -57,6 +60,7 @@ class Call:
     norm_weight: `[D]` or None (depth_attention_multi: the first of the `[S, D]` gains).
     tensors: every tensor argument (for the device of the call).
     needs_grad: a gradient will flow (only merge_partial asks: its kernels have no backward).
+    out_norm: depth_attention with the fused output norm (C17, `out_norm_weight` given).
     """
 
     op: str
@@ -68,6 +72,7 @@ class Call:
     activation: str = "softmax"
     key_norm: bool = True
     needs_grad: bool = False
+    out_norm: bool = False
 
     @property
     def default_op(self) -> bool:
@@ -96,6 +101,16 @@ def _unit_rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     """`[T, D]` in `dtype` with unit stride along D (a broadcast d_out may arrive with stride 0)."""
     t = t.to(dtype)
     return t if t.numel() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _query_grads(d_qg: Tensor, query: Tensor, norm_weight: Optional[Tensor]) -> List[Tensor]:
+    """[d_query fp32 (query's shape), d_norm_weight fp32 `[D]`] from a CPU kernel's d(query * gain)
+    (`[D]` summed over tokens, or `[T, D]` for a per-token query)."""
+    dim = query.shape[-1]
+    gain = torch.ones(dim, device=query.device) if norm_weight is None else norm_weight.float()
+    d_query = (d_qg * gain).reshape(query.shape)
+    d_gain = (d_qg * query.float().reshape(d_qg.shape)).reshape(-1, dim).sum(0)
+    return [d_query, d_gain]
 
 
 _triton: list = []
@@ -160,7 +175,8 @@ class TritonImpl(Impl):
                                 "cannot be imported")
         sources = call.sources[-1:] if call.op == MERGE else call.sources  # merge: the partial sum
         if not kernels.supports(sources, call.query, call.norm_weight, num_heads=call.num_heads,
-                                activation=call.activation, key_norm=call.key_norm):
+                                activation=call.activation, key_norm=call.key_norm,
+                                out_norm=call.out_norm):
             return ValueError("impl: 'triton' was forced but the Triton kernels do not support "
                               "this call (see kernels.triton_depth.supports)")
         return None
@@ -185,6 +201,29 @@ class TritonImpl(Impl):
         return [d.contiguous() for d in d_src] + [d_q.float().contiguous(), d_g.float().contiguous()]
 
     @staticmethod
+    def out_norm_forward(sources, query, norm_weight, out_norm_weight, eps, scale, out_norm_eps,
+                         with_weights=False) -> Tuple[Optional[Tensor], ...]:
+        """C17: (out, out_normed `[..., D]` sources' dtype, lse `[...]` fp32, weights `[N, ...]`
+        fp32 or None), out_normed from the forward kernel's own fp32 accumulator."""
+        res = triton_kernels().forward(sources, query, norm_weight, eps, scale,
+                                       with_weights=with_weights,
+                                       out_norm=(out_norm_weight, out_norm_eps))
+        out, lse, w, normed = res
+        return out, normed, lse, w
+
+    @staticmethod
+    def out_norm_backward(sources, query, norm_weight, out_norm_weight, out, lse, d_out, d_normed,
+                          d_lse, eps, scale, out_norm_eps) -> List[Tensor]:
+        """C17 VJP: `backward`'s list + d_out_norm_weight fp32 `[D]`."""
+        d_src, d_q, d_g, d_w = triton_kernels().backward(
+            sources, query, norm_weight, out, lse, d_out, d_lse, eps, scale,
+            out_norm=(out_norm_weight, out_norm_eps, d_normed))
+        if d_g is None:
+            d_g = torch.zeros(query.shape[-1], dtype=torch.float32, device=query.device)
+        return ([d.contiguous() for d in d_src]
+                + [d_q.float().contiguous(), d_g.float().contiguous(), d_w.float().contiguous()])
+
+    @staticmethod
     def multi_forward(sources, queries, norm_weights, eps, scale) -> Tuple[Tensor, Tensor]:
         """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
         out, lse = triton_kernels().multi_forward(sources, queries, norm_weights, eps, scale)
@@ -203,8 +242,8 @@ class CpuKernelImpl(Impl):
 
     device_type = "cpu"
 
-    def __init__(self, name: str, module):
-        self.name, self.kernels = name, module
+    def __init__(self, name: str, module, out_norm: bool = False):
+        self.name, self.kernels, self.out_norm = name, module, out_norm
 
     def refusal(self, call: Call) -> Optional[Exception]:
         if call.op == MERGE and (err := _merge_refusal(self, call)) is not None:
@@ -212,6 +251,9 @@ class CpuKernelImpl(Impl):
         if not call.default_op:
             return ValueError(f"impl: {self.name!r} was forced but the CPU kernels cover only "
                               "softmax, key_norm, num_heads=1 and float16/bfloat16/float32 sources")
+        if call.out_norm and not self.out_norm:
+            return ValueError(f"impl: {self.name!r} was forced but it has no fused output norm "
+                              "(out_norm_weight, C17); the composition serves such calls")
         return None
 
     def forward(self, sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
@@ -232,17 +274,46 @@ class CpuKernelImpl(Impl):
                  scale) -> List[Tensor]:
         """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
         d_norm_weight fp32 `[D]`] (spec 2.3); the kernel returns d(query * gain)."""
-        dim = query.shape[-1]
         d_src = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
         d_qg = self.kernels.backward_into(
             [_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
             lse.reshape(-1).contiguous(), _unit_rows(_flat(d_out), sources[0].dtype),
             None if d_lse is None else d_lse.reshape(-1).float().contiguous(), eps, scale,
             [_flat(d) for d in d_src])
-        gain = torch.ones(dim, device=query.device) if norm_weight is None else norm_weight.float()
-        d_query = (d_qg * gain).reshape(query.shape)
-        d_gain = (d_qg * query.float().reshape(d_qg.shape)).reshape(-1, dim).sum(0)
-        return d_src + [d_query, d_gain]
+        return d_src + _query_grads(d_qg, query, norm_weight)
+
+    def out_norm_forward(self, sources, query, norm_weight, out_norm_weight, eps, scale,
+                         out_norm_eps, with_weights=False) -> Tuple[Optional[Tensor], ...]:
+        """C17: (out, out_normed `[..., D]` sources' dtype, lse `[...]` fp32, weights `[N, ...]`
+        fp32 or None); the kernel writes out_normed from the row's fp32 accumulator."""
+        x0 = sources[0]
+        out = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
+        normed = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
+        lse = torch.empty(x0.shape[:-1], dtype=torch.float32, device=x0.device)
+        weights = (torch.empty((len(sources),) + tuple(x0.shape[:-1]), dtype=torch.float32,
+                               device=x0.device) if with_weights else None)
+        self.kernels.forward_into([_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
+                                  eps, scale, _flat(out), lse.view(-1),
+                                  None if weights is None else weights.view(len(sources), -1),
+                                  out_norm=(out_norm_weight.float().contiguous(), out_norm_eps,
+                                            _flat(normed)))
+        return out, normed, lse, weights
+
+    def out_norm_backward(self, sources, query, norm_weight, out_norm_weight, out, lse, d_out,
+                          d_normed, d_lse, eps, scale, out_norm_eps) -> List[Tensor]:
+        """C17 VJP: `backward`'s list + d_out_norm_weight fp32 `[D]`.  The kernel recomputes y
+        per row in fp32 (the saved out is rounded for low-precision sources) and folds
+        d_out_normed into d_out in the same pass (csrc/depth_cpu.c)."""
+        dtype = sources[0].dtype
+        d_src = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
+        d_qg, d_w = self.kernels.backward_into(
+            [_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
+            lse.reshape(-1).contiguous(), _unit_rows(_flat(d_out), dtype),
+            None if d_lse is None else d_lse.reshape(-1).float().contiguous(), eps, scale,
+            [_flat(d) for d in d_src],
+            out_norm=(out_norm_weight.float().contiguous(), out_norm_eps,
+                      _unit_rows(_flat(d_normed), dtype)))
+        return d_src + _query_grads(d_qg, query, norm_weight) + [d_w]
 
     def multi_forward(self, sources, queries, norm_weights, eps, scale) -> Tuple[Tensor, Tensor]:
         """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
@@ -261,7 +332,7 @@ class CpuCImpl(CpuKernelImpl):
     stride along D, and has the phase-2 merge."""
 
     def __init__(self):
-        super().__init__("cpu_c", cpu_c)
+        super().__init__("cpu_c", cpu_c, out_norm=True)
 
     def refusal(self, call: Call) -> Optional[Exception]:
         err = super().refusal(call)

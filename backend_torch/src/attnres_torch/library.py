@@ -10,6 +10,11 @@ Ops (namespace `attnres`):
       -> [d_source_0 .. d_source_{N-1}, d_query (fp32, query's shape), d_norm_weight (fp32 [D])]
   depth_attention_multi(sources, queries [S, D], norm_weights [S, D]?, eps, scale, impl)
       -> (out [S, ..., D] source dtype, lse [S, ...] fp32)
+  depth_attention_out_norm(sources, query, norm_weight?, out_norm_weight [D], eps, scale,
+                           out_norm_eps, impl, with_weights)
+      -> (out, out_normed [..., D] source dtype, lse [...] fp32, weights [N, ...] fp32 or [0])
+      the fused output norm (C17); its backward op returns depth_attention_backward's list plus
+      d_out_norm_weight (fp32 [D]).
 `impl` names the implementation `ops.py` chose (`dispatch.choose`); each op looks its object up
 once (`dispatch.kernel(impl)`) and calls its entry point.  The backward saves only references to
 the inputs, the output and the fp32 lse (no stacked or normalized copy of the sources); the
@@ -142,3 +147,70 @@ def _backward_multi(ctx, d_out, d_lse):
 
 
 depth_attention_multi_op.register_autograd(_backward_multi, setup_context=_setup)
+
+
+@torch.library.custom_op("attnres::depth_attention_out_norm", mutates_args=())
+def depth_attention_out_norm_op(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
+                                out_norm_weight: Tensor, eps: float, scale: float,
+                                out_norm_eps: float, impl: str,
+                                with_weights: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`depth_attention` with the fused output norm (C17): out_normed comes from the kernel's
+    own pass; weights `[N, ...]` (not differentiable, C11) with `with_weights`, else `[0]`."""
+    out, normed, lse, w = dispatch.kernel(impl).out_norm_forward(
+        list(sources), query, norm_weight, out_norm_weight, eps, scale, out_norm_eps, with_weights)
+    return out, normed, lse, lse.new_empty((0,)) if w is None else w
+
+
+@depth_attention_out_norm_op.register_fake
+def _(sources, query, norm_weight, out_norm_weight, eps, scale, out_norm_eps, impl, with_weights):
+    x0 = sources[0]
+    w_shape = (len(sources),) + tuple(x0.shape[:-1]) if with_weights else (0,)
+    return (x0.new_empty(x0.shape), x0.new_empty(x0.shape),
+            x0.new_empty(x0.shape[:-1], dtype=torch.float32), x0.new_empty(w_shape, dtype=torch.float32))
+
+
+@torch.library.custom_op("attnres::depth_attention_out_norm_backward", mutates_args=())
+def depth_attention_out_norm_backward_op(
+        sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor], out_norm_weight: Tensor,
+        out: Tensor, lse: Tensor, d_out: Tensor, d_out_normed: Tensor, d_lse: Optional[Tensor],
+        eps: float, scale: float, out_norm_eps: float, impl: str) -> List[Tensor]:
+    return dispatch.kernel(impl).out_norm_backward(
+        list(sources), query, norm_weight, out_norm_weight, out, lse, d_out, d_out_normed, d_lse,
+        eps, scale, out_norm_eps)
+
+
+@depth_attention_out_norm_backward_op.register_fake
+def _(sources, query, norm_weight, out_norm_weight, out, lse, d_out, d_out_normed, d_lse, eps,
+      scale, out_norm_eps, impl):
+    dim = query.shape[-1]
+    return ([s.new_empty(s.shape) for s in sources]
+            + [query.new_empty(query.shape, dtype=torch.float32),
+               query.new_empty((dim,), dtype=torch.float32),
+               query.new_empty((dim,), dtype=torch.float32)])
+
+
+def _setup_out_norm(ctx, inputs, output):
+    """References to the inputs, out and lse only (the kernels recompute y and rho)."""
+    sources, query, norm_weight, out_norm_weight, eps, scale, out_norm_eps, impl, _ = inputs
+    out, _, lse, _ = output
+    ctx.save_for_backward(*sources, query, norm_weight, out, lse, out_norm_weight)
+    ctx.num_sources, ctx.has_gain = len(sources), norm_weight is not None
+    ctx.eps, ctx.scale, ctx.impl, ctx.out_norm_eps = eps, scale, impl, out_norm_eps
+
+
+def _backward_out_norm(ctx, d_out, d_normed, d_lse, d_weights):
+    """Absent cotangents are zeros; the weights' is dropped (C11)."""
+    n = ctx.num_sources
+    sources, query, norm_weight, out, lse = _saved(ctx)
+    out_norm_weight = ctx.saved_tensors[n + 4]
+    d_out = torch.zeros_like(out) if d_out is None else d_out
+    d_normed = torch.zeros_like(out) if d_normed is None else d_normed
+    grads = depth_attention_out_norm_backward_op(
+        sources, query, norm_weight, out_norm_weight, out, lse, d_out, d_normed, d_lse, ctx.eps,
+        ctx.scale, ctx.out_norm_eps, ctx.impl)
+    d_gain = grads[n + 1].to(norm_weight.dtype) if ctx.has_gain else None
+    return (grads[:n], grads[n].to(query.dtype), d_gain, grads[n + 2].to(out_norm_weight.dtype),
+            None, None, None, None, None)
+
+
+depth_attention_out_norm_op.register_autograd(_backward_out_norm, setup_context=_setup_out_norm)

@@ -27,8 +27,9 @@ def _shape(t):
 
 def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, eps: float = 1e-6,
                     scale: float = 1.0, num_heads: int = 1, activation: str = "softmax",
-                    key_norm: bool = True, return_lse: bool = False, return_weights: bool = False):
-    """Depth attention over N sources (spec section 2, C1-C12).
+                    key_norm: bool = True, return_lse: bool = False, return_weights: bool = False,
+                    out_norm_weight=None, out_norm_eps=None):
+    """Depth attention over N sources (spec section 2, C1-C12, C17).
 
     Args:
       sources: a list/tuple of N tensors `[..., D]` (never stacked on a fast path) or one stacked
@@ -38,29 +39,49 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
       eps, scale, num_heads, activation, key_norm: spec options.
       return_lse / return_weights: also return lse `[...]` (`[..., H]` if H > 1; compute dtype,
         differentiable) and the depth weights `[N, ...]` (`[N, ..., H]`; not differentiable).
+      out_norm_weight: the fused output norm's gain `[D]` (C17, spec 2.6) or None: also return
+        out_normed `[..., D]` = rmsnorm(out) * out_norm_weight over all D channels, from out before
+        its rounding, in the sources' dtype (differentiable, d_out_norm_weight included).
+      out_norm_eps: that norm's eps (None: `eps`).
 
-    Returns out `[..., D]` in the sources' dtype, or `(out, lse?, weights?)`.
+    Returns out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)`.
     """
     xs, stacked, shapes, dtypes = split_sources(sources)
     query = require_tensor("query", query)
     norm_weight = optional_tensor("norm_weight", norm_weight)
+    out_norm_weight = optional_tensor("out_norm_weight", out_norm_weight)
     geo = validation.check_depth_attention(
         shapes, dtypes, tuple(query.shape), dtype_name(query), _shape(norm_weight), _name(norm_weight),
         stacked=stacked, eps=eps, scale=scale, num_heads=num_heads, activation=activation,
-        key_norm=key_norm, return_lse=return_lse)
-    tensors = xs + [query] + ([] if norm_weight is None else [norm_weight])
+        key_norm=key_norm, return_lse=return_lse, out_norm_weight_shape=_shape(out_norm_weight),
+        out_norm_weight_dtype=_name(out_norm_weight), out_norm_eps=out_norm_eps)
+    tensors = xs + [query] + [t for t in (norm_weight, out_norm_weight) if t is not None]
     check_same_device([(f"sources[{i}]", s) for i, s in enumerate(xs)]
-                      + [("query", query), ("norm_weight", norm_weight)])
+                      + [("query", query), ("norm_weight", norm_weight),
+                         ("out_norm_weight", out_norm_weight)])
     eps, scale = float(eps), float(scale)
+    fused = out_norm_weight is not None  # C17
     impl = dispatch.choose(dispatch.Call("depth_attention", xs, query, norm_weight, tensors,
                                          num_heads=geo.num_heads, activation=activation,
-                                         key_norm=key_norm))
+                                         key_norm=key_norm, out_norm=fused))
+    normed = None
     if impl is dispatch.COMPOSITE:
-        out, lse, weights = composite.depth_attention(
-            xs, query, norm_weight, eps=eps, scale=scale, num_heads=geo.num_heads,
-            activation=activation, key_norm=key_norm)
+        if fused:
+            out, normed, lse, weights = composite.depth_attention_out_norm(
+                xs, query, norm_weight, out_norm_weight, eps=eps, scale=scale,
+                num_heads=geo.num_heads, activation=activation, key_norm=key_norm,
+                out_norm_eps=geo.out_norm_eps)
+        else:
+            out, lse, weights = composite.depth_attention(
+                xs, query, norm_weight, eps=eps, scale=scale, num_heads=geo.num_heads,
+                activation=activation, key_norm=key_norm)
         if lse is not None and geo.num_heads == 1:
             lse = lse[..., 0]
+    elif fused:  # the kernel writes out_normed in its forward pass (C17)
+        out, normed, lse, weights = library.depth_attention_out_norm_op(
+            xs, query, norm_weight, out_norm_weight, eps, scale, geo.out_norm_eps, impl.name,
+            return_weights)
+        weights = weights.unsqueeze(-1) if return_weights else None
     elif return_weights:  # the kernel's own weights: the p of its lse (same logits, max, sum)
         out, lse, weights = library.depth_attention_weights_op(xs, query, norm_weight, eps, scale,
                                                                impl.name)
@@ -68,7 +89,7 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
     else:
         out, lse = library.depth_attention_op(xs, query, norm_weight, eps, scale, impl.name)
         weights = None
-    extra = []
+    extra = [] if normed is None else [normed]
     if return_lse:
         extra.append(lse)
     if return_weights:

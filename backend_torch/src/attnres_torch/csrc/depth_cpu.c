@@ -27,12 +27,22 @@
  *             its row sums taken for every query from L1; S softmaxes and S weighted sums.
  *   merge     (spec 3.2) one pass over out1 and the partial sum: the partial's logit z2, then
  *             out = w1 out1 + w2 partial with w1 = sigmoid(lse1 - z2), w2 = sigmoid(z2 - lse1).
+ *   out norm  (C17, spec 2.6; on request) the forward also writes out_normed = (rho y) w, with y
+ *             the row's fp32 accumulator (before out's rounding, kept in an L1 scratch row) and
+ *             rho = (mean(y^2) + eps_o)^-1/2 over all D (float64 row sum, C10.6 fallback).  The
+ *             backward recomputes y the same way from the rows in cache (the same p and the same
+ *             summation order as the forward: the same bits), folds d_out_normed into
+ *             g_total = d_out + rho (a - yh <a, yh> / D) (a = d_out_normed w, yh = rho y) in an
+ *             fp32 scratch row, and runs the unchanged VJP with g_total (dp_i = <x_i, g_total>
+ *             in one more sweep from cache); d_out_norm_weight = sum_t d_out_normed yh is
+ *             summed per block, then over blocks in block order, like a shared query's d_qg.
  * Every sum has a fixed order that depends only on D, never on the thread count (C15).  Rows are
  * cut into NBLK <= MAX_BLOCKS blocks fixed by T alone; threads take contiguous runs of blocks.  A
  * shared query's d_qg is summed per block into its own fp32 row, then the blocks are added in
  * block order: no atomics, and the bits do not depend on how many threads ran.  N and D are
  * unbounded (C16): scratch is malloc'ed.
  */
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -242,6 +252,15 @@ typedef struct {
     const void *out1;
     int64_t out1_rs;
     const float *lse1;
+    /* fused output norm (C17): gain [D] fp32 or NULL (off), its eps; forward: out_normed;
+     * backward: d_out_normed and the [NBLK, D] d_out_norm_weight partials */
+    const float *onw;
+    double on_eps;
+    void *normed;
+    int64_t normed_rs;
+    const void *d_normed;
+    int64_t d_normed_rs;
+    float *on_partials;
     /* backward */
     const void *d_out;
     int64_t d_out_rs;
@@ -261,8 +280,9 @@ INLINE const void *row_ptr(const void *base, int64_t rs, int64_t t, int64_t elsi
 }
 
 /* out_row = sum_i p_i x_i(t) for one token row: the N rows from cache, an [OUT_VECS x VW] column
- * tile of out in registers at a time. */
-INLINE void weighted_row(int dt, const job_t *j, int64_t t, const float *p, void *o) {
+ * tile of out in registers at a time.  o (storage dtype) and y (the fp32 accumulator, unrounded:
+ * the output norm's y) may each be NULL. */
+INLINE void weighted_row(int dt, const job_t *j, int64_t t, const float *p, void *o, float *y) {
     const int64_t n = j->n, d = j->dim, es = j->elsize;
     int64_t c = 0;
     for (; c + OUT_VECS * VW <= d; c += OUT_VECS * VW) {
@@ -271,18 +291,59 @@ INLINE void weighted_row(int dt, const job_t *j, int64_t t, const float *p, void
             const void *x = row_ptr(j->src[i], j->src_rs[i], t, es);
             for (int k = 0; k < OUT_VECS; k++) acc[k] += p[i] * ldv(dt, x, c + k * VW);
         }
-        for (int k = 0; k < OUT_VECS; k++) stv(dt, o, c + k * VW, acc[k]);
+        for (int k = 0; k < OUT_VECS; k++) {
+            if (o) stv(dt, o, c + k * VW, acc[k]);
+            if (y) memcpy(y + c + k * VW, &acc[k], sizeof acc[k]);
+        }
     }
     for (; c + VW <= d; c += VW) {
         vf acc = {0};
         for (int64_t i = 0; i < n; i++) acc += p[i] * ldv(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
-        stv(dt, o, c, acc);
+        if (o) stv(dt, o, c, acc);
+        if (y) memcpy(y + c, &acc, sizeof acc);
     }
     for (; c < d; c++) {
         float acc = 0.0f;
         for (int64_t i = 0; i < n; i++) acc += p[i] * ld(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
-        st(dt, o, c, acc);
+        if (o) st(dt, o, c, acc);
+        if (y) y[c] = acc;
     }
+}
+
+/* C17: rho = (mean(y^2) + eps_o)^-1/2 of an fp32 row y [D], the sum of squares in the blocked
+ * fp32/float64 order of row_sums, re-summed in float64 where an fp32 square overflowed (C10.6).
+ * (or underflowed: tiny rows with a tiny eps_o).  NaN/Inf in y give a NaN/0 rho and so NaN
+ * out_normed (C12). */
+static double out_norm_rho(const float *y, int64_t d, double eps_o) {
+    double ss;
+    row_sums(DT_F32, y, y, NULL, d, &ss, NULL, NULL, NULL, NULL);
+    if (isinf(ss) || ss < 1e-30 * (double)d) ss = sumsq_f64(DT_F32, y, d); /* fp32 squares over/underflowed */
+    return 1.0 / sqrt(ss / (double)d + eps_o);
+}
+
+/* yh = rho y in place (fp32, one factor: rho y never as rho^3 y ...); in float64 where rho is
+ * outside the normal fp32 range (|y| near the fp32 maximum, or a tiny eps_o). */
+static void scale_row(float *y, int64_t d, double rho) {
+    if (rho >= FLT_MIN && rho <= FLT_MAX) {
+        const float rf = (float)rho;
+        int64_t c = 0;
+        for (; c + VW <= d; c += VW) {
+            vf v;
+            memcpy(&v, y + c, sizeof v);
+            v *= rf;
+            memcpy(y + c, &v, sizeof v);
+        }
+        for (; c < d; c++) y[c] *= rf;
+    } else {
+        for (int64_t c = 0; c < d; c++) y[c] = (float)(rho * (double)y[c]);
+    }
+}
+
+/* out_normed row = yh w (C17), rounded once to the storage dtype; yh = rho y (scale_row). */
+INLINE void out_norm_store(int dt, const float *yh, const float *w, int64_t d, void *o) {
+    int64_t c = 0;
+    for (; c + VW <= d; c += VW) stv(dt, o, c, ldv(DT_F32, yh, c) * ldv(DT_F32, w, c));
+    for (; c < d; c++) st(dt, o, c, yh[c] * w[c]);
 }
 
 /* The max-subtracted softmax of z[0..n) (C10.4; NaN-propagating max for C12) into p (fp32);
@@ -298,7 +359,7 @@ INLINE double softmax_row(double *z, int64_t n, float *p) {
 /* ---- forward and phase 1: for the rows of blocks [blk0, blk1) and each of the S queries,
  * out[k][t] and lse[k][t]; each source row is read from memory once for all S (spec 3.1).
  * z: S x N doubles, p: N floats. ---- */
-INLINE void forward_rows(int dt, job_t *j, double *z, float *p) {
+INLINE void forward_rows(int dt, job_t *j, double *z, float *p, float *y) {
     const int64_t n = j->n, d = j->dim, es = j->elsize, nq = j->nq;
     for (int64_t t = block_start(j, j->blk0); t < block_start(j, j->blk1); t++) {
         for (int64_t i = 0; i < n; i++) {
@@ -317,7 +378,12 @@ INLINE void forward_rows(int dt, job_t *j, double *z, float *p) {
             j->lse[k * j->lse_qs + t] = (float)softmax_row(z + k * n, n, p);
             if (k == 0 && j->weights) /* the p of this lse: same logits, max and sum */
                 for (int64_t i = 0; i < n; i++) j->weights[i * j->rows + t] = p[i];
-            weighted_row(dt, j, t, p, (char *)j->out + (k * j->out_qs + t * j->out_rs) * es);
+            weighted_row(dt, j, t, p, (char *)j->out + (k * j->out_qs + t * j->out_rs) * es,
+                         k == 0 ? y : NULL);
+            if (k == 0 && y) { /* C17: out_normed from the same fp32 accumulator */
+                scale_row(y, d, out_norm_rho(y, d, j->on_eps));
+                out_norm_store(dt, y, j->onw, d, (char *)j->normed + t * j->normed_rs * es);
+            }
         }
     }
 }
@@ -346,27 +412,67 @@ INLINE void merge_rows(int dt, job_t *j) {
     }
 }
 
+/* C17 backward prologue of one token row, y [D] = the row's fp32 accumulator (recomputed):
+ * y <- yh = rho y; gt [D] <- g_total = d_out + rho (a - yh <a, yh> / D), a = d_out_normed w (fp32,
+ * <a, yh> in the blocked float64 order of row_sums); on_blk [D] += d_out_normed yh. */
+INLINE void out_norm_prologue(int dt, const job_t *j, int64_t t, float *y, float *gt, float *on_blk) {
+    const int64_t d = j->dim, es = j->elsize;
+    const void *g = row_ptr(j->d_out, j->d_out_rs, t, es);
+    const void *gn = row_ptr(j->d_normed, j->d_normed_rs, t, es);
+    const double rho = out_norm_rho(y, d, j->on_eps);
+    scale_row(y, d, rho);
+    int64_t c = 0;
+    for (; c + VW <= d; c += VW) {
+        const vf vgn = ldv(dt, gn, c);
+        stv(DT_F32, gt, c, vgn * ldv(DT_F32, j->onw, c));
+        stv(DT_F32, on_blk, c, ldv(DT_F32, on_blk, c) + vgn * ldv(DT_F32, y, c));
+    }
+    for (; c < d; c++) {
+        const float vgn = ld(dt, gn, c);
+        gt[c] = vgn * j->onw[c];
+        on_blk[c] += vgn * y[c];
+    }
+    double ay;
+    row_sums(DT_F32, gt, y, NULL, d, &ay, NULL, NULL, NULL, NULL);
+    if (rho >= FLT_MIN && rho <= FLT_MAX) {
+        const float rf = (float)rho, cf = (float)(ay / (double)d);
+        for (c = 0; c + VW <= d; c += VW)
+            stv(DT_F32, gt, c, ldv(dt, g, c) + rf * (ldv(DT_F32, gt, c) - ldv(DT_F32, y, c) * cf));
+        for (; c < d; c++) gt[c] = ld(dt, g, c) + rf * (gt[c] - y[c] * cf);
+    } else {
+        const double cd = ay / (double)d;
+        for (c = 0; c < d; c++) gt[c] = (float)(ld(dt, g, c) + rho * (gt[c] - y[c] * cd));
+    }
+}
+
 /* ---- backward: d_src[t] for the rows of blocks [blk0, blk1); d_qg per token or per block ----
- * st: 4 N doubles (r, s, p, dp per source). */
-INLINE void backward_rows(int dt, job_t *j, double *st_) {
+ * st: 4 N doubles (r, s, p, dp per source).  ON (the output norm; then GDT = DT_F32): sc holds
+ * p (N floats), y and g_total ([D] floats each), and g_total replaces d_out (GDT: its dtype). */
+INLINE void backward_rows(int dt, int on, job_t *j, double *st_, float *sc) {
     const int64_t n = j->n, d = j->dim, es = j->elsize;
+    const int gdt = on ? DT_F32 : dt;
     double *rr = st_, *sq = st_ + n, *pp = st_ + 2 * n, *dpp = st_ + 3 * n;
+    float *pf32 = on ? sc : NULL, *yrow = on ? sc + n : NULL, *gt = on ? sc + n + d : NULL;
     for (int64_t b = j->blk0; b < j->blk1; b++) {
-        float *dq_blk = NULL;
+        float *dq_blk = NULL, *on_blk = NULL;
         if (j->qg_rs == 0) {
             dq_blk = j->partials + b * d;
             memset(dq_blk, 0, (size_t)d * sizeof(float));
         }
+        if (on) {
+            on_blk = j->on_partials + b * d;
+            memset(on_blk, 0, (size_t)d * sizeof(float));
+        }
         for (int64_t t = block_start(j, b); t < block_start(j, b + 1); t++) {
             const float *q = j->qg + t * j->qg_rs;
-            const void *g = row_ptr(j->d_out, j->d_out_rs, t, es);
+            const void *g = on ? (const void *)gt : row_ptr(j->d_out, j->d_out_rs, t, es);
             double m = -INFINITY, l = 0.0, base = j->d_lse ? j->d_lse[t] : 0.0;
             for (int64_t i = 0; i < n; i++) {
                 double s, ss, dp = 0.0;
                 const int pf = t + PF_ROWS < j->rows;
-                row_sums(dt, row_ptr(j->src[i], j->src_rs[i], t, es), q, g, d, &s, &ss, &dp,
+                row_sums(dt, row_ptr(j->src[i], j->src_rs[i], t, es), q, on ? NULL : g, d, &s, &ss, &dp,
                          pf ? row_ptr(j->src[i], j->src_rs[i], t + PF_ROWS, es) : NULL,
-                         pf && i == 0 ? row_ptr(j->d_out, j->d_out_rs, t + PF_ROWS, es) : NULL);
+                         pf && i == 0 && !on ? row_ptr(j->d_out, j->d_out_rs, t + PF_ROWS, es) : NULL);
                 rr[i] = 1.0 / sqrt(ss / (double)d + j->eps);
                 sq[i] = s;
                 pp[i] = j->scale * (s * rr[i]);
@@ -374,6 +480,17 @@ INLINE void backward_rows(int dt, job_t *j, double *st_) {
                 m = nan_max(m, pp[i]);
             }
             for (int64_t i = 0; i < n; i++) l += (pp[i] = exp(pp[i] - m));
+            if (on) { /* C17: y as the forward formed it (same p, same order), then g_total */
+                for (int64_t i = 0; i < n; i++) pf32[i] = (float)(pp[i] / l);
+                weighted_row(dt, j, t, pf32, NULL, yrow);
+                out_norm_prologue(dt, j, t, yrow, gt, on_blk);
+                for (int64_t i = 0; i < n; i++) { /* dp_i = <x_i, g_total>, the rows from cache */
+                    double s;
+                    row_sums(dt, row_ptr(j->src[i], j->src_rs[i], t, es), gt, NULL, d, &s, NULL, NULL,
+                             NULL, NULL);
+                    dpp[i] = s;
+                }
+            }
             for (int64_t i = 0; i < n; i++) base -= (pp[i] /= l) * dpp[i];
             float *dq = dq_blk ? dq_blk : j->d_qg + t * d;
             if (!dq_blk) memset(dq, 0, (size_t)d * sizeof(float));
@@ -386,12 +503,12 @@ INLINE void backward_rows(int dt, job_t *j, double *st_) {
                 int64_t c = 0;
                 for (; c + VW <= d; c += VW) {
                     const vf v = ldv(dt, x, c);
-                    stv(dt, dx, c, p * ldv(dt, g, c) + a * ldv(DT_F32, q, c) - bb * v);
+                    stv(dt, dx, c, p * ldv(gdt, g, c) + a * ldv(DT_F32, q, c) - bb * v);
                     stv(DT_F32, dq, c, ldv(DT_F32, dq, c) + a * v);
                 }
                 for (; c < d; c++) {
                     const float v = ld(dt, x, c);
-                    st(dt, dx, c, p * ld(dt, g, c) + a * q[c] - bb * v);
+                    st(dt, dx, c, p * ld(gdt, g, c) + a * q[c] - bb * v);
                     dq[c] += a * v;
                 }
             }
@@ -403,11 +520,12 @@ static void *forward_worker(void *arg) {
     job_t *j = (job_t *)arg;
     double *z = (double *)malloc((size_t)(j->n * j->nq) * sizeof(double));
     float *p = (float *)malloc((size_t)j->n * sizeof(float));
-    if (!z || !p) j->failed = 1;
-    else if (j->dtype == DT_F32) forward_rows(DT_F32, j, z, p);
-    else if (j->dtype == DT_BF16) forward_rows(DT_BF16, j, z, p);
-    else forward_rows(DT_F16, j, z, p);
-    free(z), free(p);
+    float *y = j->onw ? (float *)malloc((size_t)j->dim * sizeof(float)) : NULL;
+    if (!z || !p || (j->onw && !y)) j->failed = 1;
+    else if (j->dtype == DT_F32) forward_rows(DT_F32, j, z, p, y);
+    else if (j->dtype == DT_BF16) forward_rows(DT_BF16, j, z, p, y);
+    else forward_rows(DT_F16, j, z, p, y);
+    free(z), free(p), free(y);
     return NULL;
 }
 
@@ -422,11 +540,15 @@ static void *merge_worker(void *arg) {
 static void *backward_worker(void *arg) {
     job_t *j = (job_t *)arg;
     double *stats = (double *)malloc((size_t)j->n * 4 * sizeof(double));
-    if (!stats) j->failed = 1;
-    else if (j->dtype == DT_F32) backward_rows(DT_F32, j, stats);
-    else if (j->dtype == DT_BF16) backward_rows(DT_BF16, j, stats);
-    else backward_rows(DT_F16, j, stats);
-    free(stats);
+    float *sc = j->onw ? (float *)malloc((size_t)(j->n + 2 * j->dim) * sizeof(float)) : NULL;
+    if (!stats || (j->onw && !sc)) j->failed = 1;
+    else if (j->onw && j->dtype == DT_F32) backward_rows(DT_F32, 1, j, stats, sc);
+    else if (j->onw && j->dtype == DT_BF16) backward_rows(DT_BF16, 1, j, stats, sc);
+    else if (j->onw) backward_rows(DT_F16, 1, j, stats, sc);
+    else if (j->dtype == DT_F32) backward_rows(DT_F32, 0, j, stats, NULL);
+    else if (j->dtype == DT_BF16) backward_rows(DT_BF16, 0, j, stats, NULL);
+    else backward_rows(DT_F16, 0, j, stats, NULL);
+    free(stats), free(sc);
     return NULL;
 }
 
@@ -504,17 +626,22 @@ static void advise_huge(const void *p, int64_t bytes) {
 static int64_t elsize_of(int dtype) { return dtype == DT_F32 ? 4 : 2; }
 
 /* out [T, D] (sources' dtype), lse [T] (fp32, contiguous) and, when weights is not NULL, the
- * softmax weights [N, T] (fp32, contiguous) of that lse. Returns 0 or -1. */
+ * softmax weights [N, T] (fp32, contiguous) of that lse; when onw ([D] fp32) is not NULL also
+ * out_normed [T, D] (sources' dtype, row stride normed_rs) with eps on_eps (C17).
+ * Returns 0 or -1. */
 int attnres_forward(int dtype, int64_t n, int64_t rows, int64_t dim, const void *const *src,
                     const int64_t *src_rs, const float *qg, int64_t qg_rs, double eps, double scale,
-                    void *out, int64_t out_rs, float *lse, float *weights, int threads) {
+                    void *out, int64_t out_rs, float *lse, float *weights, const float *onw,
+                    double on_eps, void *normed, int64_t normed_rs, int threads) {
     job_t j;
     memset(&j, 0, sizeof j);
     j.n = n, j.rows = rows, j.dim = dim, j.dtype = dtype, j.elsize = elsize_of(dtype);
     j.nblk = num_blocks(rows);
     j.src = src, j.src_rs = src_rs, j.qg = qg, j.qg_rs = qg_rs, j.eps = eps, j.scale = scale;
     j.nq = 1, j.out = out, j.out_rs = out_rs, j.lse = lse, j.weights = weights;
+    j.onw = onw, j.on_eps = on_eps, j.normed = normed, j.normed_rs = normed_rs;
     advise_huge(out, rows > 0 ? ((rows - 1) * out_rs + dim) * j.elsize : 0);
+    if (onw) advise_huge(normed, rows > 0 ? ((rows - 1) * normed_rs + dim) * j.elsize : 0);
     return run_blocks(&j, threads, forward_worker);
 }
 
@@ -553,12 +680,24 @@ int attnres_merge_forward(int dtype, int64_t rows, int64_t dim, const void *out1
     return run_blocks(&j, threads, merge_worker);
 }
 
+/* Sums the [NBLK, D] partials into out [D] in block order (deterministic, thread-count free). */
+static void sum_blocks(const float *partials, int64_t nblk, int64_t dim, float *out) {
+    for (int64_t c = 0; c < dim; c++) out[c] = 0.0f;
+    for (int64_t b = 0; b < nblk; b++) {
+        const float *pb = partials + b * dim;
+        for (int64_t c = 0; c < dim; c++) out[c] += pb[c];
+    }
+}
+
 /* d_src N x [T, D] (sources' dtype) and d_qg: [D] when qg_rs == 0 (summed over tokens in block
- * order), else [T, D] contiguous; d_lse may be NULL.  Returns 0 or -1. */
+ * order), else [T, D] contiguous; d_lse may be NULL.  With onw ([D] fp32, C17) the cotangent of
+ * out_normed d_normed [T, D] (sources' dtype, row stride d_normed_rs) is folded in and d_onw [D]
+ * (fp32) written.  Returns 0 or -1. */
 int attnres_backward(int dtype, int64_t n, int64_t rows, int64_t dim, const void *const *src,
                      const int64_t *src_rs, const float *qg, int64_t qg_rs, const void *d_out, int64_t d_out_rs, const float *d_lse, double eps,
                      double scale, void *const *d_src, const int64_t *d_src_rs, float *d_qg,
-                     int threads) {
+                     const void *d_normed, int64_t d_normed_rs, const float *onw, double on_eps,
+                     float *d_onw, int threads) {
     job_t j;
     memset(&j, 0, sizeof j);
     j.n = n, j.rows = rows, j.dim = dim, j.dtype = dtype, j.elsize = elsize_of(dtype);
@@ -567,20 +706,21 @@ int attnres_backward(int dtype, int64_t n, int64_t rows, int64_t dim, const void
     j.d_out = d_out, j.d_out_rs = d_out_rs, j.d_lse = d_lse;
     j.d_src = d_src, j.d_src_rs = d_src_rs, j.d_qg = d_qg;
     for (int64_t i = 0; i < n && rows > 0; i++) advise_huge(d_src[i], ((rows - 1) * d_src_rs[i] + dim) * j.elsize);
+    j.d_normed = d_normed, j.d_normed_rs = d_normed_rs, j.onw = onw, j.on_eps = on_eps;
     if (qg_rs == 0) {
         j.partials = (float *)malloc((size_t)(j.nblk * dim) * sizeof(float));
         if (!j.partials) return -1;
     }
-    int rc = run_blocks(&j, threads, backward_worker);
-    if (qg_rs == 0) {
-        if (rc == 0) {
-            for (int64_t c = 0; c < dim; c++) d_qg[c] = 0.0f;
-            for (int64_t b = 0; b < j.nblk; b++) {
-                const float *pb = j.partials + b * dim;
-                for (int64_t c = 0; c < dim; c++) d_qg[c] += pb[c];
-            }
+    if (onw) {
+        j.on_partials = (float *)malloc((size_t)(j.nblk * dim) * sizeof(float));
+        if (!j.on_partials) {
+            free(j.partials);
+            return -1;
         }
-        free(j.partials);
     }
+    int rc = run_blocks(&j, threads, backward_worker);
+    if (rc == 0 && qg_rs == 0) sum_blocks(j.partials, j.nblk, dim, d_qg);
+    if (rc == 0 && onw) sum_blocks(j.on_partials, j.nblk, dim, d_onw);
+    free(j.partials), free(j.on_partials);
     return rc;
 }

@@ -44,11 +44,13 @@ def _launch(kernel, grid, *args, **meta) -> None:
     kernel[grid](*args, **meta)
 
 
-def supports(sources, query, norm_weight, *, num_heads, activation, key_norm) -> bool:
+def supports(sources, query, norm_weight, *, num_heads, activation, key_norm,
+             out_norm=False) -> bool:
     """True when these kernels compute this call: Triton importable; every tensor on CUDA (or on
     CPU under TRITON_INTERPRET=1); softmax, key_norm, one head; fp16/bf16/fp32 sources of one
-    shape and dtype with D >= 1; query `[D]` or shaped like a source; norm_weight `[D]` or None."""
-    if triton is None or activation != "softmax" or not key_norm or num_heads != 1:
+    shape and dtype with D >= 1; query `[D]` or shaped like a source; norm_weight `[D]` or None;
+    no fused output norm yet (`out_norm`: such calls fall back to the composition)."""
+    if triton is None or activation != "softmax" or not key_norm or num_heads != 1 or out_norm:
         return False
     sources = list(sources)
     if not sources or not all(isinstance(s, Tensor) for s in sources):

@@ -143,6 +143,10 @@ def test_cases_cover_every_op_option_shape_and_dtype(cases):
     assert {c.attrs["return_weights"] for c in da} == {True, False}
     assert any(c.arrays["input.query"].ndim > 1 for c in da)
     assert any("input.norm_weight" not in c.arrays for c in da)
+    fused = [c for c in da if "input.out_norm_weight" in c.arrays]  # C17
+    assert {c.dtype for c in fused} == set(vectors.DTYPES)
+    assert {c.attrs["num_heads"] for c in fused} >= {1, 2} and any("out_norm_eps" in c.attrs for c in fused)
+    assert all({"output.out_normed", "cotangent.out_normed", "grad.out_norm_weight"} <= set(c.arrays) for c in fused)
     assert any("input.query" in c.arrays and c.arrays["input.query"].ndim > 1
                for c in cases if c.op == "merge_partial")
 

@@ -34,6 +34,7 @@ OPTIONS = (
     "weights",  # return_weights=True
     "stacked",  # sources as one [N, ..., D] array
     "strided",  # non-contiguous inputs
+    "out_norm",  # out_norm_weight (C17): also out_normed, its cotangent and d_out_norm_weight
 )
 
 SCHEDULES = ("direct", "two_phase")
@@ -69,15 +70,16 @@ class OpCall:
     op: one of OPS.
     inputs: by spec argument name.  depth_attention: "sources" (a list of `[..., D]` arrays, or
       one stacked `[N, ..., D]` array: the adapter must pass the same form to its op), "query",
-      "norm_weight" (or None).  depth_attention_multi: "sources", "queries", "norm_weights".
+      "norm_weight" (or None), and only where given "out_norm_weight" (C17; a keyword argument
+      of the op).  depth_attention_multi: "sources", "queries", "norm_weights".
       merge_partial: "out1", "lse1", "partial", "query", "norm_weight".
     attrs: keyword arguments of the op (eps, scale, and for depth_attention num_heads,
-      activation, key_norm, return_lse, return_weights).
+      activation, key_norm, return_lse, return_weights, and out_norm_eps where given).
     dtype: the floating dtype of every input ("float64", "float32", "float16", "bfloat16").
     input_dtypes: per-input overrides (e.g. {"query": "int32"}); for "sources" either one dtype
       or a list with one per source.  Used by the error tests.
-    cotangents: None for forward only; else {"out": ..., "lse": ... (optional)} and the adapter
-      also returns every input's gradient.
+    cotangents: None for forward only; else {"out": ..., "lse": ... (optional), "out_normed":
+      ... (with out_norm_weight)} and the adapter also returns every input's gradient.
     """
 
     op: str
@@ -92,7 +94,8 @@ class OpCall:
 
 @dataclass
 class OpResult:
-    """outputs: "out" (and "lse", "weights" when asked; depth_attention_multi always has "lse").
+    """outputs: "out" (and "out_normed" with out_norm_weight, "lse", "weights" when asked;
+      depth_attention_multi always has "lse").
     grads: one entry per differentiable input of the call, keyed like `OpCall.inputs`
       ("sources" in the form it was given: list or stacked); None for a None input.
     inputs_after: every input read back from the backend's native arrays after the call.

@@ -22,9 +22,10 @@ from .cases import Case
 from .numerics import round_to
 from .tolerances import Comparison, attainable, compare, flash_rule
 
-#: Spec argument names of each op, in call order.
+#: Spec argument names of each op, in call order (out_norm_weight: a keyword argument, in a
+#: call's inputs only where the case gives it, C17).
 INPUTS = {
-    "depth_attention": ("sources", "query", "norm_weight"),
+    "depth_attention": ("sources", "query", "norm_weight", "out_norm_weight"),
     "depth_attention_multi": ("sources", "queries", "norm_weights"),
     "merge_partial": ("out1", "lse1", "partial", "query", "norm_weight"),
 }
@@ -65,7 +66,7 @@ def op_call(golden, device: str = "cpu", *, backward: bool, strided: bool = Fals
         value = a.get(f"input.{name}")
         if value is not None and name == "sources" and golden.sources_layout in ("list", "tuple"):
             inputs[name] = (list if golden.sources_layout == "list" else tuple)(s.copy() for s in value)
-        else:
+        elif value is not None or name != "out_norm_weight":
             inputs[name] = None if value is None else value.copy()
     compute = compute_dtype_for(golden.dtype)
     input_dtypes = dict({"lse1": compute} if golden.op == "merge_partial" and compute != golden.dtype else {},
@@ -140,13 +141,13 @@ def _untouched(call, before, result) -> List[str]:
 
 def expected_dtypes(call: OpCall) -> dict:
     """C10.3: the dtype of every result of `call`: "out" in the sources' dtype (merge_partial:
-    the partial's), "lse" / "weights" in kappa, "grad.<input>" in that input's dtype (a list
+    the partial's; "out_normed" too), "lse" / "weights" in kappa, "grad.<input>" in that input's dtype (a list
     for list / tuple sources)."""
     source = "partial" if call.op == "merge_partial" else "sources"
     src = call.input_dtypes.get(source, call.dtype)
     src = src[0] if isinstance(src, (list, tuple)) else src
     kappa = compute_dtype_for(src)
-    expected = {"out": src, "lse": kappa, "weights": kappa}
+    expected = {"out": src, "out_normed": src, "lse": kappa, "weights": kappa}
     for name, value in call.inputs.items():
         if value is not None:
             dtype = call.input_dtypes.get(name, call.dtype)
@@ -232,7 +233,10 @@ def _naive(golden) -> dict:
     if golden.op == "depth_attention":
         kw = {k: attrs[k] for k in ("eps", "scale", "num_heads", "activation", "key_norm")}
         return naive.depth_attention(a["input.sources"], a["input.query"], a.get("input.norm_weight"),
-                                     a["cotangent.out"], dtype=golden.dtype, d_lse=a.get("cotangent.lse"), **kw)
+                                     a["cotangent.out"], dtype=golden.dtype, d_lse=a.get("cotangent.lse"),
+                                     out_norm_weight=a.get("input.out_norm_weight"),
+                                     out_norm_eps=attrs.get("out_norm_eps"),
+                                     d_out_normed=a.get("cotangent.out_normed"), **kw)
     return naive.depth_attention_multi(a["input.sources"], a["input.queries"], a.get("input.norm_weights"),
                                        a["cotangent.out"], a["cotangent.lse"], dtype=golden.dtype,
                                        eps=attrs["eps"], scale=attrs["scale"])

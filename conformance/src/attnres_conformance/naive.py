@@ -16,18 +16,21 @@ from .numerics import round_to
 
 
 def depth_attention(sources, query, norm_weight, d_out, *, dtype: str, eps=1e-6, scale=1.0,
-                    num_heads=1, activation="softmax", key_norm=True, d_lse=None) -> dict:
+                    num_heads=1, activation="softmax", key_norm=True, d_lse=None,
+                    out_norm_weight=None, out_norm_eps=None, d_out_normed=None) -> dict:
     """Forward and VJP with every intermediate rounded to `dtype`.
 
-    Returns {"out" `[..., D]`, "sources" `[N, ..., D]`, "query", "norm_weight" (or None)}.
+    Returns {"out" `[..., D]`, "sources" `[N, ..., D]`, "query", "norm_weight" (or None)}, and
+    with out_norm_weight (C17) "out_normed" and "out_norm_weight" (its gradient for d_out_normed).
     Overflow to inf (and inf - inf) is part of what low precision does: it propagates."""
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         return _depth_attention(sources, query, norm_weight, d_out, dtype, eps, scale, num_heads,
-                                activation, key_norm, d_lse)
+                                activation, key_norm, d_lse, out_norm_weight,
+                                eps if out_norm_eps is None else out_norm_eps, d_out_normed)
 
 
 def _depth_attention(sources, query, norm_weight, d_out, dtype, eps, scale, num_heads, activation,
-                     key_norm, d_lse):
+                     key_norm, d_lse, out_norm_weight, out_norm_eps, d_out_normed):
     rd = lambda x: round_to(x, dtype)
     x = np.asarray(sources, dtype=np.float64)
     dim = x.shape[-1]
@@ -51,8 +54,21 @@ def _depth_attention(sources, query, norm_weight, d_out, dtype, eps, scale, num_
         e = rd(np.exp(rd(z - np.max(z, axis=0, keepdims=True))))
         p = rd(e / rd(np.sum(e, axis=0, keepdims=True)))
     out = rd(np.sum(rd(p[..., None] * xh), axis=0))  # [..., H, Dh]
+    extra = {}
+    go_full = np.asarray(d_out, dtype=np.float64)
+    if out_norm_weight is not None:  # C17, over all D, from the rounded out
+        y = out.reshape(x.shape[1:])
+        w = np.asarray(out_norm_weight, dtype=np.float64)
+        rho = rd(1.0 / rd(np.sqrt(rd(rd(rd(np.sum(rd(y * y), axis=-1)) / dim) + out_norm_eps))))[..., None]
+        y_hat = rd(rho * y)
+        extra["out_normed"] = rd(y_hat * w)
+        gn = np.zeros(y.shape) if d_out_normed is None else np.asarray(d_out_normed, dtype=np.float64)
+        a = rd(gn * w)
+        dot = rd(rd(np.sum(rd(a * y_hat), axis=-1, keepdims=True)) / dim)
+        go_full = rd(go_full + rd(rho * rd(a - rd(y_hat * dot))))
+        extra["out_norm_weight"] = rd(np.sum(rd(gn * y_hat).reshape(-1, dim), axis=0))
 
-    go = heads(np.asarray(d_out, dtype=np.float64))
+    go = heads(go_full)
     dp = rd(np.sum(rd(go[None] * xh), axis=-1))
     if activation == "softmax":
         dz = rd(p * rd(dp - rd(np.sum(rd(go * out), axis=-1))[None]))
@@ -77,6 +93,7 @@ def _depth_attention(sources, query, norm_weight, d_out, dtype, eps, scale, num_
         "sources": dx.reshape(x.shape),
         "query": dq.reshape(np.shape(query)),
         "norm_weight": None if norm_weight is None else dg.reshape(dim),
+        **extra,
     }
 
 

@@ -10,8 +10,8 @@ Array keys of `GoldenCase.arrays` (every array is stored as float64):
     "input.<name>"      an op argument (sources always stacked `[N, ..., D]`, whatever the layout;
                         a None argument is absent); for probe cases "input.embedding",
                         "input.sublayer_weights" and "input.<param name>"
-    "cotangent.<name>"  the cotangent of output <name> ("out", "lse")
-    "output.<name>"     float64 reference output ("out", "lse", "weights")
+    "cotangent.<name>"  the cotangent of output <name> ("out", "out_normed", "lse")
+    "output.<name>"     float64 reference output ("out", "out_normed", "lse", "weights")
     "grad.<name>"       float64 reference gradient of input <name>
 Inputs and cotangents hold values exactly representable in `value_dtypes(case)[key]`: the case
 dtype, except lse-typed arrays ("input.lse1", "cotangent.lse"), which are in the compute dtype
@@ -159,7 +159,8 @@ def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *,
                          activation="softmax", key_norm=True, token_query=False, gain=True,
                          lse=False, weights=False, eps=1e-6, scale=1.0, spread=2.0,
                          tag="", case_id=None, magnitude=1.0, zero_sources=False,
-                         zero_query=False, query_dtype=None, nonfinite=(), logit_max=None) -> GoldenCase:
+                         zero_query=False, query_dtype=None, nonfinite=(), logit_max=None,
+                         out_norm=False, out_norm_eps=None, out_norm_dtype=None) -> GoldenCase:
     """A `depth_attention` case: n sources `[*tokens, dim]`, id built from every option (plus
     `tag` for the eps/scale/spread knobs).  spread: the std of the logits the query produces.
 
@@ -171,12 +172,19 @@ def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *,
     nonfinite: `(name, index, value)` entries written into the drawn inputs ("sources" indexed
       `[N, ..., D]`, "query") before the reference runs (C12).
     logit_max: the query rescaled so that the largest logit is this (H = 1; C10.4's large logits).
+    out_norm: the fused output norm (C17): an out_norm_weight `[D]` ("input.out_norm_weight",
+      drawn from its own stream, so the other inputs equal those of the case without it), output
+      and cotangent "out_normed", gradient "out_norm_weight"; out_norm_eps: its eps (an attr,
+      only when given); out_norm_dtype: the weight's own dtype (seen converted to kappa, C10.1).
     """
     tokens = tuple(tokens)
     parts = [f"depth_attention_N{n}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}_{layout}"]
     parts += [f"H{num_heads}"] * (num_heads > 1) + ["sigmoid"] * (activation == "sigmoid")
     parts += ["nokeynorm"] * (not key_norm) + ["tokq"] * token_query + ["nogain"] * (not gain)
-    parts += ["lse"] * lse + ["weights"] * weights + [tag] * bool(tag)
+    parts += ["lse"] * lse + ["weights"] * weights + ["outnorm"] * out_norm
+    if out_norm_eps is not None:
+        parts.append(f"outnormeps{out_norm_eps:g}")
+    parts += [tag] * bool(tag)
     case_id = case_id or "_".join(parts)
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)
@@ -191,25 +199,39 @@ def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *,
     q_seen = round_to_dtype(q, compute) if query_dtype else q  # C10.1: converted to kappa
     attrs = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation,
                  key_norm=key_norm, return_lse=lse, return_weights=weights)
+    if out_norm_eps is not None:
+        attrs["out_norm_eps"] = out_norm_eps
+    w = w_seen = None
+    if out_norm:  # C17; its own stream: the case's other draws are unchanged
+        w = _draw_gain(np.random.default_rng([seed, 17]), (dim,), out_norm_dtype or dtype)
+        w_seen = round_to_dtype(w, compute) if out_norm_dtype else w  # C10.1: converted to kappa
     sources = _layout(x, layout)
-    result = ops.depth_attention(sources, q_seen, g, **attrs)
+    result = ops.depth_attention(sources, q_seen, g, out_norm_weight=w_seen, **attrs)
     out, *extra = result if isinstance(result, tuple) else (result,)
     arrays = {"input.sources": x, "input.query": q, "output.out": out}
     if g is not None:
         arrays["input.norm_weight"] = g
+    if out_norm:
+        arrays["input.out_norm_weight"] = w
+        arrays["output.out_normed"] = extra.pop(0)
     if lse:
         arrays["output.lse"] = extra.pop(0)
         arrays["cotangent.lse"] = _draw_cotangent(rng, arrays["output.lse"].shape, compute)
     if weights:
         arrays["output.weights"] = extra.pop(0)
     arrays["cotangent.out"] = _draw_cotangent(rng, out.shape, dtype)
+    if out_norm:
+        arrays["cotangent.out_normed"] = _draw_cotangent(np.random.default_rng([seed, 18]), out.shape, dtype)
     grads = ops.depth_attention_vjp(
         sources, q_seen, g, arrays["cotangent.out"], arrays.get("cotangent.lse"), eps=eps, scale=scale,
-        num_heads=num_heads, activation=activation, key_norm=key_norm)
+        num_heads=num_heads, activation=activation, key_norm=key_norm, out_norm_weight=w_seen,
+        out_norm_eps=out_norm_eps, d_out_normed=arrays.get("cotangent.out_normed"))
     arrays["grad.sources"] = _stack(grads["sources"])
     arrays["grad.query"] = grads["query"]
     if g is not None:
         arrays["grad.norm_weight"] = grads["norm_weight"]
+    if out_norm:
+        arrays["grad.out_norm_weight"] = grads["out_norm_weight"]
     return GoldenCase(case_id, "depth_attention", attrs, dtype, layout, seed, dtype, arrays)
 
 
@@ -361,6 +383,12 @@ def golden_cases() -> List[GoldenCase]:
         da(4, 7, (2, 3), "float32", "list", token_query=True, lse=True),  # C4 per-token query
         da(4, 8, (5,), f16, "stacked", token_query=True, num_heads=2, gain=False),
         da(4, 7, (3,), f64, "stacked", token_query=True, key_norm=False, lse=True),
+        # C17 fused output norm: over all D with heads; sigmoid with its own eps; N = 1
+        # (rmsnorm of the source); per-token query with weights in fp16
+        da(5, 8, (4,), "float32", "list", num_heads=2, lse=True, out_norm=True),
+        da(4, 7, (2, 3), bf16, "stacked", activation="sigmoid", out_norm=True, out_norm_eps=1e-3),
+        da(1, 7, (3,), f64, "list", lse=True, weights=True, out_norm=True),
+        da(3, 123, (2,), f16, "list", token_query=True, weights=True, out_norm=True),
         multi_case(1, 3, 7),  # phase 1 over the embedding only
         multi_case(33, 4, 7, (3,), bf16, "stacked"),
         multi_case(5, 2, 123, (2,), f64, gain=False),

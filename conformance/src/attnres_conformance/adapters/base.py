@@ -22,13 +22,18 @@ from ..backend import OPS, Capabilities, OpCall, OpResult, ProbeCall, ProbeResul
 ARG_ORDER = {"depth_attention": ("sources", "query", "norm_weight"),
              "depth_attention_multi": ("sources", "queries", "norm_weights"),
              "merge_partial": ("out1", "lse1", "partial", "query", "norm_weight")}
+#: Array arguments passed by keyword, and only when the call gives them (C17).
+KEYWORD_INPUTS = {"depth_attention": ("out_norm_weight",)}
 
 
-def output_names(op: str, attrs: Dict[str, Any]) -> Tuple[str, ...]:
-    """The names of an op's results, in the order the op returns them."""
+def output_names(op: str, attrs: Dict[str, Any], inputs: Optional[Dict[str, Any]] = None) -> Tuple[str, ...]:
+    """The names of an op's results, in the order the op returns them (`inputs`: the call's,
+    whose out_norm_weight adds "out_normed", C17)."""
     if op == "depth_attention_multi":
         return ("out", "lse")
     names = ["out"]
+    if op == "depth_attention" and (inputs or {}).get("out_norm_weight") is not None:
+        names.append("out_normed")
     if attrs.get("return_lse"):
         names.append("lse")
     if op == "depth_attention" and attrs.get("return_weights"):
@@ -145,9 +150,12 @@ class Adapter:
                           dtype, call.device, call.strided)
 
     def native_inputs(self, call: OpCall) -> Dict[str, Any]:
-        """Native arguments by name, in the op's order (sources keep their list/tuple/stacked form)."""
+        """Native arguments by name, in the op's order (sources keep their list/tuple/stacked form),
+        then the keyword inputs the call gives (`KEYWORD_INPUTS`)."""
+        names = ARG_ORDER[call.op] + tuple(k for k in KEYWORD_INPUTS.get(call.op, ())
+                                           if call.inputs.get(k) is not None)
         return {name: self._native(call.inputs.get(name), call.input_dtypes.get(name, call.dtype), call)
-                for name in ARG_ORDER[call.op]}
+                for name in names}
 
     def run_op(self, call: OpCall, args: Dict[str, Any], names: Tuple[str, ...]):
         """(outputs by name, gradients by argument name or {}) as native arrays."""
@@ -156,7 +164,8 @@ class Adapter:
         leaves, rebuild = flatten(args)
 
         def fn(*flat):
-            result = op(*rebuild(flat).values(), **attrs)
+            args_, kwargs = split_arguments(call.op, rebuild(flat))
+            result = op(*args_, **kwargs, **attrs)
             return tuple(result) if isinstance(result, tuple) else (result,)
 
         key = ("op", call.op, repr(sorted(attrs.items())), _layout(args))
@@ -175,7 +184,7 @@ class Adapter:
     def call_op(self, call: OpCall) -> OpResult:
         if call.op not in OPS:
             raise ValueError(f"op: expected one of {OPS}, got {call.op!r}")
-        names = output_names(call.op, call.attrs)
+        names = output_names(call.op, call.attrs, call.inputs)
         with self.context(call):
             args = self.native_inputs(call)
             outputs, grads = self.run_op(call, args, names)
@@ -236,6 +245,12 @@ class Adapter:
                 for k, g, a in zip(keys, grads, leaves)})
 
 
+def split_arguments(op: str, named: Dict[str, Any]) -> Tuple[list, Dict[str, Any]]:
+    """(positional, keyword) arguments of `op` from arguments by name (`ARG_ORDER`, then
+    `KEYWORD_INPUTS`)."""
+    return [named.get(k) for k in ARG_ORDER[op]], {k: v for k, v in named.items() if k not in ARG_ORDER[op]}
+
+
 def _layout(args: Dict[str, Any]) -> tuple:
     """The structure of the arguments: per name None, "array", or (list|tuple, length)."""
     return tuple((k, None if v is None else (type(v).__name__, len(v)) if isinstance(v, (list, tuple))
@@ -252,4 +267,5 @@ def implementation_counts(now: Dict[str, int], since: Optional[Dict[str, int]]) 
     return {k: int(v) - int(since.get(k, 0)) for k, v in now.items() if int(v) - int(since.get(k, 0)) > 0}
 
 
-__all__: List[str] = ["ARG_ORDER", "Adapter", "flatten", "implementation_counts", "output_names"]
+__all__: List[str] = ["ARG_ORDER", "KEYWORD_INPUTS", "Adapter", "flatten", "implementation_counts", "output_names",
+                      "split_arguments"]

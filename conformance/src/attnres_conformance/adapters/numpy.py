@@ -15,13 +15,13 @@ from attnres_numpy import model, ops
 from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 
 from ..backend import Capabilities, OpCall, ProbeCall, ProbeResult
-from .base import Adapter
+from .base import Adapter, split_arguments
 
 #: NumPy dtypes this adapter can build (int32 / float16 / float32 only for the error tests).
 NUMPY_DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "int32": np.int32,
                 "bool": np.bool_}
 #: Keyword arguments of the VJPs (the forward's return_* flags are not among them).
-VJP_ATTRS = ("eps", "scale", "num_heads", "activation", "key_norm")
+VJP_ATTRS = ("eps", "scale", "num_heads", "activation", "key_norm", "out_norm_eps")
 _VJPS = {"depth_attention": "depth_attention_vjp", "depth_attention_multi": "depth_attention_multi_vjp",
          "merge_partial": "merge_partial_vjp"}
 
@@ -84,13 +84,16 @@ class NumpyAdapter(Adapter):
     def run_op(self, call: OpCall, args: Dict[str, Any], names):
         self._calls += 1
         attrs = dict(call.attrs)
-        result = getattr(ops, call.op)(*args.values(), **attrs)
+        positional, keyword = split_arguments(call.op, args)
+        result = getattr(ops, call.op)(*positional, **keyword, **attrs)
         outputs = dict(zip(names, result if isinstance(result, tuple) else (result,)))
         if call.cotangents is None:
             return outputs, {}
         cot = call.cotangents
         vjp_attrs = {k: v for k, v in attrs.items() if k in VJP_ATTRS}
-        grads = getattr(ops, _VJPS[call.op])(*args.values(), cot["out"], cot.get("lse"), **vjp_attrs)
+        if cot.get("out_normed") is not None:  # C17
+            vjp_attrs["d_out_normed"] = cot["out_normed"]
+        grads = getattr(ops, _VJPS[call.op])(*positional, cot["out"], cot.get("lse"), **keyword, **vjp_attrs)
         return outputs, {name: _round_like(grads.get(name), args[name]) for name in args}
 
     def call_probe(self, call: ProbeCall) -> ProbeResult:

@@ -535,6 +535,50 @@ class MergeUncheckedNormWeight(ReferenceBackend):
         return super().call_op(call)
 
 
+class OutNormPerHead(ReferenceBackend):
+    """C17's out_normed normalized over each head's channels instead of all D (gradients right)."""
+
+    name = "out_norm_per_head"
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        heads = call.attrs.get("num_heads", 1)
+        if result.outputs.get("out_normed") is not None and heads > 1:
+            out = result.outputs["out"]
+            y = out.reshape(out.shape[:-1] + (heads, out.shape[-1] // heads))
+            eps = call.attrs.get("out_norm_eps") or call.attrs.get("eps", 1e-6)
+            y = y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps)
+            result.outputs["out_normed"] = y.reshape(out.shape) * call.inputs["out_norm_weight"]
+        return result
+
+
+class DropsOutNormWeightGrad(ReferenceBackend):
+    """No gradient for out_norm_weight (read as zero, as a None gradient is): forward right."""
+
+    name = "drops_out_norm_weight_grad"
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        if "out_norm_weight" in result.grads:
+            result.grads["out_norm_weight"] = None
+        return result
+
+
+class IgnoresOutNormedCotangent(ReferenceBackend):
+    """The backward never folds d_out_normed into d_out (a kernel without the C17 prologue):
+    d_out_norm_weight right, every other gradient as if out_normed had no cotangent."""
+
+    name = "ignores_out_normed_cotangent"
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        if call.cotangents and call.cotangents.get("out_normed") is not None:
+            plain = dict(call.cotangents, out_normed=np.zeros_like(call.cotangents["out_normed"]))
+            wrong = super().call_op(dataclasses.replace(call, cotangents=plain))
+            result.grads = dict(wrong.grads, out_norm_weight=result.grads["out_norm_weight"])
+        return result
+
+
 reference = ReferenceBackend()
 rounding = Rounding(ReferenceBackend())
 broken_eps = BrokenEps()
@@ -567,3 +611,6 @@ weights_from_separate_pass = WeightsFromSeparatePass()
 merge_ignores_eps_scale = MergeIgnoresEpsScale()
 merge_unchecked_norm_weight = MergeUncheckedNormWeight()
 key_norm_overflow = KeyNormOverflow()
+rounding_out_norm_per_head = Rounding(OutNormPerHead(), name="rounding_out_norm_per_head")
+drops_out_norm_weight_grad = DropsOutNormWeightGrad()
+ignores_out_normed_cotangent = IgnoresOutNormedCotangent()

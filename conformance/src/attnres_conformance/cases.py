@@ -62,6 +62,11 @@ FORM_DTYPES = ("float64", "float32")
 #: (sources' dtype, query's dtype) pairs of C10.1: the query converted to kappa.
 QUERY_DTYPES = (("bfloat16", "float32"), ("float16", "float32"), ("float32", "float64"),
                 ("float64", "float32"))
+#: C17 fused output norm: (sources' dtype, out_norm_weight's own dtype) of the mixed-dtype rows,
+#: and each dtype's large magnitude (the out-norm's mean square overflows fp32 / bf16 at 1e20).
+OUT_NORM_WEIGHT_DTYPES = {"float64": "float32", "float32": "float64", "float16": "float32",
+                          "bfloat16": "float32"}
+OUT_NORM_MAGNITUDES = {"float64": 1e100, "float32": 1e20, "float16": 1e3, "bfloat16": 1e20}
 #: C12 poison: NaN in one source at token 0, +Inf / -Inf in others at tokens 1 and 2; token 3 clean.
 NONFINITE_SOURCES = (("sources", (1, 0, 3), float("nan")), ("sources", (2, 1, 5), float("inf")),
                      ("sources", (0, 2, 0), float("-inf")))
@@ -231,6 +236,7 @@ def requirements_of(golden, spec: Optional[dict] = None) -> Requirements:
         opts |= {"no_key_norm"} if attrs.get("key_norm") is False else set()
         opts |= {"lse"} if attrs.get("return_lse") else set()
         opts |= {"weights"} if attrs.get("return_weights") else set()
+        opts |= {"out_norm"} if "input.out_norm_weight" in a else set()
     if golden.sources_layout == "stacked":
         opts.add("stacked")
     if spec.get("strided"):
@@ -305,6 +311,39 @@ def _depth_attention_cases(dtypes) -> List[Case]:
             cases.append(_op_case("depth_attention/large_magnitude", f"N5-T3-D64-x{magnitude:g}", dtype,
                                   "da", True, check=check, n=5, tokens=(3,), dim=64, magnitude=magnitude,
                                   lse=True))
+    return cases + _out_norm_cases(dtypes)
+
+
+def _out_norm_cases(dtypes) -> List[Case]:
+    """C17, the fused output norm: out_normed over all D (heads), every activation and query
+    form, N = 1, large magnitudes (its mean square overflows kappa), T = 0, its own eps, a weight
+    in another dtype; every case also checks d_out_norm_weight and the d_out_normed part of the
+    other gradients.  Two rows in the quick grid."""
+    row, on = "depth_attention/out_norm", dict(out_norm=True)
+    cases = []
+    for dtype in dtypes:
+        big, wdtype = OUT_NORM_MAGNITUDES[dtype], OUT_NORM_WEIGHT_DTYPES[dtype]
+        cases += [
+            _op_case(row, "N5-T3-D16", dtype, "da", True, n=5, tokens=(3,), dim=16, **on),
+            _op_case(row, "N5-T3-D16-H2-lse-weights-stacked", dtype, "da", True, n=5, tokens=(3,), dim=16,
+                     num_heads=2, lse=True, weights=True, layout="stacked", **on),
+            _op_case(row, "N6-T3-D15-H5", dtype, "da", False, n=6, tokens=(3,), dim=15, num_heads=5, **on),
+            _op_case(row, "N5-T3-D16-sigmoid", dtype, "da", False, n=5, tokens=(3,), dim=16,
+                     activation="sigmoid", **on),
+            _op_case(row, "N5-T2x3-D16-tokq-nokn", dtype, "da", False, n=5, tokens=(2, 3), dim=16,
+                     token_query=True, key_norm=False, **on),
+            _op_case(row, "N1-T3-D16", dtype, "da", False, n=1, tokens=(3,), dim=16, **on),
+            _op_case(row, f"N5-T3-D64-x{big:g}", dtype, "da", False, n=5, tokens=(3,), dim=64, magnitude=big,
+                     lse=True, **on),
+            _op_case(row, "N3-T0-D8", dtype, "da", False, n=3, tokens=(0,), dim=8, lse=True, **on),
+            _op_case(row, "N5-T3-D16-out_norm_eps1e-2", dtype, "da", False, n=5, tokens=(3,), dim=16,
+                     out_norm_eps=1e-2, **on),
+            _op_case(row, f"N5-T3-D16-weight_{wdtype}", dtype, "da", False, n=5, tokens=(3,), dim=16,
+                     out_norm_dtype=wdtype, input_dtypes={"out_norm_weight": wdtype}, **on),
+        ]
+        if dtype in LARGE_DTYPES:  # every channel of a wide row reaches the norm's sum
+            cases.append(_op_case(row, f"N3-T2-D{LARGE_D}", dtype, "da", False, n=3, tokens=(2,), dim=LARGE_D,
+                                  **on))
     return cases
 
 
@@ -563,6 +602,23 @@ def _error_specs(dtype: str) -> List[Tuple[str, str, dict, dict, dict, str, str]
     ]
 
 
+def _out_norm_error_specs(dtype: str) -> List[Tuple[str, str, dict, dict, dict, str, str]]:
+    """C17's errors, as `_error_specs`; eps without a weight must name out_norm_weight too."""
+    x = [np.full((2, 4), 0.5 + i) for i in range(3)]
+    da = lambda **kw: dict(dict(sources=x, query=np.linspace(-1, 1, 4), norm_weight=None), **kw)
+    w, D = np.ones(4), "depth_attention"
+    return [
+        ("out_norm_weight_shape", D, da(out_norm_weight=np.ones(3)), {}, {}, "ValueError", "out_norm_weight"),
+        ("out_norm_weight_int", D, da(out_norm_weight=w), {}, {"out_norm_weight": "int32"}, "TypeError",
+         "out_norm_weight"),
+        ("out_norm_eps_zero", D, da(out_norm_weight=w), dict(out_norm_eps=0.0), {}, "ValueError", "out_norm_eps"),
+        ("out_norm_eps_nan", D, da(out_norm_weight=w), dict(out_norm_eps=float("nan")), {}, "ValueError",
+         "out_norm_eps"),
+        ("out_norm_eps_bool", D, da(out_norm_weight=w), dict(out_norm_eps=True), {}, "TypeError", "out_norm_eps"),
+        ("out_norm_eps_without_weight", D, da(), dict(out_norm_eps=1e-5), {}, "ValueError", "out_norm_weight"),
+    ]
+
+
 def _error_cases(dtypes) -> List[Case]:
     cases = []
     for dtype in dtypes:
@@ -570,6 +626,10 @@ def _error_cases(dtypes) -> List[Case]:
             spec = dict(op=op, inputs=inputs, attrs=attrs, input_dtypes=input_dtypes, exception=exc,
                         argument=arg, requires=Requirements(ops=frozenset({op})))
             cases.append(Case(f"errors/{op}/{label}/{dtype}", "error", dtype, spec, True))
+        for label, op, inputs, attrs, input_dtypes, exc, arg in _out_norm_error_specs(dtype):  # C17
+            spec = dict(op=op, inputs=inputs, attrs=attrs, input_dtypes=input_dtypes, exception=exc,
+                        argument=arg, requires=Requirements(ops=frozenset({op}), options=frozenset({"out_norm"})))
+            cases.append(Case(f"errors/{op}/{label}/{dtype}", "error", dtype, spec, False))
     return cases
 
 
@@ -605,6 +665,8 @@ def _determinism_cases(dtypes) -> List[Case]:
         ("depth_attention-N6-T2x3-D8-H2-sigmoid-tokq-stacked", "da",
          dict(n=6, tokens=(2, 3), dim=8, num_heads=2, activation="sigmoid", token_query=True,
               layout="stacked", weights=True), False),
+        ("depth_attention-N6-T2x3-D8-H2-outnorm-lse", "da",
+         dict(n=6, tokens=(2, 3), dim=8, num_heads=2, lse=True, out_norm=True), False),  # C17
         ("depth_attention_multi-N5-S3-T3-D16", "multi", dict(n=5, s=3, tokens=(3,), dim=16), False),
         ("merge_partial-T3-D16", "merge", dict(tokens=(3,), dim=16), False),
         ("probe-block-S2-L5-D8", "probe", dict(variant="block", overrides=(("block_size", 2),)), True),

@@ -332,3 +332,23 @@ def test_compile_fullgraph():
     v = ref.depth_attention_vjp(f64(xs), f64(q), f64(g), None, d_out_normed=f64(d_normed),
                                 out_norm_weight=f64(w))
     assert_close(d_w, v["out_norm_weight"], "float32", "compiled d_out_norm_weight", grad=True)
+
+
+def test_depth_attention_module_option():
+    """`DepthAttention(fuse_out_norm=True)`: an `out_norm` gain `[D]` (ones) and (out, out_normed)."""
+    gen = torch.Generator().manual_seed(13)
+    plain = at.DepthAttention(16)
+    layer = at.DepthAttention(16, fuse_out_norm=True, out_norm_eps=1e-5)
+    assert "out_norm" not in plain.state_dict() and torch.equal(layer.out_norm, torch.ones(16))
+    with torch.no_grad():
+        layer.query.normal_(generator=gen)
+        layer.out_norm.add_(rand(gen, (16,), torch.float32, 0.1))
+    xs = [rand(gen, (2, 3, 16), torch.float32) for _ in range(3)]
+    out, normed = layer(xs)
+    r = ref.depth_attention(f64(xs), f64(layer.query), f64(layer.norm_weight),
+                            out_norm_weight=f64(layer.out_norm), out_norm_eps=1e-5)
+    assert_close(normed, r[1], "float32", "module out_normed", grad=False)
+    normed.square().sum().backward()
+    assert layer.out_norm.grad is not None and torch.isfinite(layer.out_norm.grad).all()
+    with pytest.raises(ValueError, match="out_norm_eps"):
+        at.DepthAttention(16, out_norm_eps=1e-5)

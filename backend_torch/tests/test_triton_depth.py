@@ -20,7 +20,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 "runs this module in such a subprocess", allow_module_level=True)
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
-from _helpers import assert_close, compute_dtype, f64, rand  # noqa: E402
+import attnres_torch as at  # noqa: E402
+from _helpers import assert_close, compute_dtype, f64, leaves, rand  # noqa: E402
 from attnres_numpy import ops  # noqa: E402
 from attnres_torch.kernels import triton_depth as td  # noqa: E402
 
@@ -268,3 +269,106 @@ def test_huge_fp32_sources_keep_their_key_norm(kernels, magnitude):
                                          scale=1.0, return_lse=True)
     assert_close(m_lse, r_m_lse, "float32", "merge lse", grad=False)
     assert_close(m_out / magnitude, r_m_out / magnitude, "float32", "merge out", grad=False)
+
+
+# -- the fused output norm (C17, spec 2.6; test_out_norm.py covers the CPU implementations) ------
+
+ON_EPS = 1e-5
+
+
+def _check_out_norm(gen, n, shape, dtype, *, per_token, gain, launches, magnitude=1.0):
+    """td.forward / td.backward with out_norm against the reference (every output, every
+    gradient, random cotangents on out, out_normed and lse); returns the results."""
+    dim = shape[-1]
+    name = str(dtype).replace("torch.", "")
+    xs = _sources(gen, n, shape, dtype, "sliced")
+    if magnitude != 1.0:
+        xs = [(x.double() * magnitude).to(dtype) for x in xs]
+    q = rand(gen, shape if per_token else (dim,), torch.float32, 0.5)
+    g = rand(gen, (dim,), torch.float32) + 1.0 if gain else None
+    w = rand(gen, (dim,), torch.float32) + 1.0
+    before = [x.clone() for x in xs] + [q.clone(), w.clone()]
+    out, lse, weights, normed = td.forward(xs, q, g, EPS, SCALE, out_norm=(w, ON_EPS))
+    assert weights is None and normed.dtype == dtype and normed.shape == shape
+    d_out, d_normed = rand(gen, shape, dtype), rand(gen, shape, dtype)
+    d_lse = rand(gen, shape[:-1], torch.float32)
+    d_src, d_q, d_g, d_w = td.backward(xs, q, g, out, lse, d_out, d_lse, EPS, SCALE,
+                                       out_norm=(w, ON_EPS, d_normed))
+    assert launches.count("_depth_fwd_kernel") == 1 and launches.count("_depth_bwd_kernel") == 1
+    _no_nan(out, normed, lse, *d_src, d_q, d_g, d_w)
+    for a, b in zip(xs + [q, w], before):
+        assert torch.equal(a, b), "an input was modified"
+    opts = dict(eps=EPS, scale=SCALE, out_norm_weight=f64(w), out_norm_eps=ON_EPS)
+    r_out, r_normed, r_lse = ops.depth_attention(f64(xs), f64(q), f64(g), return_lse=True, **opts)
+    v = ops.depth_attention_vjp(f64(xs), f64(q), f64(g), f64(d_out), f64(d_lse),
+                                d_out_normed=f64(d_normed), **opts)
+    assert_close(out / magnitude, r_out / magnitude, name, "out", grad=False)
+    assert_close(normed, r_normed, name, "out_normed", grad=False)
+    assert_close(lse, r_lse, compute_dtype(name), "lse", grad=False)
+    assert_close(d_src, v["sources"], name, "d_sources", grad=True)
+    if magnitude == 1.0:
+        assert_close(d_q, v["query"], "float32", "d_query", grad=True)
+        if gain:
+            assert_close(d_g, v["norm_weight"], "float32", "d_norm_weight", grad=True)
+    assert_close(d_w, v["out_norm_weight"], "float32", "d_out_norm_weight", grad=True)
+    return out, normed, lse, d_src, d_q, d_w
+
+
+@pytest.mark.parametrize("kernels", ["one_tile", "row_blocks"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,dim,per_token,gain", [(1, 7, False, True), (3, 33, True, True),
+                                                  (4, 1, False, False), (9, 20, True, False)])
+def test_out_norm_matches_reference(kernels, dtype, n, dim, per_token, gain):
+    gen = torch.Generator().manual_seed(n * 7 + dim)
+    _check_out_norm(gen, n, (5, dim), dtype, per_token=per_token, gain=gain, launches=kernels)
+
+
+@pytest.mark.parametrize("kernels", ["one_tile"], indirect=True)
+def test_out_norm_huge_values_and_bits_repeat(kernels):
+    """C10.6: |out| ~ 1e25 squares to inf in fp32; out_normed and its gradients stay right.
+    C15: the same inputs twice give the same bits."""
+    runs = []
+    for _ in range(2):
+        kernels.clear()
+        runs.append(_check_out_norm(torch.Generator().manual_seed(4), 3, (6, 33), torch.float32,
+                                    per_token=False, gain=True, launches=kernels, magnitude=1e25))
+    (o1, n1, l1, s1, q1, w1), (o2, n2, l2, s2, q2, w2) = runs
+    assert all(torch.equal(a, b) for a, b in zip([o1, n1, l1, q1, w1, *s1], [o2, n2, l2, q2, w2, *s2]))
+
+
+@pytest.mark.parametrize("kernels", ["d_tiles"], indirect=True)
+def test_out_norm_needs_one_tile(kernels):
+    """Rows wider than one backward tile: not supported, so the dispatch refuses a forced call
+    (and never chooses Triton for it automatically)."""
+    xs = [torch.randn(3, 33) for _ in range(2)]
+    q, w = torch.randn(33), torch.rand(33) + 0.5
+    opts = dict(num_heads=1, activation="softmax", key_norm=True)
+    assert td.supports(xs, q, None, **opts) and not td.supports(xs, q, None, out_norm=True, **opts)
+    with at.use_impl("triton"), pytest.raises(ValueError, match="triton"):
+        at.depth_attention(xs, q, out_norm_weight=w)
+
+
+@pytest.mark.parametrize("kernels", ["one_tile"], indirect=True)
+def test_out_norm_through_the_op_and_autograd(kernels):
+    """`at.depth_attention(..., out_norm_weight=)` forced onto Triton: the custom op and its
+    autograd (d_out_norm_weight included), return_weights, last_impl."""
+    gen = torch.Generator().manual_seed(9)
+    xs = _sources(gen, 3, (2, 3, 16), torch.bfloat16, "contiguous")
+    q, g = rand(gen, (16,), torch.float32, 0.5), rand(gen, (16,), torch.float32) + 1.0
+    w = rand(gen, (16,), torch.float32) + 1.0
+    lx, lq, lg, lw = leaves(xs), leaves(q), leaves(g), leaves(w)
+    with at.use_impl("triton"):
+        out, normed, weights = at.depth_attention(lx, lq, lg, out_norm_weight=lw, out_norm_eps=ON_EPS,
+                                                  return_weights=True)
+    assert at.last_impl() == "triton"
+    d_normed = rand(gen, normed.shape, torch.bfloat16)
+    grads = torch.autograd.grad(normed, lx + [lq, lg, lw], d_normed)
+    opts = dict(eps=1e-6, out_norm_weight=f64(w), out_norm_eps=ON_EPS)
+    r_out, r_normed, r_w = ops.depth_attention(f64(xs), f64(q), f64(g), return_weights=True, **opts)
+    v = ops.depth_attention_vjp(f64(xs), f64(q), f64(g), None, d_out_normed=f64(d_normed), **opts)
+    assert_close(normed, r_normed, "bfloat16", "out_normed", grad=False)
+    assert_close(weights, r_w, "float32", "weights", grad=False)
+    assert_close(list(grads[:3]), v["sources"], "bfloat16", "d_sources", grad=True)
+    assert_close(grads[3], v["query"], "float32", "d_query", grad=True)
+    assert_close(grads[4], v["norm_weight"], "float32", "d_norm_weight", grad=True)
+    assert_close(grads[5], v["out_norm_weight"], "float32", "d_out_norm_weight", grad=True)

@@ -4,7 +4,7 @@
 one, in this order, whose device every tensor of the call is on and that supports the call:
 
 * "triton" (`kernels/triton_depth.py`): every tensor on CUDA, Triton importable and
-  `triton_depth.supports(...)`.
+  `triton_depth.supports(...)` (with the fused output norm, C17: D <= 8192).
 * "cpu_c" (`cpu_c.py`, `csrc/depth_cpu.c`): the fused C kernel, for the default op on the CPU
   (softmax, key norm, one head, float16/bfloat16/float32 sources with unit stride along D) when
   it could be built, with or without the fused output norm (C17); also `merge_partial` without

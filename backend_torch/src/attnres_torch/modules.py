@@ -34,19 +34,31 @@ from .residual_ops import TorchOps
 class DepthAttention(nn.Module):
     """One depth-attention layer (spec 4): pseudo-query `[D]` (zero-initialized, M8) and key-norm
     gain `[D]` (ones).  forward(sources N x `[..., D]` or `[N, ..., D]`) -> `[..., D]`, or
-    `(out, lse?, weights?)` with return_lse / return_weights (as `depth_attention`)."""
+    `(out, lse?, weights?)` with return_lse / return_weights (as `depth_attention`).
+
+    fuse_out_norm=True (C17, spec 2.6): the layer also owns the next sublayer's pre-norm gain
+    `out_norm` `[D]` (ones, like nn.RMSNorm's weight; eps `out_norm_eps`, None = eps) and returns
+    `(out, out_normed, lse?, weights?)`: out_normed = rmsnorm(out) * out_norm from the same pass,
+    so that sublayer takes out_normed in place of its own RMSNorm(out)."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, num_heads: int = 1,
-                 activation: str = "softmax", key_norm: bool = True):
+                 activation: str = "softmax", key_norm: bool = True, fuse_out_norm: bool = False,
+                 out_norm_eps: Optional[float] = None):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(dim))
         self.norm_weight = nn.Parameter(torch.ones(dim))
+        self.out_norm = nn.Parameter(torch.ones(dim)) if fuse_out_norm else None
+        if out_norm_eps is not None and not fuse_out_norm:
+            raise ValueError("out_norm_eps: given while fuse_out_norm is False")
         self.options = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation,
                             key_norm=key_norm)
+        if fuse_out_norm:
+            self.options["out_norm_eps"] = out_norm_eps
 
     def forward(self, sources, *, return_lse: bool = False, return_weights: bool = False):
         return depth_attention(sources, self.query, self.norm_weight, return_lse=return_lse,
-                               return_weights=return_weights, **self.options)
+                               return_weights=return_weights, out_norm_weight=self.out_norm,
+                               **self.options)
 
 
 class DepthRouter(nn.Module):

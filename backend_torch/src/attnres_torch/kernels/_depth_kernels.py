@@ -72,6 +72,20 @@ def _rsqrt_mean(ss, ss_lo, D, eps):
 
 
 @triton.jit
+def _out_norm_scale(y, AXIS: tl.constexpr, D, eps):
+    """C17: yh = rho y over AXIS (all D channels), rho = (mean(y^2) + eps)^-1/2, and the factor
+    f with rho = 2^-80 f where the fp32 sum of squares overflowed, else f = rho: yh is formed as
+    one product, (2^-80 y) f there (C10.6, like `_rsqrt_mean`), never with a subnormal rho."""
+    ss, ss_lo = _sumsq(y, AXIS)
+    big = ss == float("inf")
+    f = tl.where(big, 1.0 / tl.sqrt_rn(tl.where(big, ss_lo, 1.0) / D), 1.0 / tl.sqrt_rn(ss / D + eps))
+    big_e = tl.expand_dims(big, AXIS)
+    f_e = tl.expand_dims(f, AXIS)
+    yh = tl.where(big_e, (y * 8.271806125530277e-25) * f_e, y * f_e)
+    return yh, big, f
+
+
+@triton.jit
 def _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3, rmask3, q3, smask3, col3, cmask3,
              PER_TOKEN: tl.constexpr, HAS_GAIN: tl.constexpr):
     """qg = q * g in fp32: `[BLOCK_T, 1, BLOCK_D]` per token or `[1, BLOCK_S, BLOCK_D]` shared."""
@@ -91,10 +105,11 @@ def _depth_fwd_kernel(
     g_ptr, g_stride,                # gains [S, D] (HAS_GAIN)
     out_ptr, lse_ptr, acc_ptr,      # out [S, T, D] source dtype; lse [S, T] fp32; acc [S, T, D] fp32
     w_ptr,                          # WEIGHTS: [N, S, T] fp32, the softmax weights of lse
+    onw_ptr, normed_ptr, on_eps,    # OUT_NORM: gain [D] fp32, out_normed [T, D] source dtype
     N, T, S, D, eps, scale,
     ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, PER_TOKEN: tl.constexpr,
     HAS_GAIN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    ONE_TILE: tl.constexpr, WEIGHTS: tl.constexpr,
+    ONE_TILE: tl.constexpr, WEIGHTS: tl.constexpr, OUT_NORM: tl.constexpr = False,
 ):
     """Forward and phase 1 (spec 2.1 and 3.1): one online-softmax pass over the N sources for
     BLOCK_S queries at once; each source row is loaded once and used by all of them.
@@ -103,7 +118,8 @@ def _depth_fwd_kernel(
     group varies fastest so the groups that share rows run together.  acc_ptr is touched only
     when not ONE_TILE.  WEIGHTS: each z_i is parked in w_ptr during the pass, then replaced by
     p_i = exp(z_i - m) / l with the final m and l of lse (the same logits, max and sum; exactly
-    1 at N = 1).
+    1 at N = 1).  OUT_NORM (C17; S = 1 and ONE_TILE only, host-checked): out_normed =
+    (rho y) w from the same fp32 accumulator y = acc / l, before out's rounding.
     """
     num_groups = tl.cdiv(S, BLOCK_S)
     rows = (tl.program_id(0) // num_groups) * BLOCK_T + tl.arange(0, BLOCK_T)   # [BLOCK_T]
@@ -141,6 +157,10 @@ def _depth_fwd_kernel(
             m = m_new
         out = acc / l[:, :, None]
         tl.store(out_ptr + out_row3 + col3, _to_elt(out, ELT), mask=rmask3 & smask3 & cmask3)
+        if OUT_NORM:  # columns past D hold 0: the sums cover exactly the D channels
+            yh, _, _ = _out_norm_scale(out, 2, D, on_eps)
+            w = tl.load(onw_ptr + col3, mask=cmask3, other=0.0)
+            tl.store(normed_ptr + out_row3 + col3, _to_elt(yh * w, ELT), mask=rmask3 & smask3 & cmask3)
     else:
         for i in range(N):
             base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
@@ -234,10 +254,12 @@ def _depth_bwd_kernel(
     out_ptr, out_stride, dout_ptr, dout_stride, lse_ptr, dlse_ptr,
     dq_ptr,                             # PER_TOKEN: d_query [T, D] fp32
     ws_ptr,                             # [num_programs, D] fp32 partial sums (see below)
-    N, T, D, eps, scale, num_row_blocks,
+    onw_ptr, dn_ptr, dn_stride, on_ws_ptr, on_eps,   # OUT_NORM: gain [D] fp32, d_out_normed
+    N, T, D, eps, scale, num_row_blocks,             # [T, D], [num_programs, D] fp32 partials
     ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, PER_TOKEN: tl.constexpr,
     HAS_GAIN: tl.constexpr, HAS_DLSE: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
+    OUT_NORM: tl.constexpr = False,
 ):
     """Backward (spec 2.3), one query.  Grid (num_programs,); program p handles the row blocks
     p, p + num_programs, ... and writes one row of partial sums to ws_ptr[p] (no atomics; the host
@@ -247,6 +269,12 @@ def _depth_bwd_kernel(
     delta = <go, out> is computed in fp32 (C10): from `out` when it is fp32 (DELTA_FROM_OUT),
     else as sum_i p_i <go, x_i> in an extra walk over the sources (the rows of one row block are
     re-read right after, mostly from cache), never from the rounded low-precision `out`.
+
+    OUT_NORM (C17; ONE_TILE only, host-checked): the d_y prologue in the same pass.  y is
+    recomputed in fp32 in an extra walk over the sources (p_i = exp(z_i - lse); the saved `out`
+    is rounded for low-precision sources), then go <- go + rho (a - yh <a, yh> / D) with
+    a = d_out_normed w, yh = rho y, and delta = <go, y>; the program's row of on_ws_ptr gets
+    sum_t d_out_normed yh (d_out_norm_weight, reduced by the host in a fixed order).
     """
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
@@ -256,6 +284,7 @@ def _depth_bwd_kernel(
         col2 = cols[None, :]                                       # [1, BLOCK_D]
         cmask2 = col2 < D
         part = tl.zeros([BLOCK_D], tl.float32)                     # this program's ws row
+        on_part = tl.zeros([BLOCK_D], tl.float32)                  # and its on_ws row
         for rb in range(pid, num_row_blocks, npid):
             rows = rb * BLOCK_T + tl.arange(0, BLOCK_T)            # [BLOCK_T]
             rmask = rows < T
@@ -264,7 +293,23 @@ def _depth_bwd_kernel(
             q, qg = _qg_rows(q_ptr, q_stride, g_ptr, row2, col2, mask2, cmask2, PER_TOKEN, HAS_GAIN)
             go = tl.load(dout_ptr + row2 * dout_stride + col2, mask=mask2, other=0.0).to(tl.float32)
             shift = tl.load(lse_ptr + rows, mask=rmask, other=0.0)          # lse [BLOCK_T]
-            if DELTA_FROM_OUT:
+            if OUT_NORM:                                                     # C17 prologue
+                y = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+                for i in range(N):
+                    base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+                    x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                    ss, ss_lo = _sumsq(x, 1)
+                    r = _rsqrt_mean(ss, ss_lo, D, eps)
+                    y += tl.exp(scale * r * tl.sum(x * qg, axis=1) - shift)[:, None] * x
+                yh, big, f = _out_norm_scale(y, 1, D, on_eps)
+                gn = tl.load(dn_ptr + row2 * dn_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                a = gn * tl.load(onw_ptr + col2, mask=cmask2, other=0.0)
+                dy = a - yh * (tl.sum(a * yh, axis=1) / D)[:, None]
+                dy = tl.where(big[:, None], (dy * 8.271806125530277e-25) * f[:, None], dy * f[:, None])
+                go = go + dy
+                on_part += tl.sum(gn * yh, axis=0)
+                delta = tl.sum(go * y, axis=1)
+            elif DELTA_FROM_OUT:
                 o = tl.load(out_ptr + row2 * out_stride + col2, mask=mask2, other=0.0).to(tl.float32)
                 delta = tl.sum(go * o, axis=1)                              # [BLOCK_T]
             else:
@@ -299,6 +344,8 @@ def _depth_bwd_kernel(
             else:
                 part += tl.sum(dqg, axis=0)
         tl.store(ws_row + cols, part, mask=cols < D)
+        if OUT_NORM:
+            tl.store(on_ws_ptr + pid.to(tl.int64) * D + cols, on_part, mask=cols < D)
     else:
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)

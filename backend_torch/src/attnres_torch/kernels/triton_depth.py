@@ -48,9 +48,11 @@ def supports(sources, query, norm_weight, *, num_heads, activation, key_norm,
              out_norm=False) -> bool:
     """True when these kernels compute this call: Triton importable; every tensor on CUDA (or on
     CPU under TRITON_INTERPRET=1); softmax, key_norm, one head; fp16/bf16/fp32 sources of one
-    shape and dtype with D >= 1; query `[D]` or shaped like a source; norm_weight `[D]` or None;
-    no fused output norm yet (`out_norm`: such calls fall back to the composition)."""
-    if triton is None or activation != "softmax" or not key_norm or num_heads != 1 or out_norm:
+    shape and dtype with D >= 1; query `[D]` or shaped like a source; norm_weight `[D]` or None.
+    With the fused output norm (`out_norm`, C17) also D <= `_MAX_BLOCK_D // 2` (8192): the
+    backward's d_y prologue needs the whole row in one tile (wider rows fall back to the
+    composition)."""
+    if triton is None or activation != "softmax" or not key_norm or num_heads != 1:
         return False
     sources = list(sources)
     if not sources or not all(isinstance(s, Tensor) for s in sources):
@@ -65,6 +67,8 @@ def supports(sources, query, norm_weight, *, num_heads, activation, key_norm,
     if any(s.dtype != x0.dtype or s.shape != x0.shape for s in sources):
         return False
     dim = x0.shape[-1]
+    if out_norm and _pow2(dim) > _MAX_BLOCK_D // 2:
+        return False
     if not query.is_floating_point() or tuple(query.shape) not in ((dim,), tuple(x0.shape)):
         return False
     return norm_weight is None or (norm_weight.is_floating_point()
@@ -135,9 +139,10 @@ def _as_list(sources) -> List[Tensor]:
 
 def _run_forward(table: _SourceTable, q: Tensor, q_stride: int, g: Optional[Tensor], g_stride: int,
                  num_queries: int, per_token: bool, eps: float, scale: float,
-                 with_weights: bool = False):
+                 with_weights: bool = False, out_norm: Optional[tuple] = None):
     """out `[S, T, D]` (source dtype), lse `[S, T]` fp32, weights `[N, S, T]` fp32 of that lse
-    (None unless `with_weights`)."""
+    (None unless `with_weights`), out_normed `[S, T, D]` (source dtype; None unless `out_norm`
+    = (gain `[D]`, eps_o), S = 1)."""
     x0 = table.views[0]
     num_rows, dim = x0.shape
     dev = x0.device
@@ -145,18 +150,25 @@ def _run_forward(table: _SourceTable, q: Tensor, q_stride: int, g: Optional[Tens
     lse = _alloc((num_queries, num_rows), torch.float32, dev)
     w = (_alloc((len(table.views), num_queries, num_rows), torch.float32, dev) if with_weights
          else None)
+    onw = None if out_norm is None else out_norm[0].float().contiguous()
+    normed = None if out_norm is None else _alloc((num_queries, num_rows, dim), table.dtype, dev)
     if num_rows == 0:
-        return out, lse, w
+        return out, lse, w, normed
     bt, bs, bd, one_tile, warps = _tiles(num_rows, dim, num_queries)
+    if out_norm is not None and not (one_tile and num_queries == 1):
+        raise ValueError(f"out_norm_weight: the Triton output norm needs one query and D <= "
+                         f"{_MAX_BLOCK_D // 2} (one tile), got S = {num_queries}, D = {dim}")
     acc = out if one_tile else _alloc((num_queries, num_rows, dim), torch.float32, dev)
     grid = (triton.cdiv(num_queries, bs) * triton.cdiv(num_rows, bt),)
     _launch(_k._depth_fwd_kernel, grid, table.ptrs, table.strides, q, q_stride,
             q if g is None else g, g_stride, out, lse, acc, lse if w is None else w,
+            lse if onw is None else onw, out if normed is None else normed,
+            0.0 if out_norm is None else float(out_norm[1]),
             len(table.views), num_rows, num_queries, dim, float(eps), float(scale), ELT=table.elt,
             VEC=table.vec, ALIGNED=table.aligned, PER_TOKEN=per_token, HAS_GAIN=g is not None,
             BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, ONE_TILE=one_tile, WEIGHTS=w is not None,
-            num_warps=warps)
-    return out, lse, w
+            OUT_NORM=out_norm is not None, num_warps=warps)
+    return out, lse, w, normed
 
 
 def _vec(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -164,16 +176,22 @@ def _vec(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def forward(sources, query: Tensor, norm_weight: Optional[Tensor], eps: float,
-            scale: float, with_weights: bool = False) -> Tuple[Tensor, ...]:
+            scale: float, with_weights: bool = False,
+            out_norm: Optional[tuple] = None) -> Tuple[Tensor, ...]:
     """Depth attention (spec 2.1): out `[..., D]` in the sources' dtype, lse `[...]` fp32, and
-    with `with_weights` the softmax weights `[N, ...]` fp32 of that lse (same logits, max, sum)."""
+    with `with_weights` the softmax weights `[N, ...]` fp32 of that lse (same logits, max, sum).
+    With `out_norm = (out_norm_weight [D], eps_o)` (C17): (out, lse, weights or None,
+    out_normed `[..., D]` in the sources' dtype, written by the same kernel pass)."""
     sources = _as_list(sources)
     shape, dim = sources[0].shape, sources[0].shape[-1]
     table = _SourceTable(sources, dim)
     per_token = query.ndim > 1
     q = _rows(query, dim) if per_token else query.contiguous()
-    out, lse, w = _run_forward(table, q, q.stride(0) if per_token else 0, _vec(norm_weight), 0, 1,
-                               per_token, eps, scale, with_weights)
+    out, lse, w, normed = _run_forward(table, q, q.stride(0) if per_token else 0, _vec(norm_weight),
+                                       0, 1, per_token, eps, scale, with_weights, out_norm)
+    if out_norm is not None:
+        w = None if w is None else w.view((len(sources),) + tuple(shape[:-1]))
+        return out.view(shape), lse.view(shape[:-1]), w, normed.view(shape)
     if w is None:
         return out.view(shape), lse.view(shape[:-1])
     return out.view(shape), lse.view(shape[:-1]), w.view((len(sources),) + tuple(shape[:-1]))
@@ -189,7 +207,7 @@ def multi_forward(sources, queries: Tensor, norm_weights: Optional[Tensor], eps:
     table = _SourceTable(sources, dim)
     q = queries.contiguous()
     g = _vec(norm_weights)
-    out, lse, _ = _run_forward(table, q, dim, g, dim, num_q, False, eps, scale)
+    out, lse, _, _ = _run_forward(table, q, dim, g, dim, num_q, False, eps, scale)
     return out.view((num_q,) + tuple(shape)), lse.view((num_q,) + tuple(shape[:-1]))
 
 
@@ -203,10 +221,14 @@ def _reduce(ws: Tensor) -> Tensor:
 
 
 def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor, lse: Tensor,
-             d_out: Tensor, d_lse: Optional[Tensor], eps: float, scale: float):
+             d_out: Tensor, d_lse: Optional[Tensor], eps: float, scale: float,
+             out_norm: Optional[tuple] = None):
     """VJP (spec 2.3) -> (d_sources: list `[..., D]` in the sources' dtype, d_query fp32 shaped
     like query, d_norm_weight fp32 `[D]` or None).  `out`/`lse` are the forward's results; `out`
-    is read only for fp32 sources (a low-precision `out` is rounded, so delta is recomputed)."""
+    is read only for fp32 sources (a low-precision `out` is rounded, so delta is recomputed).
+    With `out_norm = (out_norm_weight [D], eps_o, d_out_normed [..., D])` (C17; one tile) the
+    kernel folds d_out_normed into d_out (y recomputed in fp32) and the result gets a fourth
+    entry, d_out_norm_weight fp32 `[D]`."""
     sources = _as_list(sources)
     shape, dim = sources[0].shape, sources[0].shape[-1]
     table = _SourceTable(sources, dim)
@@ -220,9 +242,15 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor,
     d_ptrs = _device_table([d.data_ptr() for d in d_src], dev)
     dq = _alloc((num_rows, dim), torch.float32, dev) if per_token else None
     bt, _, bd, one_tile, warps = _tiles(num_rows, dim, share=2)
+    if out_norm is not None and not one_tile:
+        raise ValueError(f"out_norm_weight: the Triton output norm needs D <= {_MAX_BLOCK_D // 2} "
+                         f"(one tile), got D = {dim}")
     num_blocks = triton.cdiv(num_rows, bt)
     num_programs = max(1, min(num_blocks, _BWD_PROGRAMS))
     ws = _alloc((num_programs, dim), torch.float32, dev)
+    on_ws = None if out_norm is None else _alloc((num_programs, dim), torch.float32, dev)
+    onw = None if out_norm is None else out_norm[0].float().contiguous()
+    dn = None if out_norm is None else _rows(out_norm[2], dim)
     o2, go2 = _rows(out, dim), _rows(d_out, dim)
     lse1 = lse.reshape(-1).float().contiguous()
     dl = None if d_lse is None else d_lse.reshape(-1).float().contiguous()
@@ -230,12 +258,18 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor,
         _launch(_k._depth_bwd_kernel, (num_programs,), table.ptrs, table.strides, d_ptrs, q,
                 q.stride(0) if per_token else 0, q if g is None else g, o2, o2.stride(0), go2,
                 go2.stride(0), lse1, lse1 if dl is None else dl, q if dq is None else dq, ws,
+                lse1 if onw is None else onw, go2 if dn is None else dn,
+                0 if dn is None else dn.stride(0), ws if on_ws is None else on_ws,
+                0.0 if out_norm is None else float(out_norm[1]),
                 len(sources), num_rows, dim, float(eps), float(scale), num_blocks, ELT=table.elt,
                 VEC=table.vec, ALIGNED=table.aligned, PER_TOKEN=per_token, HAS_GAIN=has_gain,
                 HAS_DLSE=dl is not None,
-                DELTA_FROM_OUT=table.dtype == torch.float32, BLOCK_T=bt, BLOCK_D=bd, ONE_TILE=one_tile, num_warps=warps)
+                DELTA_FROM_OUT=table.dtype == torch.float32, BLOCK_T=bt, BLOCK_D=bd, ONE_TILE=one_tile,
+                OUT_NORM=out_norm is not None, num_warps=warps)
     else:
         ws.zero_()
+        if on_ws is not None:
+            on_ws.zero_()
         if dq is not None:
             dq.zero_()
     if per_token:
@@ -245,6 +279,8 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor,
         dqg = _reduce(ws)                                    # sum_t dqg_t
         d_query = dqg * g.float() if has_gain else dqg
         d_gain = dqg * q.float() if has_gain else None
+    if out_norm is not None:
+        return d_src, d_query, d_gain, _reduce(on_ws)
     return d_src, d_query, d_gain
 
 

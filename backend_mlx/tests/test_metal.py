@@ -8,6 +8,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 import test_ops
+import test_out_norm
 import test_router
 from attnres_mlx import metal, ops
 
@@ -38,6 +39,17 @@ def kernels(monkeypatch):
 def test_attend_kernels(kernels, case, dtype, stacked):
     test_ops.test_depth_attention_forward_and_vjp(case, dtype, stacked)
     assert sum(kernels.values()) >= 2  # forward and backward launches
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", ["plain", "heads", "heads_per_token", "sigmoid", "no_gain",
+                                  "one_source"])
+def test_out_norm_kernels(kernels, case, dtype, stacked):
+    """C17: out_normed from the forward kernel, the d_y prologue and d w from the backward."""
+    test_out_norm.run(case, dtype, stacked)
+    test_out_norm.run("heads", "float32", False, seed=5, scale=1e30)  # the scaled-sum path
+    assert sum(kernels.values()) >= 4
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import test_ops
+import test_out_norm
 import test_router
 from attnres_mlx import metal, ops
 from metal_emulator import Emulator
@@ -57,6 +58,53 @@ def test_attend_kernels(emulated, case, stacked):
 def test_attend_kernels_low_precision_storage(emulated, dtype):
     test_ops.test_depth_attention_forward_and_vjp("heads", dtype, False)
     assert emulated.calls["attnres_attend_bwd"] >= 1
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("case", ["plain", "heads", "heads_per_token", "sigmoid", "no_key_norm",
+                                  "eps_scale", "one_source"])
+def test_out_norm_kernels(emulated, case, stacked):
+    """C17 through the kernels: out_normed from the forward pass, the d_y prologue and d w in
+    the backward pass (one threadgroup per token serves its H heads), NaN-poisoned outputs."""
+    test_out_norm.run(case, "float32", stacked)  # the forward runs eagerly and inside mx.vjp
+    assert emulated.calls["attnres_attend_fwd"] == 2 and emulated.calls["attnres_attend_bwd"] == 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_out_norm_kernels_low_precision(emulated, dtype):
+    test_out_norm.run("heads_per_token", dtype, False)
+    test_out_norm.run("no_gain", dtype, True)  # a float32 out-norm weight with dtype sources
+    assert emulated.calls["attnres_attend_bwd"] == 2
+
+
+def test_out_norm_kernels_wide_heads(emulated, monkeypatch):
+    """Dh = 40 (K = 2 channels per lane, lanes 8..31 masked in the second), H = 2, D = 80."""
+    monkeypatch.setattr(test_out_norm, "D", 80)
+    monkeypatch.setattr(test_out_norm, "BATCH", (2,))
+    monkeypatch.setattr(test_ops, "D", 80)
+    monkeypatch.setattr(test_ops, "BATCH", (2,))
+    test_out_norm.run("heads", "float32", False)
+    assert emulated.calls["attnres_attend_bwd"] == 1
+
+
+@pytest.mark.parametrize("magnitude", [1e19, 1e30])
+def test_out_norm_kernels_huge_out(emulated, magnitude):
+    test_out_norm.run("heads", "float32", False, seed=5, scale=magnitude)
+    assert emulated.calls["attnres_attend_bwd"] == 1
+
+
+@pytest.mark.parametrize("case", ["heads_per_token", "sigmoid"])
+def test_out_norm_kernels_leave_out_unchanged(emulated, case):
+    test_out_norm.test_out_unchanged_by_the_option(case)
+    assert emulated.calls["attnres_attend_fwd"] == 2
+
+
+def test_out_norm_kernels_deterministic(emulated):
+    first = test_out_norm.run("heads_per_token", "float32", False)
+    second = test_out_norm.run("heads_per_token", "float32", False)
+    for a, b in zip(first[0] + first[1], second[0] + second[1]):
+        assert mx.array_equal(a, b).item()
+    assert emulated.calls["attnres_attend_bwd"] == 2
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])

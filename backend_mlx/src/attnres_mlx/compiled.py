@@ -15,7 +15,9 @@ take arrays already in the compute dtype (float32, or float64 for float64 source
   `[..., H]` (the router's sealed blocks).
 
 Math (spec 2.1/2.3): r_i = 1/sqrt(mean(x_i^2) + eps), s_i = <qg, x_i>, z_i = scale r_i s_i,
-p = softmax_i(z) or sigmoid(z), out = sum_i p_i x_i, lse = logsumexp_i z.
+p = softmax_i(z) or sigmoid(z), out = sum_i p_i x_i, lse = logsumexp_i z; with the fused output
+norm (C17, section 2.6) also out_normed = rmsnorm(out) * w over all D channels, from out in the
+compute dtype in the same compiled function, and its d_y prologue in the backward.
 
 `IMPLEMENTATION` wraps them into the entry points `ops.py` calls: they take the op's own
 arrays (sources as given, query, gain, cached inverse RMS), build the broadcast forms, and
@@ -54,19 +56,50 @@ def heads(x: mx.array, num_heads: int) -> mx.array:
     return x.reshape(*x.shape[:-1], num_heads, x.shape[-1] // num_heads)
 
 
-def inverse_rms(x: mx.array, eps: float) -> mx.array:
-    """r = 1 / sqrt(mean(x^2) + eps) over the last axis: `[..., Dh]` -> `[...]`.
+def _rms_factors(x: mx.array, eps: float, keepdims: bool = False):
+    """(pre, rr) over the last axis of `x [..., Dh]` with 1/sqrt(mean(x^2) + eps) = pre * rr,
+    each `[...]` (`[..., 1]` with keepdims).
 
-    Overflow-safe (C10.6): where mean(x^2) overflows (fp32: |x| >= ~1.8e19), r comes from the
-    squares of x * 2^-k (k = 79 fp32, 527 float64: finite for every finite x; eps is far below
-    the mean there), so huge sources keep their weights instead of going uniform."""
+    Overflow-safe (C10.6): where mean(x^2) overflows (fp32: |x| >= ~1.8e19), pre = 2^-k and rr
+    comes from the squares of x * 2^-k (k = 79 fp32, 527 float64: finite for every finite x;
+    eps is far below the mean there); elsewhere pre = 1.  `(x * pre) * rr` is the normalized x
+    without forming the (possibly subnormal) product pre * rr."""
     k = int(math.log2(mx.finfo(x.dtype).max)) // 2 + 16
     lo = 2.0 ** -k
-    ms = mx.mean(x * x, axis=-1)
+    ms = mx.mean(x * x, axis=-1, keepdims=keepdims)
     y = x * lo
     big = mx.isinf(ms)
-    ms_lo = mx.where(big, mx.mean(y * y, axis=-1), 1.0)
-    return mx.where(big, lo * mx.rsqrt(ms_lo), mx.rsqrt(ms + eps))
+    ms_lo = mx.where(big, mx.mean(y * y, axis=-1, keepdims=keepdims), 1.0)
+    pre = mx.where(big, mx.array(lo, dtype=x.dtype), mx.array(1.0, dtype=x.dtype))
+    return pre, mx.where(big, mx.rsqrt(ms_lo), mx.rsqrt(ms + eps))
+
+
+def inverse_rms(x: mx.array, eps: float) -> mx.array:
+    """r = 1 / sqrt(mean(x^2) + eps) over the last axis: `[..., Dh]` -> `[...]`, overflow-safe
+    (C10.6, `_rms_factors`): huge sources keep their weights instead of going uniform."""
+    pre, rr = _rms_factors(x, eps)
+    return pre * rr
+
+
+def out_norm_forward(y: mx.array, w: mx.array, eps: float) -> mx.array:
+    """C17 fused output norm: (rho y) w with rho = 1/sqrt(mean(y^2) + eps) over all D channels.
+
+    y `[..., D]` (out in the compute dtype, before its final rounding), w `[D]` in the compute
+    dtype -> `[..., D]` in the compute dtype.  rho y is formed as (y pre) rr (`_rms_factors`)."""
+    pre, rr = _rms_factors(y, eps, keepdims=True)
+    return ((y * pre) * rr) * w
+
+
+def out_norm_backward(y: mx.array, w: mx.array, d_normed: mx.array, eps: float):
+    """VJP prologue of `out_norm_forward` (C17), all `[..., D]` in the compute dtype:
+    a = d_normed w, y_hat = rho y, d_y = rho (a - y_hat <a, y_hat> / D).
+
+    Returns (d_y `[..., D]`, the per-token terms of d w, d_normed y_hat `[..., D]`)."""
+    pre, rr = _rms_factors(y, eps, keepdims=True)
+    y_hat = (y * pre) * rr
+    a = d_normed * w
+    dot = mx.sum(a * y_hat, axis=-1, keepdims=True)
+    return ((a - y_hat * (dot / y.shape[-1])) * pre) * rr, d_normed * y_hat
 
 
 def _stats(x, qg, r, *, eps, scale, key_norm):
@@ -134,21 +167,35 @@ def attend_forward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]], 
 
 def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
                     g_out: mx.array, d_lse: Optional[mx.array], *, eps: float, scale: float,
-                    activation: str, key_norm: bool):
+                    activation: str, key_norm: bool, out_norm=None):
     """VJP of `attend_forward` (spec 2.3).  g_out `[..., H, Dh]`, d_lse `[..., H]` or None.
+
+    out_norm: None, or (w `[D]`, d_normed `[..., D]`, eps_o) of the fused output norm (C17):
+    its d_y prologue is added to g_out first, with y = out recomputed here in the compute dtype.
 
     Returns (dxs: per source, broadcast-shaped `[..., H, Dh]` (a list for a list, one
     `[N, ..., H, Dh]` array for stacked sources), dqg (broadcast shape), drs: per source
-    d r `[..., H]` for a cached r, else None).
+    d r `[..., H]` for a cached r, else None, and the per-token terms of d w `[..., D]` (None
+    without out_norm)).
     """
     r, s, z = _logits(xs, qg, rs, eps=eps, scale=scale, key_norm=key_norm)
     p, _ = _weights_lse(z, activation)
-    dp = mx.stack([mx.sum(g_out * xs[i], axis=-1) for i in range(len(xs))])
+    y = _combine(p, xs) if activation == "softmax" or out_norm is not None else None
+    dw = None
+    if out_norm is not None:  # C17: g_total = g_out + d_y over the whole row of D channels
+        w, d_normed, eps_o = out_norm
+        d_y, dw = out_norm_backward(y.reshape(d_normed.shape), w, d_normed, eps_o)
+        g_out = g_out + d_y.reshape(g_out.shape)
     if activation == "softmax":
-        dz = p * (dp - mx.sum(g_out * _combine(p, xs), axis=-1))
+        # dz_i = p_i (<g, x_i> - <g, out>) as p_i <g, x_i - out>: with peaked weights (x_i ~ out)
+        # the two dots over D are large and nearly equal, and fp32 loses their difference
+        # (conformance's out_norm N3-T2-D4100 float32 row: d norm_weight 2.8e-4 off, 1e-4
+        # allowed; 4.2e-5 this way).
+        dz = p * mx.stack([mx.sum(g_out * (xs[i] - y), axis=-1) for i in range(len(xs))])
         if d_lse is not None:
             dz = dz + p * d_lse
     else:
+        dp = mx.stack([mx.sum(g_out * xs[i], axis=-1) for i in range(len(xs))])
         dz = dp * p * (1.0 - p)
     rms_path = [cached is None for cached in rs]
     if isinstance(xs, mx.array):
@@ -164,7 +211,7 @@ def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
             for i, x in enumerate(xs)]
     drs = [None if cached is None else dz[i] * scale * s[i] for i, cached in enumerate(rs)]
     dqg = _combine(dz * scale if r is None else dz * scale * r, xs)
-    return dxs, dqg, drs
+    return dxs, dqg, drs, dw
 
 
 def merge_forward(o1, l1, x, qg, *, eps: float, scale: float):
@@ -225,8 +272,9 @@ def _squeeze_heads(st, a: mx.array) -> mx.array:
     return a[..., 0] if st.mode == "multi" or st.num_heads == 1 else a
 
 
-def _attend_forward(st, xs, q, g, rs):
-    """The op's outputs: out `[..., D]` (`[S, ..., D]` for phase 1) in the sources' dtype, lse
+def _attend_forward(st, xs, q, g, rs, ws):
+    """The op's outputs: out `[..., D]` (`[S, ..., D]` for phase 1) and, with the fused output
+    norm (ws = [w `[D]`], C17), out_normed `[..., D]`, both in the sources' dtype; lse
     `[..., H?]` (`[S, ...]`; softmax only) and weights `[N, ..., H?]` (single-query op only) in
     the compute dtype; H? is absent with one head."""
     xb, qg, rb = _broadcast(st, xs, q, g, rs)
@@ -234,7 +282,11 @@ def _attend_forward(st, xs, q, g, rs):
                                  activation=st.activation, key_norm=st.key_norm)
     source = xs[0]  # a view for stacked sources: only its shape and dtype are read
     shape = source.shape if st.mode == "single" else (q.shape[0], *source.shape)
-    outs = [out.reshape(shape).astype(source.dtype)]
+    out = out.reshape(shape)
+    outs = [out.astype(source.dtype)]
+    if ws:  # C17: from out in the compute dtype, before its final rounding; rounded once
+        outs.append(out_norm_forward(out, ws[0].astype(out.dtype),
+                                     st.out_norm_eps).astype(source.dtype))
     if lse is not None:
         outs.append(_squeeze_heads(st, lse))
     if st.mode == "single":
@@ -242,16 +294,19 @@ def _attend_forward(st, xs, q, g, rs):
     return tuple(outs)
 
 
-def _attend_backward(st, xs, q, g, rs, d_out, d_lse):
-    """Gradients (sources as given, query, gain, cached rs), each in its input's shape/dtype."""
+def _attend_backward(st, xs, q, g, rs, ws, d_out, d_normed, d_lse):
+    """Gradients (sources as given, query, gain, cached rs, [out-norm weight]), each in its
+    input's shape/dtype.  d_normed: out_normed's cotangent `[..., D]` (None without ws)."""
     xb, qg, rb = _broadcast(st, xs, q, g, rs)
     c = qg.dtype
     g_out = heads(d_out.astype(c), 1 if st.mode == "multi" else st.num_heads)
     if d_lse is not None:
         d_lse = d_lse.astype(c)
         d_lse = d_lse[..., None] if st.mode == "multi" or st.num_heads == 1 else d_lse
-    dxs, dqg, drs = attend_backward(xb, qg, rb, g_out, d_lse, eps=st.eps, scale=st.scale,
-                                    activation=st.activation, key_norm=st.key_norm)
+    out_norm = (ws[0].astype(c), d_normed.astype(c), st.out_norm_eps) if ws else None
+    dxs, dqg, drs, dw = attend_backward(xb, qg, rb, g_out, d_lse, eps=st.eps, scale=st.scale,
+                                        activation=st.activation, key_norm=st.key_norm,
+                                        out_norm=out_norm)
     if isinstance(xs, mx.array):
         d_sources = sum_to(dxs, xb.shape).reshape(xs.shape).astype(xs.dtype)
     else:
@@ -263,7 +318,8 @@ def _attend_backward(st, xs, q, g, rs, d_out, d_lse):
     d_rs = [sum_to(dr, r.shape).reshape(given.shape).astype(given.dtype)
             for dr, r, given in zip((d for d in drs if d is not None),
                                     (r for r in rb if r is not None), rs)]
-    return d_sources, dq, dg, d_rs
+    d_ws = [sum_to(dw, ws[0].shape).astype(ws[0].dtype)] if ws else []  # C17, sum over tokens
+    return d_sources, dq, dg, d_rs, d_ws
 
 
 def _merge_forward(eps, scale, o1, l1, x, q, g):
@@ -308,11 +364,11 @@ class Compiled:
     def supports(self, dtype) -> bool:
         return True
 
-    def attend_forward(self, st, xs, q, g, rs):
-        return _compiled_attend(st)[0](xs, q, g, rs)
+    def attend_forward(self, st, xs, q, g, rs, ws):
+        return _compiled_attend(st)[0](xs, q, g, rs, ws)
 
-    def attend_backward(self, st, xs, q, g, rs, d_out, d_lse):
-        return _compiled_attend(st)[1](xs, q, g, rs, d_out, d_lse)
+    def attend_backward(self, st, xs, q, g, rs, ws, d_out, d_normed, d_lse):
+        return _compiled_attend(st)[1](xs, q, g, rs, ws, d_out, d_normed, d_lse)
 
     def merge_forward(self, eps, scale, o1, l1, x, q, g):
         return _compiled_merge(eps, scale)[0](o1, l1, x, q, g)

@@ -14,7 +14,8 @@ within a context (a `contextvars.ContextVar`, so per thread and per task).
 
 Dtypes (C10): sources float16/bfloat16/float32, and float64 on the CPU device; every
 intermediate in the compute dtype (`compute_dtype`: float32, or float64 for float64 sources),
-one final cast of `out` to the sources' dtype; lse and weights stay in the compute dtype;
+one final cast of `out` (and of `out_normed`, the fused output norm of C17, computed from `out`
+in the compute dtype) to the sources' dtype; lse and weights stay in the compute dtype;
 gradients come back in each input's dtype.  Sources are a list/tuple of N arrays `[..., D]`
 (never stacked internally) or one stacked `[N, ..., D]` array (told apart by type; never split
 into a list), passed to the implementation as given.
@@ -77,6 +78,7 @@ class Static:
     mode: "single" (depth_attention) or "multi" (depth_attention_multi: S queries `[S, D]`).
     stacked: sources are one `[N, ..., D]` array (else a list of N `[..., D]`).
     cached: per source, whether its inverse RMS is passed in (router reuse of sealed blocks).
+    out_norm_eps: the fused output norm's epsilon (C17), or None when it is off.
     """
 
     mode: str
@@ -88,6 +90,7 @@ class Static:
     activation: str
     key_norm: bool
     cached: Tuple[bool, ...]
+    out_norm_eps: Optional[float] = None
 
 
 class Implementation(Protocol):
@@ -96,11 +99,14 @@ class Implementation(Protocol):
 
     attend_*: xs a list of N `[..., D]` or one stacked `[N, ..., D]`; q `[D]` or `[..., D]`
       (`[S, D]` for mode "multi"); g like q's last axes (`[D]`, `[S, D]`), never None; rs the
-      cached inverse RMS given, `[..., H]` (`[..., 1]` for "multi"), in source order.
-      attend_forward -> (out `[..., D]` (`[S, ..., D]`), lse `[..., H?]` (`[S, ...]`; softmax
-      only), weights `[N, ..., H?]` ("single" only)); H? is absent with one head.
-      attend_backward(d_out like out, d_lse like lse or None) -> (d sources (a list or one
-      stacked array, like xs), d query, d gain, [d r per cached r]).
+      cached inverse RMS given, `[..., H]` (`[..., 1]` for "multi"), in source order; ws the
+      fused output norm's weight (C17): [w `[D]`] when `st.out_norm_eps` is set, else [].
+      attend_forward -> (out `[..., D]` (`[S, ..., D]`), out_normed `[..., D]` (with ws),
+      lse `[..., H?]` (`[S, ...]`; softmax only), weights `[N, ..., H?]` ("single" only)); H?
+      is absent with one head.
+      attend_backward(d_out like out, d_normed like out_normed or None, d_lse like lse or None)
+      -> (d sources (a list or one stacked array, like xs), d query, d gain, [d r per cached
+      r], [d w per w in ws]).
     merge_*: o1, x `[..., D]`; l1 `[...]`; q `[D]` or `[..., D]`; g `[D]`.
       merge_forward -> (out `[..., D]`, lse `[...]`); merge_backward(d_out, d_lse) ->
       (d out1, d lse1, d partial, d query, d gain).
@@ -114,9 +120,10 @@ class Implementation(Protocol):
     def supports(self, dtype) -> bool:
         """Whether it can run a call whose sources have `dtype`."""
 
-    def attend_forward(self, st: Static, xs, q, g, rs) -> tuple: ...
+    def attend_forward(self, st: Static, xs, q, g, rs, ws) -> tuple: ...
 
-    def attend_backward(self, st: Static, xs, q, g, rs, d_out, d_lse) -> tuple: ...
+    def attend_backward(self, st: Static, xs, q, g, rs, ws, d_out, d_normed, d_lse) -> tuple:
+        ...
 
     def merge_forward(self, eps: float, scale: float, o1, l1, x, q, g) -> tuple: ...
 
@@ -159,19 +166,22 @@ def implementation_for(dtype) -> Implementation:
 
 @functools.lru_cache(maxsize=None)
 def _attend_fn(st: Static, impl: Implementation):
-    """The custom-VJP function `f(sources, query, norm_weight, cached_rs) -> outputs` of `st`,
-    forward and backward both on `impl` (the choice made for the call)."""
+    """The custom-VJP function `f(sources, query, norm_weight, cached_rs, [out_norm_weight]) ->
+    outputs` of `st`, forward and backward both on `impl` (the choice made for the call)."""
     has_lse = st.activation == "softmax"
+    has_normed = st.out_norm_eps is not None
 
     @mx.custom_function
-    def f(xs, q, g, rs):
-        return impl.attend_forward(st, xs, q, g, rs)
+    def f(xs, q, g, rs, ws):
+        return impl.attend_forward(st, xs, q, g, rs, ws)
 
     @f.vjp
     def f_vjp(primals, cotangents, outputs):
-        # Depth weights are not differentiable (C11): their cotangent is ignored.
-        return impl.attend_backward(st, *primals, cotangents[0],
-                                    cotangents[1] if has_lse else None)
+        # Outputs (out, out_normed?, lse?, weights?); depth weights are not differentiable
+        # (C11): their cotangent is ignored.
+        d_normed = cotangents[1] if has_normed else None
+        d_lse = cotangents[1 + has_normed] if has_lse else None
+        return impl.attend_backward(st, *primals, cotangents[0], d_normed, d_lse)
 
     return f
 
@@ -207,7 +217,8 @@ def _check_inv_rms(inv_rms, num_sources: int, batch, num_heads: int, key_norm: b
 def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.array] = None, *,
                     eps: float = 1e-6, scale: float = 1.0, num_heads: int = 1,
                     activation: str = "softmax", key_norm: bool = True, return_lse: bool = False,
-                    return_weights: bool = False, inv_rms=None):
+                    return_weights: bool = False, out_norm_weight: Optional[mx.array] = None,
+                    out_norm_eps: Optional[float] = None, inv_rms=None):
     """Depth attention over N sources (spec section 2).
 
     Args:
@@ -216,27 +227,35 @@ def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.
       eps, scale, num_heads, activation, key_norm: spec options (C8, C9).
       return_lse, return_weights: also return lse `[...]` (`[..., H]`) and weights `[N, ...]`
         (`[N, ..., H]`), both in the compute dtype; weights are not differentiable.
+      out_norm_weight: None, or `[D]` (any floating dtype): also return out_normed `[..., D]`
+        = rmsnorm(out) * out_norm_weight over all D channels, in the sources' dtype, computed
+        from out in the compute dtype in the same pass (C17, the next sublayer's pre-norm);
+        out_norm_eps: its epsilon (None: eps).
       inv_rms: optional list with one entry per source, None or that source's inverse RMS
         `[..., H]` (from `inverse_rms`) to reuse instead of recomputing it (key_norm only).
-    Returns out `[..., D]` in the sources' dtype, or `(out, lse?, weights?)`.
+    Returns out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)`.
     """
     shapes, dtypes, stacked = _source_meta(sources)
     q_shape, q_dtype = _meta("query", query)
     g_shape, g_dtype = _meta("norm_weight", norm_weight)
+    w_shape, w_dtype = _meta("out_norm_weight", out_norm_weight)
     geo = validation.check_depth_attention(
         shapes, dtypes, q_shape, q_dtype, g_shape, g_dtype, stacked=stacked, eps=eps,
         scale=scale, num_heads=num_heads, activation=activation, key_norm=key_norm,
-        return_lse=return_lse)
+        return_lse=return_lse, out_norm_weight_shape=w_shape, out_norm_weight_dtype=w_dtype,
+        out_norm_eps=out_norm_eps)
     cached, given = _check_inv_rms(inv_rms, geo.num_sources, geo.batch_shape, geo.num_heads,
                                    key_norm)
+    normed = out_norm_weight is not None
     st = Static("single", geo.num_sources, stacked, geo.num_heads, float(eps), float(scale),
-                activation, key_norm, cached)
+                activation, key_norm, cached, geo.out_norm_eps)
     impl = implementation_for(_source_dtype(sources, stacked))
     outs = _attend_fn(st, impl)(sources if stacked else list(sources), query,
-                                _gain(norm_weight, geo.dim, query.dtype), given)
-    out, extra = outs[0], []
+                                _gain(norm_weight, geo.dim, query.dtype), given,
+                                [out_norm_weight] if normed else [])
+    out, extra = outs[0], list(outs[1:1 + normed])
     if return_lse:
-        extra.append(outs[1])
+        extra.append(outs[1 + normed])
     if return_weights:
         extra.append(mx.stop_gradient(outs[-1]))
     return (out, *extra) if extra else out
@@ -261,7 +280,8 @@ def depth_attention_multi(sources: Sources, queries: mx.array,
                 cached)
     gains = mx.ones(queries.shape, dtype=queries.dtype) if norm_weights is None else norm_weights
     impl = implementation_for(_source_dtype(sources, stacked))
-    out, lse = _attend_fn(st, impl)(sources if stacked else list(sources), queries, gains, given)
+    out, lse = _attend_fn(st, impl)(sources if stacked else list(sources), queries, gains, given,
+                                    [])
     return out, lse
 
 

@@ -93,11 +93,15 @@ class DepthAttention(nn.Module):
 
     query="static": parameters `query [D]` (zero init) and `norm_weight [D]` (one init);
     query="input": `query_weight [D, D]` (zero init), q = rmsnorm(sources[-1]) @ query_weight.
-    Call with a list of N sources `[..., D]` (or a stacked `[N, ..., D]`); returns `[..., D]`.
+    fuse_out_norm=True (C17, as torch's): also `out_norm [D]` (one init), the next sublayer's
+    pre-norm gain fused into the op (epsilon out_norm_eps, None: eps).
+    Call with a list of N sources `[..., D]` (or a stacked `[N, ..., D]`); returns `[..., D]`,
+    or `(out, out_normed)` with fuse_out_norm.
     """
 
     def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, num_heads: int = 1,
-                 activation: str = "softmax", key_norm: bool = True, query: str = "static"):
+                 activation: str = "softmax", key_norm: bool = True, query: str = "static",
+                 fuse_out_norm: bool = False, out_norm_eps: Optional[float] = None):
         super().__init__()
         cfg = ResidualConfig(kind="full", query=query, activation=activation, key_norm=key_norm,
                              num_heads=num_heads, eps=eps, scale=scale)
@@ -107,18 +111,26 @@ class DepthAttention(nn.Module):
         else:
             self.query_weight = mx.zeros((dim, dim))
         self.norm_weight = mx.ones((dim,))
+        if fuse_out_norm:
+            self.out_norm = mx.ones((dim,))
+        elif out_norm_eps is not None:
+            raise ValueError("out_norm_eps: given while fuse_out_norm is False")
+        self.out_norm_eps = out_norm_eps
 
     def __call__(self, sources, *, return_lse: bool = False, return_weights: bool = False,
                  inv_rms=None):
-        """out `[..., D]`, or `(out, lse?, weights?)` with return_lse / return_weights (as
-        `ops.depth_attention`); inv_rms: the sources' cached inverse RMS (`inverse_rms`)."""
+        """out `[..., D]`, or `(out, out_normed?, lse?, weights?)` with fuse_out_norm / return_lse /
+        return_weights (as `ops.depth_attention`); inv_rms: the sources' cached inverse RMS
+        (`inverse_rms`)."""
         cfg = self.config
         q = self.query if cfg.query == "static" else _project(sources[-1], self.query_weight,
                                                               cfg.eps)
         return ops.depth_attention(sources, q, self.norm_weight, eps=cfg.eps, scale=cfg.scale,
                                    num_heads=cfg.num_heads, activation=cfg.activation,
                                    key_norm=cfg.key_norm, return_lse=return_lse,
-                                   return_weights=return_weights, inv_rms=inv_rms)
+                                   return_weights=return_weights,
+                                   out_norm_weight=self.get("out_norm"),
+                                   out_norm_eps=self.out_norm_eps, inv_rms=inv_rms)
 
 
 class DepthRouter(nn.Module):

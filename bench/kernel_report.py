@@ -94,12 +94,17 @@ TRITON_CASES = (
     Case("fwd+bwd 10x32768x4096", "fwd+bwd", 10, 32768, 4096),
     Case("phase1 8 blocks S=12 8192x7168", "phase1", 8, 8192, 7168, s=12),
     Case("merge 8192x7168", "merge", 1, 8192, 7168),
+    Case("fwd+bwd out-norm 10x32768x4096", "fwd+bwd out-norm", 10, 32768, 4096),
     Case("fwd+bwd D=1", "fwd+bwd", 9, 8192, 1, bench=False),
     Case("fwd+bwd D=7", "fwd+bwd", 9, 8192, 7, bench=False),
     Case("fwd+bwd D=16384", "fwd+bwd", 9, 8192, 16384, bench=False),
     Case("fwd+bwd N=1", "fwd+bwd", 1, 8192, 4096, bench=False),
     Case("fwd+bwd N=300", "fwd+bwd", 300, 8192, 4096, bench=False),
+    Case("fwd+bwd out-norm D=8192", "fwd+bwd out-norm", 9, 8192, 8192, bench=False),
 )
+#: Known, bounded spills (bytes of spill stores or loads, at most): the output norm's backward at
+#: the widest one-tile row (D = 8192, 8 warps) needs ~10 registers more than a thread's 255.
+SPILL_BOUNDS = {("fwd+bwd out-norm D=8192", "_depth_bwd_kernel"): 64}
 
 
 # ------------------------------------------------------------------------------- Triton part
@@ -132,6 +137,11 @@ def capture_launches(case: Case) -> list:
             q, g = meta(d, dtype=f32), meta(d, dtype=f32)
             out, lse = td.forward(xs, q, g, EPS, SCALE)
             td.backward(xs, q, g, out, lse, meta(t, d), None, EPS, SCALE)
+        elif case.op == "fwd+bwd out-norm":  # the fused output norm (C17), widest D: 8192
+            q, g, w = meta(d, dtype=f32), meta(d, dtype=f32), meta(d, dtype=f32)
+            out, lse, _, _ = td.forward(xs, q, g, EPS, SCALE, out_norm=(w, EPS))
+            td.backward(xs, q, g, out, lse, meta(t, d), None, EPS, SCALE,
+                        out_norm=(w, EPS, meta(t, d)))
         elif case.op == "phase1":
             td.multi_forward(xs, meta(s, d, dtype=f32), meta(s, d, dtype=f32), EPS, SCALE)
         elif case.op == "merge":       # out1[i] of a phase-1 result [S, T, D], lse1[i] [T]
@@ -248,8 +258,8 @@ def source_reads(name: str, meta: dict, case: Case) -> int:
     """How often each source row is read per call (see the module docstring)."""
     if name == "_depth_fwd_kernel":
         return -(-case.s // meta["BLOCK_S"])
-    if name == "_depth_bwd_kernel":
-        return 1 if meta.get("DELTA_FROM_OUT") else 2
+    if name == "_depth_bwd_kernel":  # the output norm's y walk replaces delta's read of out
+        return 1 if meta.get("DELTA_FROM_OUT") and not meta.get("OUT_NORM") else 2
     return 1
 
 

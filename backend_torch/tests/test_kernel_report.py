@@ -97,8 +97,11 @@ def test_no_spills_at_benchmark_shapes(bench_rows):
 
 
 def test_no_spills_at_edge_shapes(edge_rows):
+    """No spills, except the known ones of `report.SPILL_BOUNDS`, held to their bound."""
     spilled = [f"{_where(r)}: spill stores/loads {r['spill_stores']}/{r['spill_loads']} B"
-               for r in edge_rows if r["spill_stores"] or r["spill_loads"]]
+               for r in edge_rows
+               if max(r["spill_stores"], r["spill_loads"])
+               > report.SPILL_BOUNDS.get((r["case"], r["kernel"]), 0)]
     assert not spilled, spilled
 
 

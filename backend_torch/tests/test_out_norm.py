@@ -352,3 +352,19 @@ def test_depth_attention_module_option():
     assert layer.out_norm.grad is not None and torch.isfinite(layer.out_norm.grad).all()
     with pytest.raises(ValueError, match="out_norm_eps"):
         at.DepthAttention(16, out_norm_eps=1e-5)
+
+
+def test_bench_out_norm_quick_runs():
+    """bench/bench_out_norm.py --quick (tiny shapes) runs to the end and reports every row."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_out_norm.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| float32 |")
+            or line.startswith("| bfloat16 |")]
+    assert len(rows) == 2 * 2 * 3 + 2 * 2, proc.stdout  # (dtype, case, variant) rows + summaries
+    assert "load average before" in proc.stdout and "load average after" in proc.stdout

@@ -323,6 +323,16 @@ def test_out_norm_matches_reference(kernels, dtype, n, dim, per_token, gain):
     _check_out_norm(gen, n, (5, dim), dtype, per_token=per_token, gain=gain, launches=kernels)
 
 
+@pytest.mark.parametrize("kernels", ["one_tile", "row_blocks"], indirect=True)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_out_norm_partial_in_the_workspace_row(kernels, monkeypatch, per_token):
+    """Rows wider than `_ON_REG_MAX_D`: d_out_norm_weight is summed in the program's workspace row
+    (ON_IN_WS), across several row blocks per program with the row_blocks tiling."""
+    monkeypatch.setattr(td, "_ON_REG_MAX_D", 16)
+    gen = torch.Generator().manual_seed(21)
+    _check_out_norm(gen, 3, (7, 33), torch.bfloat16, per_token=per_token, gain=True, launches=kernels)
+
+
 @pytest.mark.parametrize("kernels", ["one_tile"], indirect=True)
 def test_out_norm_huge_values_and_bits_repeat(kernels):
     """C10.6: |out| ~ 1e25 squares to inf in fp32; out_normed and its gradients stay right.

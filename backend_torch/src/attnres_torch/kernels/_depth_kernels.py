@@ -259,7 +259,7 @@ def _depth_bwd_kernel(
     ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, PER_TOKEN: tl.constexpr,
     HAS_GAIN: tl.constexpr, HAS_DLSE: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
-    OUT_NORM: tl.constexpr = False,
+    OUT_NORM: tl.constexpr = False, ON_IN_WS: tl.constexpr = False,
 ):
     """Backward (spec 2.3), one query.  Grid (num_programs,); program p handles the row blocks
     p, p + num_programs, ... and writes one row of partial sums to ws_ptr[p] (no atomics; the host
@@ -272,9 +272,12 @@ def _depth_bwd_kernel(
 
     OUT_NORM (C17; ONE_TILE only, host-checked): the d_y prologue in the same pass.  y is
     recomputed in fp32 in an extra walk over the sources (p_i = exp(z_i - lse); the saved `out`
-    is rounded for low-precision sources), then go <- go + rho (a - yh <a, yh> / D) with
-    a = d_out_normed w, yh = rho y, and delta = <go, y>; the program's row of on_ws_ptr gets
-    sum_t d_out_normed yh (d_out_norm_weight, reduced by the host in a fixed order).
+    is rounded for low-precision sources), then go <- go + d_y, d_y = rho (a - yh c) with
+    a = d_out_normed w, yh = rho y, c = <a, yh> / D, and delta = <go, y> + <d_y, y>, the latter
+    as the scalar c (D - <yh, yh>) (y is not kept live next to yh); the program's row of on_ws_ptr gets
+    sum_t d_out_normed yh (d_out_norm_weight, reduced by the host in a fixed order), summed in
+    registers, or with ON_IN_WS (wide rows) in that row itself (L1/L2-resident read-add-write
+    per row block: a [BLOCK_D] register accumulator next to `part` made the D = 8192 tile spill).
     """
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
@@ -285,6 +288,9 @@ def _depth_bwd_kernel(
         cmask2 = col2 < D
         part = tl.zeros([BLOCK_D], tl.float32)                     # this program's ws row
         on_part = tl.zeros([BLOCK_D], tl.float32)                  # and its on_ws row
+        on_row = on_ws_ptr + pid.to(tl.int64) * D
+        if OUT_NORM and ON_IN_WS:
+            tl.store(on_row + cols, on_part, mask=cols < D)
         for rb in range(pid, num_row_blocks, npid):
             rows = rb * BLOCK_T + tl.arange(0, BLOCK_T)            # [BLOCK_T]
             rmask = rows < T
@@ -301,14 +307,20 @@ def _depth_bwd_kernel(
                     ss, ss_lo = _sumsq(x, 1)
                     r = _rsqrt_mean(ss, ss_lo, D, eps)
                     y += tl.exp(scale * r * tl.sum(x * qg, axis=1) - shift)[:, None] * x
-                yh, big, f = _out_norm_scale(y, 1, D, on_eps)
+                delta = tl.sum(go * y, axis=1)                  # <d_out, y>; then y is dead:
+                yh, big, f = _out_norm_scale(y, 1, D, on_eps)    # one row tile fewer live
                 gn = tl.load(dn_ptr + row2 * dn_stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                if ON_IN_WS:
+                    on_acc = tl.load(on_row + cols, mask=cols < D, other=0.0)
+                    tl.store(on_row + cols, on_acc + tl.sum(gn * yh, axis=0), mask=cols < D)
+                else:
+                    on_part += tl.sum(gn * yh, axis=0)
                 a = gn * tl.load(onw_ptr + col2, mask=cmask2, other=0.0)
-                dy = a - yh * (tl.sum(a * yh, axis=1) / D)[:, None]
-                dy = tl.where(big[:, None], (dy * 8.271806125530277e-25) * f[:, None], dy * f[:, None])
-                go = go + dy
-                on_part += tl.sum(gn * yh, axis=0)
-                delta = tl.sum(go * y, axis=1)
+                c = tl.sum(a * yh, axis=1) / D                   # <a, yh> / D
+                dy = a - yh * c[:, None]
+                go = go + tl.where(big[:, None], (dy * 8.271806125530277e-25) * f[:, None],
+                                   dy * f[:, None])
+                delta += c * (D - tl.sum(yh * yh, axis=1))       # <d_y, y> = <a, yh> - c <yh, yh>
             elif DELTA_FROM_OUT:
                 o = tl.load(out_ptr + row2 * out_stride + col2, mask=mask2, other=0.0).to(tl.float32)
                 delta = tl.sum(go * o, axis=1)                              # [BLOCK_T]
@@ -344,8 +356,8 @@ def _depth_bwd_kernel(
             else:
                 part += tl.sum(dqg, axis=0)
         tl.store(ws_row + cols, part, mask=cols < D)
-        if OUT_NORM:
-            tl.store(on_ws_ptr + pid.to(tl.int64) * D + cols, on_part, mask=cols < D)
+        if OUT_NORM and not ON_IN_WS:
+            tl.store(on_row + cols, on_part, mask=cols < D)
     else:
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)

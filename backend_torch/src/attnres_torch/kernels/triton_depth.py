@@ -32,6 +32,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK_D = 16384     # widest D tile held in registers; wider rows walk D in tiles
 _TILE_ELEMS = 8192       # elements of one [BLOCK_T, BLOCK_S, BLOCK_D] tile (sets BLOCK_T, BLOCK_S)
 _BWD_PROGRAMS = 1024     # most backward programs, i.e. rows of the partial-sum workspace
+_ON_REG_MAX_D = 4096     # output norm backward: widest tile summing d_out_norm_weight in registers
 
 
 def _alloc(shape, dtype, device) -> Tensor:
@@ -265,7 +266,8 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor,
                 VEC=table.vec, ALIGNED=table.aligned, PER_TOKEN=per_token, HAS_GAIN=has_gain,
                 HAS_DLSE=dl is not None,
                 DELTA_FROM_OUT=table.dtype == torch.float32, BLOCK_T=bt, BLOCK_D=bd, ONE_TILE=one_tile,
-                OUT_NORM=out_norm is not None, num_warps=warps)
+                OUT_NORM=out_norm is not None,
+                ON_IN_WS=out_norm is not None and bd > _ON_REG_MAX_D, num_warps=warps)
     else:
         ws.zero_()
         if on_ws is not None:

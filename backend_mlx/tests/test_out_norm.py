@@ -117,6 +117,28 @@ def test_only_out_normed_has_a_cotangent(dtype):
     assert_close("d out_norm_weight", grads[1], r["out_norm_weight"], grad=True)
 
 
+def test_vmap_forward_and_grad():
+    """vmap over a leading axis: out_normed, and vmap(grad) of out_normed's sum per row."""
+    rng = np.random.default_rng(9)
+    sources = [rand(rng, (4, 3, D), "float32") for _ in range(3)]
+    q, w = rand(rng, (D,), "float32"), rand(rng, (D,), "float32")
+    xs, qm, wm = [to_mx(s, "float32") for s in sources], to_mx(q, "float32"), to_mx(w, "float32")
+    _, normed = mx.vmap(lambda xs: A.depth_attention(xs, qm, out_norm_weight=wm, num_heads=2))(xs)
+    assert_close("out_normed", normed, ref.depth_attention(
+        sources, q, out_norm_weight=w, num_heads=2)[1], grad=False)
+
+    def row_loss(xs, w):
+        return A.depth_attention(xs, qm, out_norm_weight=w, num_heads=2)[1].sum()
+
+    grads = mx.vmap(mx.grad(row_loss, argnums=(0, 1)), in_axes=(0, None))(xs, wm)
+    for b in range(4):
+        r = ref.depth_attention_vjp([s[b] for s in sources], q, None, None, num_heads=2,
+                                    out_norm_weight=w, d_out_normed=np.ones((3, D)))
+        for i in range(3):
+            assert_close(f"d sources[{i}][{b}]", grads[0][i][b], r["sources"][i], grad=True)
+        assert_close(f"d out_norm_weight[{b}]", grads[1][b], r["out_norm_weight"], grad=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_source_softmax(dtype):
     """N = 1 softmax: out is the source bitwise (C6); out_normed is rmsnorm(source) * w."""

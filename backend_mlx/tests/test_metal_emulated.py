@@ -99,6 +99,11 @@ def test_out_norm_kernels_leave_out_unchanged(emulated, case):
     assert emulated.calls["attnres_attend_fwd"] == 2
 
 
+def test_out_norm_kernels_only_out_has_a_cotangent(emulated):
+    test_out_norm.test_only_out_has_a_cotangent()
+    assert emulated.calls["attnres_attend_bwd"] == 2
+
+
 def test_out_norm_kernels_deterministic(emulated):
     first = test_out_norm.run("heads_per_token", "float32", False)
     second = test_out_norm.run("heads_per_token", "float32", False)

@@ -117,6 +117,21 @@ def test_only_out_normed_has_a_cotangent(dtype):
     assert_close("d out_norm_weight", grads[1], r["out_norm_weight"], grad=True)
 
 
+def test_only_out_has_a_cotangent():
+    """A loss of out alone: the gradients are the bits of the call without the option (the d_y
+    prologue adds zeros), and d out_norm_weight is zero."""
+    rng = np.random.default_rng(10)
+    xs = [to_mx(rand(rng, BATCH + (D,), "float32"), "float32") for _ in range(3)]
+    q, w = to_mx(rand(rng, (D,), "float32"), "float32"), to_mx(rand(rng, (D,), "float32"),
+                                                                "float32")
+    fused = mx.grad(lambda xs, w: A.depth_attention(xs, q, out_norm_weight=w, num_heads=2)[0]
+                    .sum(), argnums=(0, 1))(xs, w)
+    plain = mx.grad(lambda xs: A.depth_attention(xs, q, num_heads=2).sum())(xs)
+    for a, b in zip(fused[0], plain):
+        assert mx.array_equal(a, b).item()
+    assert mx.array_equal(fused[1], mx.zeros((D,))).item()
+
+
 def test_vmap_forward_and_grad():
     """vmap over a leading axis: out_normed, and vmap(grad) of out_normed's sum per row."""
     rng = np.random.default_rng(9)

@@ -76,8 +76,8 @@ def test_export_vectors(tmp_path):
     vectors = load_vectors(tmp_path)
     ids = {v.id for v in vectors}
     assert "depth_attention__shapes__N33-T3-D123__bfloat16" in ids
-    assert "probe__block_two_phase__S2-L5-D8-T2x3__bfloat16" in ids
-    assert all(v.dtype == "bfloat16" for v in vectors) and len(vectors) > 40
+    assert "probe__full__L5-D8-T2x3__bfloat16" in ids  # --quick: the one probe row in every dtype
+    assert all(v.dtype == "bfloat16" for v in vectors) and len(vectors) >= 40
 
 
 def test_progress_on_stderr_and_its_opt_out():
@@ -210,3 +210,21 @@ def test_shards_split_one_backend_and_join_to_the_unsplit_report(tmp_path):
     assert cells(json.loads((tmp_path / "merged.json").read_text())["reports"][0]) == cells(a)
     bad = cli("--backend", "numpy", "--shard", "2/2")
     assert bad.returncode == 2 and "0 <= I < K" in bad.stderr
+
+
+def test_quick_grid_runs_networks_in_float64_and_every_op_row_in_every_dtype():
+    """--quick keeps probes and golden vectors in float64 (plus the Full AttnRes probe row in
+    every dtype); op rows marked quick keep all four dtypes; nothing outside the full grid (the
+    sweep draws its own 6 examples under --quick, so it is left out here)."""
+    from attnres_conformance import cases
+
+    full = {c.id: c for c in cases.generate(sweep=False)}
+    quick = cases.generate(quick=True, sweep=False)
+    assert {c.id for c in quick} <= set(full)
+    networks = [c for c in quick if c.kind in ("probe", "golden")]
+    assert {c.dtype for c in networks if not c.id.startswith(cases.QUICK_EVERY_DTYPE_PROBE)} == {"float64"}
+    assert {c.dtype for c in networks if c.id.startswith(cases.QUICK_EVERY_DTYPE_PROBE)} == set(cases.DTYPES)
+    probe_rows = {c.row for c in full.values() if c.kind == "probe"}
+    assert probe_rows == {c.row for c in quick if c.kind == "probe"}  # every probe row, in float64
+    ops = [c.id for c in full.values() if c.quick and c.kind not in ("probe", "golden")]
+    assert ops == [c.id for c in quick if c.kind not in ("probe", "golden")]  # op rows: every dtype

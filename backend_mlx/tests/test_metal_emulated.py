@@ -104,6 +104,11 @@ def test_out_norm_kernels_only_out_has_a_cotangent(emulated):
     assert emulated.calls["attnres_attend_bwd"] == 2
 
 
+def test_out_norm_kernels_empty_token_axis(emulated):
+    test_out_norm.test_empty_token_axis()
+    assert emulated.calls["attnres_attend_bwd"] == 1
+
+
 def test_out_norm_kernels_deterministic(emulated):
     first = test_out_norm.run("heads_per_token", "float32", False)
     second = test_out_norm.run("heads_per_token", "float32", False)

@@ -132,6 +132,19 @@ def test_only_out_has_a_cotangent():
     assert mx.array_equal(fused[1], mx.zeros((D,))).item()
 
 
+def test_empty_token_axis():
+    """T = 0: out_normed `[2, 0, D]`, and d out_norm_weight is a zero `[D]`."""
+    xs = [mx.zeros((2, 0, D)) for _ in range(3)]
+    w = mx.ones((D,))
+    (out, normed), grads = mx.vjp(
+        lambda *a: list(A.depth_attention(list(a[:3]), mx.ones((D,)), out_norm_weight=a[3],
+                                          num_heads=2)),
+        xs + [w], [mx.zeros((2, 0, D)), mx.zeros((2, 0, D))])
+    assert out.shape == normed.shape == (2, 0, D)
+    assert [g.shape for g in grads[:3]] == [(2, 0, D)] * 3
+    assert mx.array_equal(grads[3], mx.zeros((D,))).item()
+
+
 def test_vmap_forward_and_grad():
     """vmap over a leading axis: out_normed, and vmap(grad) of out_normed's sum per row."""
     rng = np.random.default_rng(9)

@@ -368,3 +368,27 @@ def test_bench_out_norm_quick_runs():
             or line.startswith("| bfloat16 |")]
     assert len(rows) == 2 * 2 * 3 + 2 * 2, proc.stdout  # (dtype, case, variant) rows + summaries
     assert "load average before" in proc.stdout and "load average after" in proc.stdout
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_tokens_and_a_broadcast_cotangent(impl):
+    """T = 0 gives empty outputs and zero gain gradients; `normed.sum()` hands the backward a
+    stride-0 cotangent (made unit-stride for the kernel)."""
+    gen = torch.Generator().manual_seed(14)
+    q, w = leaves(rand(gen, (8,), torch.float32)), leaves(rand(gen, (8,), torch.float32) + 1.0)
+    empty = leaves([torch.empty(0, 8) for _ in range(3)])
+    with at.use_impl(impl):
+        out, normed = at.depth_attention(empty, q, out_norm_weight=w)
+    assert out.shape == normed.shape == (0, 8)
+    grads = torch.autograd.grad(normed.sum(), empty + [q, w])
+    assert all(g.shape == (0, 8) for g in grads[:3])
+    assert torch.equal(grads[4], torch.zeros(8))
+    xs = [rand(gen, (4, 8), torch.float32) for _ in range(3)]
+    lx = leaves(xs)
+    with at.use_impl(impl):
+        _, normed = at.depth_attention(lx, q, out_norm_weight=w)
+    grads = torch.autograd.grad(normed.sum(), lx + [w])
+    v = ref.depth_attention_vjp(f64(xs), f64(q), None, None, out_norm_weight=f64(w),
+                                d_out_normed=torch.ones(4, 8, dtype=torch.float64).numpy())
+    assert_close(list(grads[:3]), v["sources"], "float32", "d_sources", grad=True)
+    assert_close(grads[3], v["out_norm_weight"], "float32", "d_out_norm_weight", grad=True)

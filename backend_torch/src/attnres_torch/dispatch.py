@@ -256,64 +256,67 @@ class CpuKernelImpl(Impl):
                               "(out_norm_weight, C17); the composition serves such calls")
         return None
 
-    def forward(self, sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
-                eps: float, scale: float, with_weights: bool = False) -> Tuple[Tensor, ...]:
-        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1), and with `with_weights`
-        the weights `[N, ...]` fp32 of that lse (written by the kernel from the same logits)."""
+    def _forward(self, sources, query, norm_weight, eps, scale, with_weights, out_norm):
+        """(out, out_normed or None, lse, weights or None); `out_norm` = (gain, eps_o) or None."""
         x0 = sources[0]
         out = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
         lse = torch.empty(x0.shape[:-1], dtype=torch.float32, device=x0.device)
         weights = (torch.empty((len(sources),) + tuple(x0.shape[:-1]), dtype=torch.float32,
                                device=x0.device) if with_weights else None)
+        normed, extra = None, {}
+        if out_norm is not None:  # only kernels with the output norm take the argument
+            normed = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
+            extra["out_norm"] = (out_norm[0].float().contiguous(), out_norm[1], _flat(normed))
         self.kernels.forward_into([_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
                                   eps, scale, _flat(out), lse.view(-1),
-                                  None if weights is None else weights.view(len(sources), -1))
-        return (out, lse) if weights is None else (out, lse, weights)
+                                  None if weights is None else weights.view(len(sources), -1),
+                                  **extra)
+        return out, normed, lse, weights
 
-    def backward(self, sources, query, norm_weight, out, lse, d_out, d_lse, eps,
-                 scale) -> List[Tensor]:
-        """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
-        d_norm_weight fp32 `[D]`] (spec 2.3); the kernel returns d(query * gain)."""
-        d_src = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
-        d_qg = self.kernels.backward_into(
-            [_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
-            lse.reshape(-1).contiguous(), _unit_rows(_flat(d_out), sources[0].dtype),
-            None if d_lse is None else d_lse.reshape(-1).float().contiguous(), eps, scale,
-            [_flat(d) for d in d_src])
-        return d_src + _query_grads(d_qg, query, norm_weight)
+    def forward(self, sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
+                eps: float, scale: float, with_weights: bool = False) -> Tuple[Tensor, ...]:
+        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1), and with `with_weights`
+        the weights `[N, ...]` fp32 of that lse (written by the kernel from the same logits)."""
+        out, _, lse, weights = self._forward(sources, query, norm_weight, eps, scale, with_weights,
+                                             None)
+        return (out, lse) if weights is None else (out, lse, weights)
 
     def out_norm_forward(self, sources, query, norm_weight, out_norm_weight, eps, scale,
                          out_norm_eps, with_weights=False) -> Tuple[Optional[Tensor], ...]:
         """C17: (out, out_normed `[..., D]` sources' dtype, lse `[...]` fp32, weights `[N, ...]`
         fp32 or None); the kernel writes out_normed from the row's fp32 accumulator."""
-        x0 = sources[0]
-        out = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
-        normed = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
-        lse = torch.empty(x0.shape[:-1], dtype=torch.float32, device=x0.device)
-        weights = (torch.empty((len(sources),) + tuple(x0.shape[:-1]), dtype=torch.float32,
-                               device=x0.device) if with_weights else None)
-        self.kernels.forward_into([_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
-                                  eps, scale, _flat(out), lse.view(-1),
-                                  None if weights is None else weights.view(len(sources), -1),
-                                  out_norm=(out_norm_weight.float().contiguous(), out_norm_eps,
-                                            _flat(normed)))
-        return out, normed, lse, weights
+        return self._forward(sources, query, norm_weight, eps, scale, with_weights,
+                             (out_norm_weight, out_norm_eps))
+
+    def _backward(self, sources, query, norm_weight, lse, d_out, d_lse, eps, scale, out_norm):
+        """[d_sources.., d_query, d_norm_weight] (+ [d_out_norm_weight] with `out_norm` =
+        (gain, eps_o, d_out_normed))."""
+        dtype = sources[0].dtype
+        d_src = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
+        extra = {} if out_norm is None else {"out_norm": (
+            out_norm[0].float().contiguous(), out_norm[1], _unit_rows(_flat(out_norm[2]), dtype))}
+        res = self.kernels.backward_into(
+            [_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
+            lse.reshape(-1).contiguous(), _unit_rows(_flat(d_out), dtype),
+            None if d_lse is None else d_lse.reshape(-1).float().contiguous(), eps, scale,
+            [_flat(d) for d in d_src], **extra)
+        if out_norm is None:
+            return d_src + _query_grads(res, query, norm_weight)
+        return d_src + _query_grads(res[0], query, norm_weight) + [res[1]]
+
+    def backward(self, sources, query, norm_weight, out, lse, d_out, d_lse, eps,
+                 scale) -> List[Tensor]:
+        """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
+        d_norm_weight fp32 `[D]`] (spec 2.3); the kernel returns d(query * gain)."""
+        return self._backward(sources, query, norm_weight, lse, d_out, d_lse, eps, scale, None)
 
     def out_norm_backward(self, sources, query, norm_weight, out_norm_weight, out, lse, d_out,
                           d_normed, d_lse, eps, scale, out_norm_eps) -> List[Tensor]:
         """C17 VJP: `backward`'s list + d_out_norm_weight fp32 `[D]`.  The kernel recomputes y
         per row in fp32 (the saved out is rounded for low-precision sources) and folds
         d_out_normed into d_out in the same pass (csrc/depth_cpu.c)."""
-        dtype = sources[0].dtype
-        d_src = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
-        d_qg, d_w = self.kernels.backward_into(
-            [_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
-            lse.reshape(-1).contiguous(), _unit_rows(_flat(d_out), dtype),
-            None if d_lse is None else d_lse.reshape(-1).float().contiguous(), eps, scale,
-            [_flat(d) for d in d_src],
-            out_norm=(out_norm_weight.float().contiguous(), out_norm_eps,
-                      _unit_rows(_flat(d_normed), dtype)))
-        return d_src + _query_grads(d_qg, query, norm_weight) + [d_w]
+        return self._backward(sources, query, norm_weight, lse, d_out, d_lse, eps, scale,
+                              (out_norm_weight, out_norm_eps, d_normed))
 
     def multi_forward(self, sources, queries, norm_weights, eps, scale) -> Tuple[Tensor, Tensor]:
         """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""

@@ -97,7 +97,7 @@ def out_norm_backward(y: mx.array, w: mx.array, d_normed: mx.array, eps: float):
     """VJP prologue of `out_norm_forward` (C17), all `[..., D]` in the compute dtype:
     a = d_normed w, y_hat = rho y, d_y = rho (a - y_hat <a, y_hat> / D).
 
-    Returns (d_y `[..., D]`, the per-token terms of d w, d_normed y_hat `[..., D]`)."""
+    Returns (d_y `[..., D]`, d_normed y_hat `[..., D]`: d w's per-token terms)."""
     pre, rr = _rms_factors(y, eps, keepdims=True)
     y_hat = (y * pre) * rr
     a = d_normed * w

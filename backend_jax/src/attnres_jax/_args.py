@@ -7,7 +7,7 @@ Nothing here computes the op; `_xla` holds the formulas, `pallas.impl` the kerne
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +87,7 @@ class Options(NamedTuple):
     activation: str
     key_norm: bool
     multi: bool  # query is a set of S pseudo-queries [S, D] (depth_attention_multi)
+    out_norm_eps: Optional[float] = None  # C17: the fused output norm's eps; None: no output norm
 
 
 class MergeOptions(NamedTuple):
@@ -107,3 +108,4 @@ class Request(NamedTuple):
     num_sources: int  # N (2 for merge_partial: phase 1's result and the partial sum)
     num_sets: int  # S query sets (1 unless depth_attention_multi)
     per_token: bool  # per-token query `[..., D]`
+    out_norm: bool = False  # C17: the fused output norm (out_norm_weight given)

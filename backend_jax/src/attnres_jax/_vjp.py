@@ -3,8 +3,9 @@
 Each takes the implementation chosen by `pallas.dispatch.select` and the call's static options as
 nondiff arguments (hashable), so the forward and its backward run the same implementation and a
 trace is keyed by both.  The residuals are the inputs themselves plus per-token statistics in the
-compute dtype (C10); gradients are cast once to their inputs' dtypes, and under `shard_map` given
-their primals' types (`_like_primals`).
+compute dtype (C10; with the fused output norm, C17, the XLA path also keeps out in the compute
+dtype and its rho, the Pallas backward kernel recomputes out); gradients are cast once to their
+inputs' dtypes, and under `shard_map` given their primals' types (`_like_primals`).
 """
 
 from __future__ import annotations
@@ -46,41 +47,54 @@ def _like_primals(cotangents, primals):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attend(impl, opts: Options, sources, query, norm_weight):
-    """sources N x `[..., D]` or `[N, ..., D]`; query `[D]`, `[..., D]` or `[S, D]` (multi).
-    Returns out `[S, ..., D]` (sources' dtype), lse `[S, ..., H]` (compute dtype) or None,
-    weights `[N, S, ..., H]` (compute dtype)."""
-    return _attend_fwd(impl, opts, sources, query, norm_weight)[0]
+def attend(impl, opts: Options, sources, query, norm_weight, out_norm_weight=None):
+    """sources N x `[..., D]` or `[N, ..., D]`; query `[D]`, `[..., D]` or `[S, D]` (multi);
+    out_norm_weight `[D]` or None (C17: needs `opts.out_norm_eps`).
+    Returns out `[S, ..., D]` (sources' dtype), out_normed `[S, ..., D]` (sources' dtype) or None,
+    lse `[S, ..., H]` (compute dtype) or None, weights `[N, S, ..., H]` (compute dtype)."""
+    return _attend_fwd(impl, opts, sources, query, norm_weight, out_norm_weight)[0]
 
 
-def _attend_fwd(impl, opts: Options, sources, query, norm_weight):
+def _attend_fwd(impl, opts: Options, sources, query, norm_weight, out_norm_weight=None):
     xs = unstack(sources)
     ct = compute_dtype(xs[0].dtype)  # C10
     qs = _xla.query_side(query, norm_weight, opts, xs[0].shape[-1], ct)
-    run = impl.phase1 if opts.multi else impl.forward
-    out, lse, p, r, s = run(xs, qs, opts, ct)
+    normed, saved = None, None
+    if opts.out_norm_eps is None:
+        run = impl.phase1 if opts.multi else impl.forward
+        out, lse, p, r, s = run(xs, qs, opts, ct)
+    else:  # C17: out_normed from out in the compute dtype, in the same pass
+        out, lse, p, r, s, normed, saved = impl.forward_normed(xs, qs, opts, ct, out_norm_weight.astype(ct))
+        normed = normed.astype(xs[0].dtype)  # C10: its one final cast
     sets = qs.num_sets
     out = out.astype(xs[0].dtype)  # C10: the one final cast
     lse = None if lse is None else _xla.split_columns(lse, sets)
     weights = jnp.moveaxis(_xla.split_columns(p, sets), 0, 1)  # [N, S, ..., H]
-    return (out, lse, weights), (sources, query, norm_weight, p, r, s)
+    return (out, normed, lse, weights), (sources, query, norm_weight, out_norm_weight, p, r, s, saved)
 
 
 def _attend_bwd(impl, opts: Options, res, cotangents):
-    sources, query, norm_weight, p, r, s = res
-    d_out, d_lse, _ = cotangents  # depth weights are not differentiable (C11)
+    sources, query, norm_weight, out_norm_weight, p, r, s, saved = res
+    d_out, d_normed, d_lse, _ = cotangents  # depth weights are not differentiable (C11)
     xs = unstack(sources)
     ct = p.dtype
     qs = _xla.query_side(query, norm_weight, opts, xs[0].shape[-1], ct)
     d_lse = None if d_lse is None else _xla.join_columns(d_lse.astype(ct))  # [..., K]
-    run = impl.phase1_backward if opts.multi else impl.backward
-    d_sources, dqg = run(xs, qs, opts, ct, d_out, d_lse, p, r, s)
+    d_onw = None
+    if opts.out_norm_eps is None:
+        run = impl.phase1_backward if opts.multi else impl.backward
+        d_sources, dqg = run(xs, qs, opts, ct, d_out, d_lse, p, r, s)
+    else:  # C17: the d_y prologue, then section 2.3 with g_total
+        d_sources, dqg, d_onw = impl.backward_normed(xs, qs, opts, ct, d_out, d_lse, p, r, s,
+                                                     out_norm_weight.astype(ct), d_normed, saved)
+        d_onw = d_onw.reshape(out_norm_weight.shape).astype(out_norm_weight.dtype)
     d_sources = [dx.astype(x.dtype) for dx, x in zip(d_sources, xs)]
     d_query = sum_to(dqg * qs.g, qs.q.shape).reshape(query.shape).astype(query.dtype)
     d_norm = None
     if norm_weight is not None:
         d_norm = sum_to(dqg * qs.q, qs.g.shape).reshape(norm_weight.shape).astype(norm_weight.dtype)
-    return _like_primals((restack(d_sources, sources), d_query, d_norm), (sources, query, norm_weight))
+    return _like_primals((restack(d_sources, sources), d_query, d_norm, d_onw),
+                         (sources, query, norm_weight, out_norm_weight))
 
 
 attend.defvjp(_attend_fwd, _attend_bwd)

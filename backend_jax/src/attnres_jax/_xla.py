@@ -310,6 +310,48 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
     return d_sources, (dqg if qs.qm is None else block_diag_rows(dqg, sets, h))
 
 
+# -- the fused output norm (C17, spec 2.6) -----------------------------------------------------------
+
+
+def out_norm(y, w, eps: float):
+    """out_normed = (rho * y) * w of y = out `[..., D]` in the compute dtype (before out's final
+    rounding), over all D channels whatever the heads; rho `[..., 1]` from `inv_rms_cond`
+    (overflow-safe, C10.6), y_hat = rho * y one product.  Returns (out_normed, rho)."""
+    rho = inv_rms_cond(y, channel_sum, y.shape[-1], eps)
+    return (rho * y) * w, rho
+
+
+def out_norm_vjp(y, rho, w, d_out, d_normed):
+    """The d_y prologue of spec 2.6 (C17), one elementwise/row-reduce pass: y, d_out, d_normed
+    `[..., D]`, rho `[..., 1]`, w `[D]`, all in the compute dtype.  Returns
+    g_total = d_out + rho (a - y_hat <a, y_hat> / D) with a = d_normed * w, and
+    d_out_norm_weight `[D]` = sum over tokens of d_normed * y_hat."""
+    y_hat = rho * y
+    a = d_normed * w
+    g_total = d_out + rho * (a - y_hat * (channel_sum(a * y_hat) / y.shape[-1]))
+    return g_total, sum_to(d_normed * y_hat, w.shape)
+
+
+def forward_normed(xs: list, qs: Query, opts: Options, ct, w):
+    """`forward` and the fused output norm in the same program (C17), w `[D]` in `ct`: returns
+    out, lse, p, r, s as `forward` does, out_normed `[1, ..., D]` (compute dtype) and the saved
+    (y, rho) for `backward_normed`: y is out in the compute dtype (for float32/float64 sources
+    the very array returned as out, so no extra memory; a float32 copy for 16-bit sources)."""
+    out, lse, p, r, s = forward(xs, qs, opts, ct)
+    y = _at(out, 0)
+    normed, rho = out_norm(y, w, opts.out_norm_eps)
+    return out, lse, p, r, s, _lead(normed), (y, rho)
+
+
+def backward_normed(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s, w, d_normed, saved):
+    """`backward` behind the C17 prologue (`out_norm_vjp` on the saved y, rho of `forward_normed`).
+    d_out, d_normed `[1, ..., D]`.  Returns the source gradients, dqg and d_out_norm_weight `[D]`."""
+    y, rho = saved
+    g, d_w = out_norm_vjp(y, rho, w, _at(d_out, 0).astype(ct), _at(d_normed, 0).astype(ct))
+    d_sources, dqg = backward(xs, qs, opts, ct, _lead(g), d_lse, p, r, s)
+    return d_sources, dqg, d_w
+
+
 # -- phase 2: merge ----------------------------------------------------------------------------------
 
 
@@ -384,6 +426,8 @@ class Xla:
 
     forward = staticmethod(forward)
     backward = staticmethod(backward)
+    forward_normed = staticmethod(forward_normed)
+    backward_normed = staticmethod(backward_normed)
     phase1 = staticmethod(forward)  # S query sets: the same core
     phase1_backward = staticmethod(backward)
     merge = staticmethod(merge)

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +23,30 @@ from .router import HIGHEST, Sublayer, stack_apply
 class DepthAttention(nnx.Module):
     """One depth-attention layer: pseudo-query `query [D]` (zero init: uniform weights, M8) and
     key-norm gain `norm_weight [D]` (ones).  `__call__(sources)` takes N x `[..., D]` or
-    `[N, ..., D]` and returns `[..., D]` (and lse / weights when asked)."""
+    `[N, ..., D]` and returns `[..., D]` (and lse / weights when asked).
+
+    fuse_out_norm=True (C17, spec 2.6): the layer also owns the next sublayer's pre-norm gain
+    `out_norm [D]` (ones; eps `out_norm_eps`, None = eps) and returns `(out, out_normed, lse?,
+    weights?)`, out_normed = rmsnorm(out) * out_norm from the same pass."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, num_heads: int = 1,
-                 activation: str = "softmax", key_norm: bool = True, dtype=jnp.float32):
+                 activation: str = "softmax", key_norm: bool = True, fuse_out_norm: bool = False,
+                 out_norm_eps: Optional[float] = None, dtype=jnp.float32):
+        if out_norm_eps is not None and not fuse_out_norm:
+            raise ValueError("out_norm_eps: given while fuse_out_norm is False")
         self.query = nnx.Param(jnp.zeros((dim,), dtype))
         self.norm_weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.out_norm = nnx.Param(jnp.ones((dim,), dtype)) if fuse_out_norm else None
         self.num_heads, self.activation, self.key_norm = num_heads, activation, key_norm
-        self.eps, self.scale = eps, scale
+        self.eps, self.scale, self.out_norm_eps = eps, scale, out_norm_eps
 
     def __call__(self, sources, *, return_lse: bool = False, return_weights: bool = False):
         return depth_attention(sources, self.query[...], self.norm_weight[...], eps=self.eps,
                                scale=self.scale, num_heads=self.num_heads, activation=self.activation,
                                key_norm=self.key_norm, return_lse=return_lse,
-                               return_weights=return_weights)
+                               return_weights=return_weights,
+                               out_norm_weight=None if self.out_norm is None else self.out_norm[...],
+                               out_norm_eps=self.out_norm_eps)
 
 
 class DepthRouter(nnx.Module):

@@ -49,8 +49,9 @@ Sources = Union[jax.Array, Sequence[jax.Array]]
 
 
 def _request(op: str, shape, dtype: str, *, num_heads: int = 1, num_sources: int = 2, num_sets: int = 1,
-             per_token: bool = False) -> Request:
-    return Request(op, jax.default_backend(), dtype, shape[-1], num_heads, num_sources, num_sets, per_token)
+             per_token: bool = False, out_norm: bool = False) -> Request:
+    return Request(op, jax.default_backend(), dtype, shape[-1], num_heads, num_sources, num_sets, per_token,
+                   out_norm)
 
 
 def depth_attention(
@@ -65,9 +66,11 @@ def depth_attention(
     key_norm: bool = True,
     return_lse: bool = False,
     return_weights: bool = False,
+    out_norm_weight=None,
+    out_norm_eps: Optional[float] = None,
     impl: Optional[str] = None,
 ):
-    """Depth attention over N sources (spec section 2, C1-C12).
+    """Depth attention over N sources (spec section 2, C1-C12; the fused output norm C17, 2.6).
 
     Args:
       sources: a list/tuple of N >= 1 arrays `[..., D]` or one stacked array `[N, ..., D]`.
@@ -76,23 +79,33 @@ def depth_attention(
       eps, scale, num_heads, activation, key_norm: the spec's options (static Python values).
       return_lse / return_weights: also return lse `[...]` (`[..., H]` if H > 1, compute dtype,
         differentiable) and the depth weights `[N, ...]` (`[N, ..., H]`, not differentiable).
+      out_norm_weight: gain `[D]` (any floating dtype) of the fused output norm (C17), or None;
+        then also return out_normed `[..., D]` = rmsnorm(out) * out_norm_weight over all D
+        channels, from out in the compute dtype in the same pass (differentiable, also in
+        out_norm_weight).
+      out_norm_eps: that norm's eps (None: `eps`); only with out_norm_weight.
       impl: None (automatic: Pallas kernels where they apply on GPU/TPU, else XLA), "xla" or
         "pallas" (ValueError if the kernels cannot run the call); see `pallas.dispatch`.
 
-    Returns: out `[..., D]` in the sources' dtype, or `(out, lse?, weights?)` in that order.
+    Returns: out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)` in that
+    order (out_normed `[..., D]` in the sources' dtype).
     """
     sources, shapes, dtypes, stacked = canonical_sources(sources)
-    query, norm_weight = as_array(query), optional(norm_weight)
+    query, norm_weight, out_norm_weight = as_array(query), optional(norm_weight), optional(out_norm_weight)
+    onw_shape, onw_dtype = meta(out_norm_weight)
     geo = validation.check_depth_attention(
         shapes, dtypes, query.shape, dtype_name(query), *meta(norm_weight), stacked=stacked,
         eps=eps, scale=scale, num_heads=num_heads, activation=activation, key_norm=key_norm,
-        return_lse=return_lse,
+        return_lse=return_lse, out_norm_weight_shape=onw_shape, out_norm_weight_dtype=onw_dtype,
+        out_norm_eps=out_norm_eps,
     )
-    opts = Options(float(eps), float(scale), geo.num_heads, activation, key_norm, multi=False)
+    normed = out_norm_weight is not None
+    opts = Options(float(eps), float(scale), geo.num_heads, activation, key_norm, multi=False,
+                   out_norm_eps=float(geo.out_norm_eps) if normed else None)
     chosen = dispatch.select(impl, _request("depth_attention", shapes[0], dtypes[0], num_heads=geo.num_heads,
-                                            num_sources=len(shapes), per_token=query.ndim > 1))
-    out, lse, p = _vjp.attend(chosen, opts, sources, query, norm_weight)
-    extra = []
+                                            num_sources=len(shapes), per_token=query.ndim > 1, out_norm=normed))
+    out, out_normed, lse, p = _vjp.attend(chosen, opts, sources, query, norm_weight, out_norm_weight)
+    extra = [out_normed[0]] if normed else []
     if return_lse:
         extra.append(lse[0] if geo.num_heads > 1 else lse[0, ..., 0])
     if return_weights:
@@ -117,7 +130,7 @@ def depth_attention_multi(sources: Sources, queries, norm_weights=None, *, eps: 
     opts = Options(float(eps), float(scale), 1, "softmax", True, multi=True)
     chosen = dispatch.select(impl, _request("depth_attention_multi", shapes[0], dtypes[0],
                                             num_sources=len(shapes), num_sets=queries.shape[0]))
-    out, lse, _ = _vjp.attend(chosen, opts, sources, queries, norm_weights)
+    out, _, lse, _ = _vjp.attend(chosen, opts, sources, queries, norm_weights, None)
     return out, lse[..., 0]
 
 

@@ -29,8 +29,9 @@ def _pow2_floor(x: int) -> int:
 
 
 def _auto_tile(request: Request) -> int:
-    """Token rows per program: a tile of every source (plus S accumulators) within ~4 MiB of fp32."""
-    rows = (1 << 20) // max(1, request.dim * (request.num_sources + request.num_sets))
+    """Token rows per program: a tile of every source (plus S accumulators, plus out_normed or its
+    cotangent with the output norm) within ~4 MiB of fp32."""
+    rows = (1 << 20) // max(1, request.dim * (request.num_sources + request.num_sets + request.out_norm))
     if request.platform == "tpu":
         return max(8, min(256, _pow2_floor(rows)))
     return max(1, min(64, _pow2_floor(rows)))
@@ -92,7 +93,7 @@ class Pallas:
         """`_xla.forward` for S = 1 on the forward kernel: out `[1, ..., D]` (sources' dtype),
         lse `[..., 1]` or None, p, r, s `[N, ..., 1]`."""
         tokens, dim, n = xs[0].shape[:-1], xs[0].shape[-1], len(xs)
-        out, lse, rs, ss = kernels.forward([x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim),
+        out, lse, rs, ss, _ = kernels.forward([x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim),
                                            per_token=qs.qm is None, eps=opts.eps, scale=opts.scale,
                                            softmax=opts.activation == "softmax", key_norm=opts.key_norm,
                                            **self._kw(ct))
@@ -100,6 +101,21 @@ class Pallas:
         lse = None if lse is None else lse.reshape(tokens + (1,))
         s = jnp.stack(ss).reshape((n,) + tokens + (1,))
         return (out, lse) + self._weights(rs, s, lse, tokens, opts, 1)
+
+    def forward_normed(self, xs: list, qs: _xla.Query, opts: Options, ct, w):
+        """`_xla.forward_normed` on the forward kernel (out_normed from the tile's accumulator, C17):
+        as `forward`, then out_normed `[1, ..., D]` (sources' dtype) and nothing saved (the
+        backward kernel recomputes out from the tiles it reads anyway)."""
+        tokens, dim, n = xs[0].shape[:-1], xs[0].shape[-1], len(xs)
+        out, lse, rs, ss, normed = kernels.forward(
+            [x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim), per_token=qs.qm is None, eps=opts.eps,
+            scale=opts.scale, softmax=opts.activation == "softmax", key_norm=opts.key_norm,
+            out_norm_weight=w.reshape(1, dim), out_norm_eps=opts.out_norm_eps, **self._kw(ct))
+        lse = None if lse is None else lse.reshape(tokens + (1,))
+        s = jnp.stack(ss).reshape((n,) + tokens + (1,))
+        shape = (1,) + tokens + (dim,)
+        return ((out.reshape(shape), lse) + self._weights(rs, s, lse, tokens, opts, 1)
+                + (normed.reshape(shape), None))
 
     def phase1(self, xs: list, qs: _xla.Query, opts: Options, ct):
         """`_xla.forward` for S pseudo-queries on the phase-1 kernel (each source tile read once):
@@ -122,17 +138,30 @@ class Pallas:
 
     def backward(self, xs: list, qs: _xla.Query, opts: Options, ct, d_out, d_lse, p, r, s):
         """`_xla.backward` for S = 1 on the backward kernel; d_out `[1, ..., D]`."""
+        return self._backward(xs, qs, opts, ct, d_out, d_lse, p, r, s)[:2]
+
+    def backward_normed(self, xs: list, qs: _xla.Query, opts: Options, ct, d_out, d_lse, p, r, s, w, d_normed,
+                        saved):
+        """`_xla.backward_normed` on the backward kernel, its C17 prologue fused in (out recomputed
+        in the kernel; `saved` is None).  Returns d_sources, dqg and d_out_norm_weight `[D]`."""
+        return self._backward(xs, qs, opts, ct, d_out, d_lse, p, r, s,
+                              dict(out_norm_weight=w.reshape(1, -1), out_norm_eps=opts.out_norm_eps,
+                                   d_normed=d_normed[0].reshape(-1, xs[0].shape[-1])))
+
+    def _backward(self, xs, qs, opts, ct, d_out, d_lse, p, r, s, normed=None):
         dim = xs[0].shape[-1]
         cols = lambda a: list(a.reshape(a.shape[0], -1, 1))  # [N, ..., 1] -> N x [T, 1]
         per_token = qs.qm is None
-        dxs, dqg = kernels.backward(
+        dxs, dqg, d_w = kernels.backward(
             [x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim), d_out[0].reshape(-1, dim),
             None if d_lse is None else d_lse.reshape(-1, 1), cols(p), cols(r), cols(s), per_token=per_token,
-            scale=opts.scale, softmax=opts.activation == "softmax", key_norm=opts.key_norm, **self._kw(ct))
+            scale=opts.scale, softmax=opts.activation == "softmax", key_norm=opts.key_norm, **(normed or {}),
+            **self._kw(ct))
         d_sources = [dx.reshape(x.shape) for dx, x in zip(dxs, xs)]
+        d_w = None if d_w is None else jnp.sum(d_w, axis=0)  # per-tile partials, in tile order
         if per_token:
-            return d_sources, dqg.reshape(qs.q.shape)
-        return d_sources, jnp.sum(dqg, axis=0, keepdims=True)  # per-tile partials, in tile order
+            return d_sources, dqg.reshape(qs.q.shape), d_w
+        return d_sources, jnp.sum(dqg, axis=0, keepdims=True), d_w  # per-tile partials, in tile order
 
     phase1_backward = staticmethod(_xla.backward)  # no phase-1 backward kernel
 

@@ -13,10 +13,14 @@ Poisoning: with `poison=True` each output is aliased to a NaN-filled input
 
 Kernels:
   forward   single pass over the N sources with an online softmax (running max m, sum l and
-            accumulator acc [TB, D]); writes out, lse and the residual statistics r_i, s_i.
+            accumulator acc [TB, D]); writes out, lse and the residual statistics r_i, s_i; with
+            the fused output norm (C17, "attnres_forward_normed") also out_normed, from acc.
   backward  from the residual weights and statistics p_i, r_i, s_i; two passes over the tile's
             sources (dp_i = <g, x_i>, then dx_i); the pseudo-query gradient is written as one
-            partial sum per tile (`[tiles, D]`, summed afterwards): no atomics anywhere.
+            partial sum per tile (`[tiles, D]`, summed afterwards): no atomics anywhere.  With
+            the output norm ("attnres_backward_normed") a first pass over the tile recomputes
+            out = sum_i p_i x_i and adds the C17 d_y to g; d_out_norm_weight is one partial per
+            tile like the pseudo-query's.
   phase1    S pseudo-queries at once: each source tile is read once and feeds S online softmaxes.
   merge     phase 2: out = w1 * out1 + (1 - w1) * partial, w1 = sigmoid(lse1 - z2).
 """
@@ -87,14 +91,20 @@ def _key(x, qg, eps: float, key_norm: bool):
 # -- forward ---------------------------------------------------------------------------------------
 
 
-def forward(xs, qg, *, per_token, eps, scale, softmax, key_norm, tb, ct, interpret, poison, compiler_params=None):
-    """xs: N x `[T, D]`; qg `[1, D]` (pseudo) or `[T, D]` (per token), compute dtype.
-    Returns out `[T, D]` (sources' dtype), lse `[T, 1]` (softmax; else None), r, s: N x `[T, 1]`."""
+def forward(xs, qg, *, per_token, eps, scale, softmax, key_norm, tb, ct, interpret, poison, compiler_params=None,
+            out_norm_weight=None, out_norm_eps=None):
+    """xs: N x `[T, D]`; qg `[1, D]` (pseudo) or `[T, D]` (per token), compute dtype;
+    out_norm_weight `[1, D]` (compute dtype) or None: the fused output norm (C17, eps out_norm_eps).
+    Returns out `[T, D]` (sources' dtype), lse `[T, 1]` (softmax; else None), r, s: N x `[T, 1]`,
+    and out_normed `[T, D]` (sources' dtype; None without out_norm_weight)."""
     n, (t, d) = len(xs), xs[0].shape
+    normed = out_norm_weight is not None
 
     def body(ins, outs):
         q = ins[n][...].astype(ct)
         out_ref, rest = outs[0], outs[1:]
+        if normed:
+            normed_ref, rest = rest[0], rest[1:]
         lse_ref, stats = (rest[0], rest[1:]) if softmax else (None, rest)
         m = l = acc = None
         for i in range(n):  # static unroll over the sources: each tile read once
@@ -111,37 +121,61 @@ def forward(xs, qg, *, per_token, eps, scale, softmax, key_norm, tb, ct, interpr
                 m_new = jnp.maximum(m, z)
                 alpha, e = jnp.exp(m - m_new), jnp.exp(z - m_new)
                 m, l, acc = m_new, alpha * l + e, alpha * acc + e * x
-        out_ref[...] = (acc / l if softmax else acc).astype(out_ref.dtype)
+        y = acc / l if softmax else acc  # out in the compute dtype, before its one cast (C10)
+        out_ref[...] = y.astype(out_ref.dtype)
+        if normed:  # C17 from the same registers: (rho y) w, rho overflow-safe (C10.6)
+            normed_ref[...] = ((_rms(y, out_norm_eps) * y) * ins[n + 1][...]).astype(normed_ref.dtype)
         if softmax:
             lse_ref[...] = m + jnp.log(l)
 
     col = jax.ShapeDtypeStruct((t, 1), ct)
-    out_shapes = [jax.ShapeDtypeStruct((t, d), xs[0].dtype)] + ([col] if softmax else []) + [col] * (2 * n)
+    big = jax.ShapeDtypeStruct((t, d), xs[0].dtype)
+    out_shapes = [big] * (1 + normed) + ([col] if softmax else []) + [col] * (2 * n)
     q_spec = _rows(tb, d) if per_token else _whole((1, d))
-    outs = _call(body, "attnres_forward", [*xs, qg], [_rows(tb, d)] * n + [q_spec], out_shapes,
-                 [_rows(tb, d)] + [_rows(tb, 1)] * (len(out_shapes) - 1), t, tb, interpret=interpret,
-                 poison=poison, compiler_params=compiler_params)
-    lse = outs[1] if softmax else None
-    stats = outs[2:] if softmax else outs[1:]
-    return outs[0], lse, stats[:n], stats[n:]
+    inputs, in_specs = [*xs, qg], [_rows(tb, d)] * n + [q_spec]
+    if normed:
+        inputs, in_specs = inputs + [out_norm_weight], in_specs + [_whole((1, d))]
+    outs = _call(body, "attnres_forward_normed" if normed else "attnres_forward", inputs, in_specs, out_shapes,
+                 [_rows(tb, d)] * (1 + normed) + [_rows(tb, 1)] * (len(out_shapes) - 1 - normed), t, tb,
+                 interpret=interpret, poison=poison, compiler_params=compiler_params)
+    out, outs = outs[0], outs[1:]
+    out_normed, outs = (outs[0], outs[1:]) if normed else (None, outs)
+    lse, stats = (outs[0], outs[1:]) if softmax else (None, outs)
+    return out, lse, stats[:n], stats[n:], out_normed
 
 
 # -- backward --------------------------------------------------------------------------------------
 
 
 def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key_norm, tb, ct, interpret,
-             poison, compiler_params=None):
+             poison, compiler_params=None, out_norm_weight=None, out_norm_eps=None, d_normed=None):
     """Gradients of `forward` from its residuals.  d_out `[T, D]`; d_lse `[T, 1]` (softmax, else
-    None); ps, rs, ss: N x `[T, 1]` (weights and statistics).  Returns dxs N x `[T, D]` (sources'
-    dtype) and dqg: `[tiles, D]` per-tile partial sums for a pseudo-query (sum over axis 0),
-    `[T, D]` for a per-token query."""
+    None); ps, rs, ss: N x `[T, 1]` (weights and statistics).  With the fused output norm (C17):
+    out_norm_weight `[1, D]` (compute dtype), its eps, d_normed `[T, D]` the cotangent of
+    out_normed.  Returns dxs N x `[T, D]` (sources' dtype), dqg: `[tiles, D]` per-tile partial sums
+    for a pseudo-query (sum over axis 0), `[T, D]` for a per-token query, and d_out_norm_weight as
+    `[tiles, D]` per-tile partial sums (None without the output norm)."""
     n, (t, d) = len(xs), xs[0].shape
     tiles = pl.cdiv(t, tb)
+    normed = out_norm_weight is not None
 
     def body(ins, outs):
         x_refs, q, g = ins[:n], ins[n][...].astype(ct), ins[n + 1][...].astype(ct)
         dl = ins[n + 2][...]
-        p_refs, r_refs, s_refs = ins[n + 3:2 * n + 3], ins[2 * n + 3:3 * n + 3], ins[3 * n + 3:]
+        p_refs, r_refs, s_refs = ins[n + 3:2 * n + 3], ins[2 * n + 3:3 * n + 3], ins[3 * n + 3:4 * n + 3]
+
+        def valid():  # rows past T (last partial tile) hold garbage: masked before a tile sum
+            return pl.program_id(0) * tb + jax.lax.broadcasted_iota(jnp.int32, (tb, 1), 0) < t
+
+        if normed:  # C17 prologue: y recomputed from the tiles this program holds anyway (no extra
+            # HBM read; out in the compute dtype, as the forward formed it), then g += d_y
+            gn, w = ins[4 * n + 3][...].astype(ct), ins[4 * n + 4][...]
+            y = functools.reduce(lambda a, b: a + b, [p_refs[i][...] * x_refs[i][...].astype(ct) for i in range(n)])
+            rho = _rms(y, out_norm_eps)
+            y_hat = rho * y
+            a = gn * w
+            g = g + rho * (a - y_hat * (jnp.sum(a * y_hat, axis=1, keepdims=True) / d))
+            outs[n + 1][...] = jnp.sum(jnp.where(valid(), gn * y_hat, 0.0), axis=0, keepdims=True)
         dps = [jnp.sum(g * x_refs[i][...].astype(ct), axis=1, keepdims=True) for i in range(n)]  # pass 1
         if softmax:
             pdp = functools.reduce(lambda a, b: a + b, [p_refs[i][...] * dps[i] for i in range(n)])
@@ -158,9 +192,8 @@ def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key
             dqg = c * r * x if dqg is None else dqg + c * r * x
         if per_token:
             outs[n][...] = dqg.astype(outs[n].dtype)
-        else:  # rows past T (last partial tile) hold garbage: mask before the tile sum
-            row = pl.program_id(0) * tb + jax.lax.broadcasted_iota(jnp.int32, (tb, 1), 0)
-            outs[n][...] = jnp.sum(jnp.where(row < t, dqg, 0.0), axis=0, keepdims=True).astype(outs[n].dtype)
+        else:
+            outs[n][...] = jnp.sum(jnp.where(valid(), dqg, 0.0), axis=0, keepdims=True).astype(outs[n].dtype)
 
     inputs = [*xs, qg, d_out, jnp.zeros((t, 1), ct) if d_lse is None else d_lse, *ps, *rs, *ss]
     in_specs = ([_rows(tb, d)] * n + [_rows(tb, d) if per_token else _whole((1, d)), _rows(tb, d)]
@@ -168,10 +201,16 @@ def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key
     out_shapes = [jax.ShapeDtypeStruct((t, d), x.dtype) for x in xs]
     # pseudo-query: one [1, D] partial per tile, as a [tiles, 1, D] array (block (squeezed, 1, D)).
     out_shapes.append(jax.ShapeDtypeStruct((t, d) if per_token else (tiles, 1, d), ct))
-    out_specs = [_rows(tb, d)] * n + [_rows(tb, d) if per_token else pl.BlockSpec((None, 1, d), lambda i: (i, 0, 0))]
-    outs = _call(body, "attnres_backward", inputs, in_specs, out_shapes, out_specs, t, tb,
-                 interpret=interpret, poison=poison, compiler_params=compiler_params)
-    return outs[:n], outs[n] if per_token else outs[n][:, 0]
+    tile_partial = pl.BlockSpec((None, 1, d), lambda i: (i, 0, 0))
+    out_specs = [_rows(tb, d)] * n + [_rows(tb, d) if per_token else tile_partial]
+    if normed:  # d_out_norm_weight: one [1, D] partial per tile, like the pseudo-query's
+        inputs += [d_normed, out_norm_weight]
+        in_specs += [_rows(tb, d), _whole((1, d))]
+        out_shapes.append(jax.ShapeDtypeStruct((tiles, 1, d), ct))
+        out_specs.append(tile_partial)
+    outs = _call(body, "attnres_backward_normed" if normed else "attnres_backward", inputs, in_specs, out_shapes,
+                 out_specs, t, tb, interpret=interpret, poison=poison, compiler_params=compiler_params)
+    return outs[:n], outs[n] if per_token else outs[n][:, 0], outs[n + 1][:, 0] if normed else None
 
 
 # -- phase 1 ---------------------------------------------------------------------------------------

@@ -59,3 +59,53 @@ def test_plan_refusal_is_exercised():
     # The "refused" branch above must run for at least one benchmark shape (D = 7168 on GPU).
     assert any(report.pallas_plan(c, "gpu")[0] is not None for c in CASES)
     assert any(report.pallas_plan(c, "gpu")[0] is None for c in CASES)
+
+
+# -- the fused output norm (C17): the kernels' out-norm variants at the same shapes ---------------
+
+NORMED_CASES = [c for c in CASES if c.kernel in ("forward", "backward")]
+
+
+@pytest.fixture
+def normed_kernels(monkeypatch):
+    """`report.pallas_lower` lowers the out-norm variants: kernels.forward / backward called with
+    out_norm_weight `[1, D]` (and d_normed `[T, D]` bf16), built inside the trace."""
+    import jax.numpy as jnp
+    from attnres_jax.pallas import kernels
+
+    forward, backward = kernels.forward, kernels.backward
+
+    def normed_forward(xs, qg, **kw):
+        return forward(xs, qg, out_norm_weight=jnp.ones((1, qg.shape[1]), jnp.float32), out_norm_eps=1e-5, **kw)
+
+    def normed_backward(xs, qg, d_out, *args, **kw):
+        return backward(xs, qg, d_out, *args, out_norm_weight=jnp.ones((1, qg.shape[1]), jnp.float32),
+                        out_norm_eps=1e-5, d_normed=jnp.zeros(d_out.shape, d_out.dtype), **kw)
+
+    monkeypatch.setattr(kernels, "forward", normed_forward)
+    monkeypatch.setattr(kernels, "backward", normed_backward)
+
+
+def _check_normed(case, plan_platform, platform, refusal_lowering):
+    from attnres_jax.pallas import kernels
+    from attnres_jax.pallas.impl import Pallas
+
+    request = report.pallas_request(case, plan_platform)._replace(out_norm=True)
+    reason, impl = Pallas().supports(request), Pallas().resolve(request)
+    kernels.CALLS.clear()
+    err = report.pallas_lower(case, platform, impl, None if reason is None else refusal_lowering)
+    assert set(kernels.CALLS) == {f"attnres_{case.kernel}_normed"}  # the out-norm variant was built
+    if reason is None:
+        assert err is None, f"out-norm {case.name} on {platform} (TB = {impl.tile}): {err}"
+    else:
+        assert err is not None, f"plan refuses out-norm {case.name} on {plan_platform} ({reason}), but it lowers"
+
+
+@pytest.mark.parametrize("case", NORMED_CASES, ids=lambda c: c.name)
+def test_out_norm_tpu_lowering_matches_plan(case, normed_kernels):
+    _check_normed(case, "tpu", "tpu", None)
+
+
+@pytest.mark.parametrize("case", NORMED_CASES, ids=lambda c: c.name)
+def test_out_norm_gpu_lowering_matches_plan(case, normed_kernels):
+    _check_normed(case, "gpu", "cuda", False)

@@ -272,7 +272,12 @@ def _finite(name, value) -> List[str]:
 def check_reference(backend, golden, device, *, strided=False, check="tolerance", override=None,
                     gradient=True, input_dtypes=None) -> Tuple[Cell, Optional[Cell]]:
     """Forward (a call without cotangents) and gradient (a call with them) vs the reference;
-    for ops also the result dtypes (C10.3) and no aliasing (C7a)."""
+    for ops also the result dtypes (C10.3) and no aliasing (C7a).
+
+    A backend that declares `forward_in_gradient_call = True` (its forward-only program runs the
+    same code as the forward of its gradient program; see `adapters.jax`) gets one call per
+    gradient case: the forward cell reads that call's outputs.  If that call raises, the forward
+    runs on its own, so a broken backward never hides the forward's status."""
     if override is None and golden.op == "probe":
         override = "probe"
     flash = (check == "tolerance" and golden.dtype in LOW_PRECISION
@@ -280,18 +285,16 @@ def check_reference(backend, golden, device, *, strided=False, check="tolerance"
     naive_result = _naive(golden) if flash else None
     naive_probe = (naive.probe(golden, backward=gradient) if golden.op == "probe" and golden.dtype in LOW_PRECISION
                    and check == "tolerance" else None)
-    cells = []
-    for backward in (False, True) if gradient else (False,):
+
+    def run(backward: bool):
         call = (op_call(golden, device, backward=backward, strided=strided, input_dtypes=input_dtypes)
                 if golden.op != "probe" else probe_call(golden, device, backward=backward))
         before = _snapshot(call.inputs) if isinstance(call, OpCall) else _snapshot(call)
-        try:
-            result = backend.call_op(call) if isinstance(call, OpCall) else backend.call_probe(call)
-        except Exception as exc:  # noqa: BLE001 - a crash in the VJP fails the gradient cell only
-            if not backward:
-                raise
-            cells.append(Cell("fail", None, f"the call with cotangents raised {type(exc).__name__}: {exc}"))
-            continue
+        result = backend.call_op(call) if isinstance(call, OpCall) else backend.call_probe(call)
+        return call, before, result
+
+    def cell(call, before, result, backward: bool) -> Cell:
+        """The forward (outputs) or gradient (outputs and gradients) cell of one call's result."""
         failures = _untouched(call, before, result)
         if isinstance(call, OpCall):
             failures += _contract(call, result, backward)
@@ -303,13 +306,26 @@ def check_reference(backend, golden, device, *, strided=False, check="tolerance"
             outputs = result.outputs if hasattr(result, "outputs") else {"out": result.out}
             arrays = dict(outputs, **{f"d_{k}": v for k, v in (result.grads.items() if backward else ())})
             failures += missing + [f for k, v in arrays.items() for f in _finite(k, v)]
-            cells.append(Cell("fail" if failures else "pass", None, "; ".join(failures)))
-            continue
+            return Cell("fail" if failures else "pass", None, "; ".join(failures))
         if naive_probe is not None:
             comps = [_attainable(golden, c, naive_probe) for c in comps]
         comps += _flash(golden, [c for c in comps if backward == c.name.startswith("d_")], naive_result)
-        cells.append(_cell(comps, failures + missing))
-    return cells[0], (cells[1] if gradient else None)
+        return _cell(comps, failures + missing)
+
+    if gradient and getattr(backend, "forward_in_gradient_call", False):
+        try:
+            done = run(True)
+        except Exception:  # noqa: BLE001 - judged below by the separate calls
+            pass
+        else:
+            return cell(*done, False), cell(*done, True)
+    forward = cell(*run(False), False)  # a raising forward is the caller's error cell
+    if not gradient:
+        return forward, None
+    try:
+        return forward, cell(*run(True), True)
+    except Exception as exc:  # noqa: BLE001 - a crash in the VJP fails the gradient cell only
+        return forward, Cell("fail", None, f"the call with cotangents raised {type(exc).__name__}: {exc}")
 
 
 def check_error(backend, case: Case, device) -> Cell:

@@ -102,30 +102,52 @@ def _expand(v, s: int, num_heads: int, dim: int):
     return jnp.broadcast_to(v, v.shape[:-1] + (dim // num_heads,)).reshape(v.shape[:-2] + (dim,))
 
 
-def channel_sum(w):
-    """`[..., n]` -> `[..., 1]`: the sum over the last axis as one reduce (C10.5: the order is
-    fixed by the shape, C15).
-
-    Not a matmul: XLA:CPU lowers a matvec `x @ qg` as one sequential accumulation (fp32, D = 1024:
-    the forward off by 1.1e-6..1.7e-6 against the float64 reference), a reduce over the minor axis
-    in vector lanes (2e-7..3e-7, the accuracy of a plain `jnp` port).  A pairwise halving through
-    slices was as accurate and ran the jitted D = 1024 forward 2.5x slower (125 vs 50 ms at N = 9,
-    T = 8192): XLA emits it as scalar code per token."""
-    return jnp.sum(w, axis=-1, keepdims=True)
+#: Up to this many channels the pairwise sum is one reduce.
+LEAF = 8
 
 
-def _head_sums(w, num_heads: int):
+def channel_sum(w, pairwise: bool = False):
+    """`[..., n]` -> `[..., 1]`: the sum over the last axis, in an order fixed by the shape
+    (C10.5, C15): one reduce, or with `pairwise` a halving `w[:n/2] + w[n/2:]` (zero-padded to
+    a power of two; one reduce for n <= `LEAF`).
+
+    Never a matmul: XLA:CPU lowers a matvec `x @ qg` as one sequential accumulation (fp32,
+    D = 1024: the forward off by 1.1e-6..1.7e-6 against the float64 reference); a reduce over
+    the minor axis accumulates in vector lanes and halving pairwise, both ~2e-7..3e-7.  Which of
+    the two is faster depends on the summand (jitted N = 9, T = 8192, D = 1024 forward on
+    XLA:CPU): fp32 sources, the reduce (55 vs 110 ms: the halving is emitted as scalar code per
+    token); bf16/fp16 sources, whose summands are converts fused into the sum, the halving (90
+    vs 293 ms: the reduce of a fused convert is not vectorized).  Callers pass
+    `pairwise=low_precision(source)`."""
+    n = w.shape[-1]
+    if not pairwise or n <= LEAF:
+        return jnp.sum(w, axis=-1, keepdims=True)
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, width - n)])
+    while w.shape[-1] > 1:  # lax slices: the same HLO as `w[..., :half]`, ~10x cheaper to trace
+        half = w.shape[-1] // 2
+        w = jax.lax.slice_in_dim(w, 0, half, axis=-1) + jax.lax.slice_in_dim(w, half, 2 * half, axis=-1)
+    return w
+
+
+def low_precision(x) -> bool:
+    """Whether x's dtype is narrower than 32 bits (its sums over D take `channel_sum`'s halving)."""
+    return jnp.dtype(x.dtype).itemsize < 4
+
+
+def _head_sums(w, num_heads: int, pairwise: bool = False):
     """`[..., D]` -> sums over each head's channels `[..., H]` (`channel_sum`)."""
     if num_heads == 1:
-        return channel_sum(w)
-    return channel_sum(w.reshape(w.shape[:-1] + (num_heads, w.shape[-1] // num_heads)))[..., 0]
+        return channel_sum(w, pairwise)
+    return channel_sum(w.reshape(w.shape[:-1] + (num_heads, w.shape[-1] // num_heads)), pairwise)[..., 0]
 
 
-def _columns(w, num_heads: int):
+def _columns(w, num_heads: int, pairwise: bool = False):
     """`[S, ..., D]` -> per-column sums over each head's channels `[..., K]`."""
     if w.shape[0] == 1:
-        return _head_sums(_at(w, 0), num_heads)
-    return join_columns(_head_sums(w, num_heads))
+        return _head_sums(_at(w, 0), num_heads, pairwise)
+    return join_columns(_head_sums(w, num_heads, pairwise))
 
 
 def _sum_sets(w):
@@ -159,21 +181,30 @@ def inv_rms(x, reduce, count: int, eps: float):
     return jnp.where(big, lo * jax.lax.rsqrt(ms_lo), jax.lax.rsqrt(ms + eps))
 
 
-def inv_rms_cond(x, reduce, count: int, eps: float):
+def inv_rms_cond(x, reduce, count: int, eps: float, raw=None):
     """`inv_rms` with its overflow branch behind one `lax.cond`: the rescaled second sum of
     squares runs only when some mean overflowed (C10.6), not on every call (as a `jnp.where`
     does: that extra pass over x ran the jitted N = 9, T = 8192, D = 1024 fp32 forward 1.7x
-    slower).  Under `vmap` the cond becomes a select and both sides run, as in `inv_rms`."""
+    slower).  Under `vmap` the cond becomes a select and both sides run, as in `inv_rms`.
+
+    raw: x before its cast to the compute dtype (`x == raw.astype(x.dtype)`), if it was cast.
+    The branch takes raw and casts it itself: a branch operand is materialized, and an upcast
+    bf16 source made the jitted bf16 forward 2.3x slower (323 vs 143 ms at the shape above)."""
     ms = reduce(x * x) / count
-    return jax.lax.cond(jnp.any(jnp.isinf(ms)), lambda: inv_rms(x, reduce, count, eps),
-                        lambda: jax.lax.rsqrt(ms + eps))
+    operand = x if raw is None else raw
+    return jax.lax.cond(jnp.any(jnp.isinf(ms)),
+                        lambda a, ms: inv_rms(a.astype(x.dtype), reduce, count, eps),
+                        lambda a, ms: jax.lax.rsqrt(ms + eps), operand, ms)
 
 
-def _head_rms(x, opts: Options):
-    """r `[..., H]`: 1 / sqrt(mean over each head's channels of x^2 + eps) (ones without key norm)."""
+def _head_rms(x, opts: Options, raw=None):
+    """r `[..., H]`: 1 / sqrt(mean over each head's channels of x^2 + eps) (ones without key
+    norm); raw: x before its cast to the compute dtype (`inv_rms_cond`)."""
     if not opts.key_norm:
         return jnp.ones(x.shape[:-1] + (opts.num_heads,), x.dtype)
-    return inv_rms_cond(x, lambda v: _head_sums(v, opts.num_heads), x.shape[-1] // opts.num_heads, opts.eps)
+    pairwise = raw is not None and low_precision(raw)
+    return inv_rms_cond(x, lambda v: _head_sums(v, opts.num_heads, pairwise), x.shape[-1] // opts.num_heads,
+                        opts.eps, raw)
 
 
 # -- the query side --------------------------------------------------------------------------------
@@ -237,13 +268,13 @@ def forward(xs: list, qs: Query, opts: Options, ct):
     h, sets, dim = opts.num_heads, qs.num_sets, xs[0].shape[-1]
     stacked = _stacked(xs)
 
-    def stats(x):
-        x = x.astype(ct)
+    def stats(raw):
+        x = raw.astype(ct)
         if qs.qm is not None:  # [S, 1.., D] query sets against x: per-column sums (C10)
-            s = _columns(_lead(x) * qs.qg.reshape((sets,) + (1,) * (x.ndim - 1) + (dim,)), h)
+            s = _columns(_lead(x) * qs.qg.reshape((sets,) + (1,) * (x.ndim - 1) + (dim,)), h, low_precision(raw))
         else:
-            s = _columns(_lead(x * qs.qg), h)
-        return _head_rms(x, opts), s
+            s = _columns(_lead(x * qs.qg), h, low_precision(raw))
+        return _head_rms(x, opts, raw), s
 
     r, s = _per_source(stats, xs, stacked)
     z = opts.scale * tile_sets(r, sets) * s
@@ -270,7 +301,8 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
     head_dim = dim // h
     g = d_out.astype(ct)
     stacked = _stacked(xs)
-    (dp,) = _per_source(lambda x: (_columns(g * _lead(x.astype(ct)), h),), xs, stacked)  # [N, ..., K]
+    pairwise = low_precision(xs[0])
+    (dp,) = _per_source(lambda x: (_columns(g * _lead(x.astype(ct)), h, pairwise),), xs, stacked)  # [N, ..., K]
     if opts.activation == "softmax":
         dz = p * (dp - _lead(jnp.sum(p * dp, axis=0)))
         if d_lse is not None:
@@ -369,7 +401,7 @@ def merge(opts: MergeOptions, out1, lse1, partial, query, norm_weight, ct):
     qg = query.astype(ct)
     if norm_weight is not None:
         qg = qg * norm_weight.astype(ct)
-    r = inv_rms_cond(x, lambda v: jnp.sum(v, axis=-1), x.shape[-1], opts.eps)
+    r = inv_rms_cond(x, lambda v: jnp.sum(v, axis=-1), x.shape[-1], opts.eps, partial)
     s = jnp.sum(qg * x, axis=-1)
     z2 = opts.scale * r * s
     l1 = lse1.astype(ct)

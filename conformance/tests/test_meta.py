@@ -146,7 +146,7 @@ def test_large_magnitudes_must_stay_finite():
 def test_mix_ignored():
     """M10: a port that runs the plain scheme whatever alpha fails the blended rows and the
     alpha = 0 row, and nothing else (alpha = 1 is the plain scheme)."""
-    report = run_conformance(adapters.ignores_mix, quick=True, dtypes=F64)
+    report = run_conformance(adapters.ignores_mix, dtypes=F64)  # every probe case: --quick runs one per row
     rows = {row for row, _, _ in failing_rows(report)}
     assert rows == {"probe/mix", "probe/call_scale", "golden/probe"}, rows
     failed = {r.id for r in report.results if r.failed}
@@ -173,7 +173,7 @@ def test_key_projection_ignored():
     """M13: a port whose keys are the first r normed channels (the init projection) instead of
     the learned key_projection fails every low-rank row, direct, two-phase and blended, and no
     other row."""
-    report = run_conformance(adapters.ignores_key_projection, quick=True, dtypes=F64)
+    report = run_conformance(adapters.ignores_key_projection, dtypes=F64)  # every probe case: --quick runs one per row
     rows = {row for row, _, _ in failing_rows(report)}
     assert rows == {"probe/low_rank_keys", "probe/mix", "golden/probe"}, rows
     failed = {r.id for r in report.results if r.failed}
@@ -188,7 +188,7 @@ def test_summaries_dropped():
     """M14: a port that drops the outputs older than the window (the plain window rule, M5)
     fails every compressed-history row (S = 1 too: there each output beyond the window is kept
     as a summary of one) and its golden vectors, and nothing else."""
-    report = run_conformance(adapters.drops_summaries, quick=True, dtypes=F64)
+    report = run_conformance(adapters.drops_summaries, dtypes=F64)  # every probe case: --quick runs one per row
     rows = {row for row, _, _ in failing_rows(report)}
     assert rows == {"probe/compressed_history", "golden/probe"}, rows
     failed = {r.id for r in report.results if r.failed}

@@ -16,7 +16,7 @@ an input in its own dtype, `spec["input_dtypes"]`; never exported as a golden ve
 one dtype), "error" (a spec error: type, argument name, inputs untouched), "determinism" (two
 runs bitwise equal), "invariant" (N = 1 identity, two-phase equals direct, weights sum to 1,
 zero query is uniform) and "golden" (a committed vector).  `quick` marks the reduced grid of
-`--quick` (`in_quick_grid`: probes and golden vectors there run in float64 only).
+`--quick` (`quick_grid`: there one case per probe row, probes and golden vectors in float64).
 """
 
 from __future__ import annotations
@@ -784,25 +784,41 @@ def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities]
              + _error_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
              + (_limit_cases(caps, dtypes) if caps is not None else [])
              + _golden_cases(vectors_dir, dtypes) + (_sweep_cases(dtypes, quick) if sweep else []))
-    return [c for c in cases if in_quick_grid(c)] if quick else cases
+    return quick_grid(cases) if quick else cases
 
 
-#: Under --quick, probe networks and golden vectors run in these dtypes only: a probe compiles a
-#: whole network in JAX (~1.2 s of CPU each, 70 % of the quick grid's time when every probe ran
-#: in all four dtypes).  The full grid runs every dtype; the op rows keep every dtype in both.
+#: Under --quick, probe networks and golden vectors run in these dtypes only, and each probe row
+#: with its first case only: a probe compiles a whole network in JAX (~1 s of CPU each, 70 % of
+#: the quick grid's time when every probe case ran in all four dtypes).  The full grid runs every
+#: case; the op rows marked quick keep every dtype in both.
 QUICK_NETWORK_DTYPES = ("float64",)
-#: ... except this probe row, which --quick runs in every dtype (end to end in low precision).
+#: ... except this probe case, which --quick runs in every dtype (end to end in low precision).
 QUICK_EVERY_DTYPE_PROBE = "probe/full/L5-D8-T2x3/"
 
 
 def in_quick_grid(case: Case) -> bool:
-    """Whether `case` belongs to the --quick grid: marked quick, and for probes and golden vectors
-    in `QUICK_NETWORK_DTYPES` (or the one probe row kept in every dtype)."""
+    """Whether `case` may belong to the --quick grid: marked quick, and for probes and golden
+    vectors in `QUICK_NETWORK_DTYPES` (or the one probe case kept in every dtype)."""
     if not case.quick:
         return False
     if case.kind in ("probe", "golden") and case.dtype not in QUICK_NETWORK_DTYPES:
         return case.id.startswith(QUICK_EVERY_DTYPE_PROBE)
     return True
+
+
+def quick_grid(cases: List[Case]) -> List[Case]:
+    """The --quick subset of `cases`: those `in_quick_grid`, with one case per probe row and dtype
+    (the row's first, in `PROBES` order; the cell of every probe row is still filled)."""
+    seen, out = set(), []
+    for case in cases:
+        if not in_quick_grid(case):
+            continue
+        if case.kind == "probe":
+            if (case.row, case.dtype) in seen:
+                continue
+            seen.add((case.row, case.dtype))
+        out.append(case)
+    return out
 
 
 def get_case(case_id: str, *, caps: Optional[Capabilities] = None, vectors_dir=None) -> Case:

@@ -43,7 +43,7 @@ from .registry import BACKENDS, ENV_VAR, BackendSelectionError, load_backend
 from .runner import BackendUnavailable, Report, merge_shards, run_conformance
 
 QUICK_HELP = ("reduced grid for fast iteration: N in {1, 33}, D in {7, 123}, one token shape, the "
-              "main option of each op, every probe variant and the golden vectors in float64 (the "
+              "main option of each op, one case per probe row and the golden vectors in float64 (the "
               "Full AttnRes probe in every dtype), the spec errors, one determinism and one run per "
               "invariant, and a 6-example sweep")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attnres_numpy import depth_attention, depth_attention_multi, merge_partial
+from attnres_numpy import depth_attention, depth_attention_multi, merge_partial, ops
 
 BATCH, D = (2, 3), 4
 
@@ -124,3 +124,20 @@ def test_float32_inputs_compute_in_float64(rng):
     out = depth_attention(x, q)
     assert out.dtype == np.float64
     np.testing.assert_array_equal(out, depth_attention(x.astype(np.float64), q.astype(np.float64)))
+
+
+@pytest.mark.parametrize("magnitude", [1e110, 1e160, 1e250])
+def test_gradients_are_scale_invariant_where_r_cubed_underflows(rng, magnitude):
+    """C10.6: with the key norm, d_sources of c * x equal those of x (the logits are scale-free,
+    out and dz scale with c, the key term with 1/c).  Past |x| ~ 1e102, r^3 underflows float64,
+    so `s * r ** 3` dropped the term (seen failing); ((s r) r / Dh)(r x) keeps it.  Also the merge.
+    eps = 1e-30: negligible at both scales (at 1e-6 the unscaled call differs by ~1e-6)."""
+    xs = rng.standard_normal((3, 4, 8))
+    q, g, d_out = rng.standard_normal(8), 1 + 0.1 * rng.standard_normal(8), rng.standard_normal((4, 8))
+    want = ops.depth_attention_vjp(list(xs), q, g, d_out, num_heads=2, eps=1e-30)
+    got = ops.depth_attention_vjp(list(xs * magnitude), q, g, d_out, num_heads=2, eps=1e-30)
+    np.testing.assert_allclose(np.stack(got["sources"]), np.stack(want["sources"]), rtol=1e-10, atol=0)
+    out1, lse1 = ops.depth_attention(list(xs[:2]), q, g, return_lse=True, eps=1e-30)
+    want = ops.merge_partial_vjp(out1, lse1, xs[2], q, g, d_out, eps=1e-30)
+    got = ops.merge_partial_vjp(out1 * magnitude, lse1, xs[2] * magnitude, q, g, d_out, eps=1e-30)
+    np.testing.assert_allclose(got["partial"], want["partial"], rtol=1e-10, atol=0)

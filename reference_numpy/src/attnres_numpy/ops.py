@@ -268,9 +268,10 @@ def depth_attention_vjp(
     else:
         dz = dp * p * (1.0 - p)
     head_dim = geo.head_dim
-    # d z_i / d x_i = scale * (r_i qg - s_i r_i^3 x_i / Dh)   (key_norm)   or scale * qg
+    # d z_i / d x_i = scale * (r_i qg - s_i r_i^3 x_i / Dh)   (key_norm)   or scale * qg; the
+    # second term as ((s_i r_i) r_i / Dh)(r_i x_i), C10.6: r^3 underflows for |x| beyond ~1e102
     if key_norm:
-        dkey = scale * (r[..., None] * qg[None] - (s * r ** 3)[..., None] * xh / head_dim)
+        dkey = scale * (r[..., None] * qg[None] - ((s * r) * r / head_dim)[..., None] * (r[..., None] * xh))
     else:
         dkey = scale * np.broadcast_to(qg[None], xh.shape)
     dx = p[..., None] * g_out[None] + dz[..., None] * dkey
@@ -415,7 +416,7 @@ def merge_partial_vjp(out1, lse1, partial, query, norm_weight, d_out, d_lse=None
     rr, ss = r[0, ..., 0], s[0, ..., 0]
     qg_ = qg[..., 0, :]
     d_partial = w2[..., None] * d_out + (d_z2 * scale)[..., None] * (
-        rr[..., None] * qg_ - (ss * rr ** 3)[..., None] * xp / geo.dim)
+        rr[..., None] * qg_ - ((ss * rr) * rr / geo.dim)[..., None] * (rr[..., None] * xp))  # C10.6: no r^3
     dqg = (d_z2 * scale * rr)[..., None] * xp
     g1 = g[0]
     q1 = q[..., 0, :]

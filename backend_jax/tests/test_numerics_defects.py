@@ -194,7 +194,8 @@ def test_fp32_forward_sums_over_d_without_a_sequential_matvec():
     """N = 9, T = 64, D = 1024, q = 0.05 randn, jitted, the suite's per-element metric: logits
     from a matvec `x @ Qm` (XLA:CPU's dot emitter accumulates sequentially) gave 1.1e-6..1.7e-6
     on these draws, 4-5x worse than issue 17's plain port; a reduce of the elementwise product
-    (`_xla.channel_sum`) gives 8.4e-7..9.6e-7, and the plain jnp port 1.5e-6..2.9e-6 here."""
+    (`_xla.channel_sum`) gives 8.4e-7..9.6e-7, and the plain jnp port 1.5e-6..2.9e-6 here
+    (AVX-512).  The forward program has no dot at all (checked on its lowered text)."""
     rng = np.random.default_rng(17)
     f = jax.jit(lambda xs, q: aj.depth_attention(list(xs), q, impl="xla"))
     port = jax.jit(_plain_jnp_port)
@@ -205,7 +206,10 @@ def test_fp32_forward_sums_over_d_without_a_sequential_matvec():
         want = ref.depth_attention(list(xs.astype(np.float64)), q.astype(np.float64))
         errs.append(rel_err(np.asarray(f(xs, q), np.float64), want, TOLERANCES["float32"].atol)[0])
         port_errs.append(rel_err(np.asarray(port(xs, q), np.float64), want, TOLERANCES["float32"].atol)[0])
-    assert np.mean(errs) < 1.2e-6, errs
+    # The mechanism, independent of this CPU's vector width: no dot in the forward program.
+    assert "dot_general" not in f.lower(xs, q).as_text()
+    # The accuracy: a vector width other than this host's (16 fp32 lanes) moves these numbers.
+    assert np.mean(errs) < 1.5e-6, errs
     assert np.mean(errs) < np.mean(port_errs), (errs, port_errs)
 
 

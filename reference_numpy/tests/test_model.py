@@ -6,6 +6,7 @@ state, no tape) and serves as an independent oracle for `stack_forward` / `probe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -30,6 +31,12 @@ def naive_stack(config, params, emb, fs):
 
     def rms(x):
         return x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + eps)
+
+    if config.fuse_out_norm:  # M15 restated: fs are the sublayers without their pre-norm
+        g, inner = params["out_norm_weights"], fs
+        prenormed = [lambda h, l=l: inner[l](rms(h) * g[l]) for l in range(L_)]
+        plain = dataclasses.replace(config, fuse_out_norm=False)
+        return rms(naive_stack(plain, params, emb, prenormed)) * g[L_]
 
     def da(sources, r):
         # M11 restated: a shared query serves its block (or the stack); the output keeps the last row.
@@ -130,12 +137,19 @@ CONFIGS += [ResidualConfig(kind="window", window=w, block_size=s, history="summa
             for w, s in ((1, 1), (1, 3), (2, 2), (3, 2), (1, 9))]
 CONFIGS += [ResidualConfig(kind="window", window=1, block_size=2, history="summaries", query="input",
                            key_rank=2)]
+# M15 fused output norm with every attention kind and the options it meets.
+CONFIGS += [ResidualConfig(kind="block", block_size=2, fuse_out_norm=True),
+            ResidualConfig(kind="hybrid", query="input", fuse_out_norm=True),
+            ResidualConfig(kind="window", window=2, num_heads=2, activation="sigmoid", fuse_out_norm=True),
+            ResidualConfig(kind="full", key_rank=2, query_sharing="stack", fuse_out_norm=True),
+            ResidualConfig(kind="window", window=1, block_size=2, history="summaries", fuse_out_norm=True)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[str(i) for i in range(len(CONFIGS))])
 def test_probe_forward_matches_spec_equations(rng, config):
     emb, weights, params = random_problem(rng, config)
-    expected = naive_stack(config, params, emb, probe_sublayers(weights, config.eps))
+    fs = probe_sublayers(weights, config.eps, prenorm=not config.fuse_out_norm)
+    expected = naive_stack(config, params, emb, fs)
     out = probe_forward(config, params, emb, weights)
     assert out.shape == emb.shape and out.dtype == np.float64
     np.testing.assert_allclose(out, expected, rtol=1e-13, atol=1e-14)

@@ -54,6 +54,14 @@ CONFIGS += [
                                              query="input")),
     ("summaries_low_rank_sigmoid", ResidualConfig(kind="window", window=1, block_size=2, history="summaries",
                                                   key_rank=2, activation="sigmoid")),
+    # M15 fused output norm: every attention kind, heads, low-rank keys, shared queries.
+    ("fused_block_S2", ResidualConfig(kind="block", block_size=2, fuse_out_norm=True)),
+    ("fused_hybrid_input", ResidualConfig(kind="hybrid", query="input", fuse_out_norm=True)),
+    ("fused_window_heads_sigmoid", ResidualConfig(kind="window", window=2, num_heads=2, activation="sigmoid",
+                                                  fuse_out_norm=True)),
+    ("fused_low_rank_stack", ResidualConfig(kind="full", key_rank=2, query_sharing="stack", fuse_out_norm=True)),
+    ("fused_summaries", ResidualConfig(kind="window", window=1, block_size=2, history="summaries",
+                                       fuse_out_norm=True)),
 ]
 
 
@@ -90,10 +98,12 @@ def test_probe_vjp_matches_finite_differences(rng, check_gradients, name, config
 
 
 @pytest.mark.parametrize("block_size", (1, 2, 3, 4, 6))
-@pytest.mark.parametrize("sharing,key_rank", [("none", None), ("block", None), ("none", 2)])
-def test_two_phase_vjp_matches_finite_differences(rng, check_gradients, block_size, sharing, key_rank):
+@pytest.mark.parametrize("sharing,key_rank,fuse", [("none", None, False), ("block", None, False),
+                                                   ("none", 2, False), ("none", None, True)])
+def test_two_phase_vjp_matches_finite_differences(rng, check_gradients, block_size, sharing, key_rank, fuse):
     config = ResidualConfig.variant("block", block_size=block_size, query_sharing=sharing,
-                                    key_rank=key_rank)  # M13: phase 1 with effective queries
+                                    key_rank=key_rank,  # M13: phase 1 with effective queries
+                                    fuse_out_norm=fuse)  # M15: the merge's norm composed
     check_probe_gradients(rng, check_gradients, config, schedule="two_phase")
 
 
@@ -183,6 +193,9 @@ def test_mix_blends_every_input_literally(rng, config):
     (ResidualConfig.variant("block", block_size=2), "two_phase", 0.45),
     (ResidualConfig.variant("input_query"), "direct", 0.2),
     (ResidualConfig.variant("block"), "direct", 0.0),
+    (ResidualConfig.variant("fused_out_norm"), "direct", 0.35),  # M15: blend, then the norm
+    (ResidualConfig.variant("block", fuse_out_norm=True), "two_phase", 0.6),
+    (ResidualConfig.variant("block", fuse_out_norm=True), "direct", 0.0),
 ])
 def test_mix_vjp_matches_finite_differences(rng, check_gradients, config, schedule, alpha):
     emb, weights, params, cot = random_problem(rng, config)
@@ -193,8 +206,10 @@ def test_mix_vjp_matches_finite_differences(rng, check_gradients, config, schedu
                                           schedule=schedule, mix=alpha))
 
     if alpha == 0.0:  # M10: no depth attention at alpha = 0, so its parameters get zeros
-        assert all(np.all(grads[n] == 0) for n in params)
-        checked = {"embedding": emb, "sublayer_weights": weights}
+        attention = [n for n in params if n != "out_norm_weights"]  # M15's norm still applies
+        assert all(np.all(grads[n] == 0) for n in attention)
+        checked = {"embedding": emb, "sublayer_weights": weights,
+                   **{n: v for n, v in params.items() if n not in attention}}
     else:
         checked = {"embedding": emb, "sublayer_weights": weights, **params}
     check_gradients(loss, checked, {k: grads[k] for k in checked})

@@ -157,7 +157,8 @@ def test_probe_cases_cover_every_variant_block_size_and_schedule(cases):
     assert {c.attrs["variant"] for c in probes} == set(VARIANT_KINDS)
     for case in probes:
         variant = ResidualConfig.variant(case.attrs["variant"]).to_dict()
-        sizes = ("block_size", "window", "key_rank")  # a variant's sizes may vary (M13: r)
+        # A variant's sizes may vary (M13: r), and M15's flag lies over any attention variant.
+        sizes = ("block_size", "window", "key_rank", "fuse_out_norm")
         assert {k: v for k, v in case.attrs["config"].items() if k not in sizes} == \
             {k: v for k, v in variant.items() if k not in sizes}, case.id
     blocks = [(cfg["block_size"], c.arrays["input.sublayer_weights"].shape[0])

@@ -135,7 +135,7 @@ def probe(golden, *, backward: bool) -> dict:
     tape = Tape(params, record=backward, transform=lambda v: round_to(v, dtype))
     emb, w = tape.var(a["input.embedding"]), tape.var(a["input.sublayer_weights"])
     num_layers = a["input.sublayer_weights"].shape[0]
-    sublayers = probe_tape_sublayers(tape, w, num_layers, config.eps)
+    sublayers = probe_tape_sublayers(tape, w, num_layers, config.eps, prenorm=not config.fuse_out_norm)
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         out = run_schedule(config, tape, emb, sublayers, schedule=golden.attrs["schedule"],

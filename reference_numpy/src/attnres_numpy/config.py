@@ -46,6 +46,7 @@ VARIANT_KINDS: Dict[str, dict] = {
     "hybrid": dict(kind="hybrid"),
     "low_rank_keys": dict(kind="full", key_rank=4),
     "compressed_history": dict(kind="window", window=1, block_size=2, history="summaries"),
+    "fused_out_norm": dict(kind="full", fuse_out_norm=True),
 }
 
 
@@ -74,6 +75,10 @@ class ResidualConfig:
       (`param_shapes`).
     history: kind="window" only: "drop" (outputs older than the window are not attended, M5) or
       "summaries" (they are kept as sums of complete blocks of `block_size` outputs, M14).
+    fuse_out_norm: attention kinds: the scheme owns the pre-norm gains of every sublayer's input
+      and of the output, `out_norm_weights [L + 1, D]`; the stream hands sublayer l
+      `rmsnorm(h_l) * out_norm_weights[l - 1]` (from the depth-attention pass itself where h_l is
+      one read, C17) and returns `rmsnorm(h_{L+1}) * out_norm_weights[L]` (M15).
     """
 
     kind: str = "full"
@@ -88,6 +93,7 @@ class ResidualConfig:
     query_sharing: str = "none"
     key_rank: Optional[int] = None
     history: str = "drop"
+    fuse_out_norm: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -173,6 +179,11 @@ class ResidualConfig:
         if self.key_rank is not None and self.num_heads != 1:
             raise ValueError(f"key_rank: low-rank keys project the whole key (M13), so they need "
                              f"num_heads=1; got num_heads={self.num_heads}")
+        if not isinstance(self.fuse_out_norm, bool):
+            raise TypeError(f"fuse_out_norm: expected a bool, got {self.fuse_out_norm!r}")
+        if self.fuse_out_norm and not self.is_attention:
+            raise ValueError(f"fuse_out_norm: the output norm is fused into depth attention (M15), "
+                             f"so it needs an attention kind {ATTENTION_KINDS}; got kind={self.kind!r}")
         if self.query_sharing not in QUERY_SHARING:
             raise ValueError(f"query_sharing: expected one of {QUERY_SHARING}, got {self.query_sharing!r}")
         if self.query_sharing == "block" and self.kind != "block":
@@ -229,6 +240,8 @@ class ResidualConfig:
         scalar: "alphas" [L].  gated: "gate_weights" [L, D, D], "gate_biases" [L, D].
         static: "depth_weights" [L+1, L+1], row r uses columns 0..r (the rest is unused).
         standard: none.
+        fuse_out_norm (M15): also "out_norm_weights" [L + 1, D], one pre-norm gain per sublayer
+          input and one for the output (never shared, whatever query_sharing says).
         """
         if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
             raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
@@ -253,6 +266,8 @@ class ResidualConfig:
         shapes["norm_weights"] = (R, Q)
         if self.key_rank is not None:
             shapes["key_projection"] = (D, self.key_rank)
+        if self.fuse_out_norm:  # M15: the pre-norm gains of sublayers 1..L and of the output
+            shapes["out_norm_weights"] = (L + 1, D)
         return shapes
 
     def check_params(self, params, num_layers: int, dim: int,
@@ -284,7 +299,7 @@ class ResidualConfig:
         key projection (M13) the first r columns of the identity, I[:, :r]."""
         params = {}
         for name, shape in self.param_shapes(num_layers, dim).items():
-            if name in ("norm_weights", "alphas"):
+            if name in ("norm_weights", "alphas", "out_norm_weights"):
                 params[name] = np.ones(shape)
             elif name == "depth_weights":
                 params[name] = np.tril(np.ones(shape))

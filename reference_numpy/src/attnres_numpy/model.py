@@ -34,19 +34,25 @@ Sublayer = Callable[[np.ndarray], np.ndarray]
 __all__ = ["probe_forward", "probe_sublayers", "probe_vjp", "rmsnorm", "rmsnorm_vjp", "stack_forward"]
 
 
-def probe_sublayers(sublayer_weights, eps: float) -> List[Sublayer]:
-    """The probe network's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])`.
+def probe_sublayers(sublayer_weights, eps: float, *, prenorm: bool = True) -> List[Sublayer]:
+    """The probe network's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])`; prenorm=False
+    (a config with fuse_out_norm, M15: the stream hands the normed input) drops the rmsnorm:
+    `f_l(n) = tanh(n @ W[l-1])`.
 
     sublayer_weights: W `[L, D, D]` (right-multiplication, `[D_in, D_out]`).  Returns L callables
     mapping `[..., D]` to `[..., D]`.
     """
     w = np.asarray(sublayer_weights, dtype=np.float64)
-    return [lambda h, w_l=w[l]: np.tanh(rmsnorm(h, eps) @ w_l) for l in range(w.shape[0])]
+    norm = (lambda h: rmsnorm(h, eps)) if prenorm else (lambda h: h)
+    return [lambda h, w_l=w[l]: np.tanh(norm(h) @ w_l) for l in range(w.shape[0])]
 
 
-def probe_tape_sublayers(tape: Tape, weights: Var, num_layers: int, eps: float) -> list:
-    """The probe's sublayers as tape primitives (differentiable): weights is W `[L, D, D]`."""
-    return [lambda h, l=l: tape.tanh(tape.matmul(tape.rmsnorm(h, eps), tape.index(weights, l)))
+def probe_tape_sublayers(tape: Tape, weights: Var, num_layers: int, eps: float, *,
+                         prenorm: bool = True) -> list:
+    """The probe's sublayers as tape primitives (differentiable): weights is W `[L, D, D]`;
+    prenorm as `probe_sublayers`."""
+    norm = (lambda h: tape.rmsnorm(h, eps)) if prenorm else (lambda h: h)
+    return [lambda h, l=l: tape.tanh(tape.matmul(norm(h), tape.index(weights, l)))
             for l in range(num_layers)]
 
 
@@ -151,7 +157,7 @@ def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_w
     """
     emb = _check_call(config, embedding, schedule)
     w = _check_sublayer_weights(sublayer_weights, emb.shape[-1])
-    return stack_forward(config, params, embedding, probe_sublayers(w, config.eps), schedule=schedule,
+    return stack_forward(config, params, embedding, probe_sublayers(w, config.eps, prenorm=not config.fuse_out_norm), schedule=schedule,
                          mix=mix, scale=scale)
 
 
@@ -173,7 +179,8 @@ def probe_vjp(config: ResidualConfig, params: Mapping, embedding, sublayer_weigh
         raise ValueError(f"cotangent: expected the output's shape {emb.shape}, got shape {cot.shape}")
     tape = Tape(params, record=True)
     emb_var, w_var = tape.var(emb), tape.var(w)
-    sublayers = probe_tape_sublayers(tape, w_var, w.shape[0], config.eps)
+    sublayers = probe_tape_sublayers(tape, w_var, w.shape[0], config.eps,
+                                     prenorm=not config.fuse_out_norm)
     out = run_schedule(config, tape, emb_var, sublayers, schedule=schedule, mix=mix, scale=scale)
     wrt = [emb_var, w_var, *tape.leaves.values()]
     grads = tape.gradients(out, cot.astype(np.float64), wrt)

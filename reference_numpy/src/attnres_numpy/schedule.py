@@ -105,6 +105,12 @@ class ResidualOps:
     def sigmoid(self, x: Array) -> Array:
         raise NotImplementedError
 
+    def rmsnorm_gain(self, x: Array, weight: Array, eps: float) -> Array:
+        """M15 where no depth-attention read forms the input: `rmsnorm(x) * weight` over the
+        last axis, weight `[D]` of any floating dtype, in x's dtype.  Default: the gainless
+        `rmsnorm` times the weight cast to x's dtype (a backend with a fused RMSNorm overrides)."""
+        return self.mul(self.rmsnorm(x, eps), self.cast_like(weight, x))
+
     def source_stats(self, value: Array, config: ResidualConfig) -> Any:
         """Per-source statistics kept beside a sealed source and handed back to every later
         depth-attention read of it (MLX: its inverse RMS, computed once).  Default: None."""
@@ -112,10 +118,11 @@ class ResidualOps:
 
     def depth_attention(self, sources: List[Array], stats: List[Any], query: Array,
                         norm_weight: Optional[Array], config: ResidualConfig, *,
-                        return_weights: bool) -> tuple:
+                        return_weights: bool, out_norm_weight: Optional[Array] = None) -> tuple:
         """Spec section 2 with config's options: (out `[..., D]`, weights `[N, ...]` (`[N, ...,
         H]` with heads) when return_weights, else None).  stats[i] is `source_stats` of
-        sources[i] or None (the running partial sum)."""
+        sources[i] or None (the running partial sum).  With `out_norm_weight` `[D]` (M15, C17
+        with out_norm_eps = config.eps): (out, out_normed `[..., D]`, weights or None)."""
         raise NotImplementedError
 
     def depth_attention_multi(self, sources: List[Array], stats: List[Any], queries: Array,
@@ -247,9 +254,9 @@ class ResidualStream:
         return ([self.values[j] for j in idx], [self.value_stats[j] for j in idx],
                 [f"{prefix}{j}" for j in idx])
 
-    def _attend(self, row: int, layer: int) -> Array:
+    def _attend(self, row: int, layer: int, fuse: bool = False) -> tuple:
         """Depth attention of row r (sublayer r + 1; r = L: the output) over the sources of
-        `layer` (direct schedule)."""
+        `layer` (direct schedule): (out, out_normed with `fuse` (M15) else None)."""
         cfg, ops = self.config, self.ops
         sources, stats, labels = self._sources(layer)
         qrow = cfg.query_row(layer, self.num_layers)  # M11: r, unless queries are shared
@@ -260,10 +267,28 @@ class ResidualStream:
                            ops.param("query_weights", qrow, like=sources[-1]))
         q, gain = self._query_and_gain(q, qrow)
         want = self.observer is not None and self.observer.wants_weights
-        out, weights = ops.depth_attention(sources, stats, q, gain, cfg, return_weights=want)
+        if fuse:  # M15: the row's output norm from the same pass (C17)
+            out, normed, weights = ops.depth_attention(sources, stats, q, gain, cfg, return_weights=want,
+                                                       out_norm_weight=self._out_norm_weight(row))
+        else:
+            (out, weights), normed = ops.depth_attention(sources, stats, q, gain, cfg,
+                                                         return_weights=want), None
         if self.observer is not None:
             self.observer.depth_attention(row, labels, sources, weights)
-        return out
+        return out, normed
+
+    def _out_norm_weight(self, row: int) -> Array:
+        """M15: the pre-norm gain `[D]` of row r (sublayer r + 1; r = L: the output)."""
+        return self.ops.param("out_norm_weights", row)
+
+    def _handed(self, h: Array, normed: Optional[Array], row: int) -> Array:
+        """What the stream hands on for row r: h itself, or with fuse_out_norm (M15) its
+        normed form (the fused op's when a single read formed h, else composed)."""
+        if not self.config.fuse_out_norm:
+            return h
+        if normed is not None:
+            return normed
+        return self.ops.rmsnorm_gain(h, self._out_norm_weight(row), self.config.eps)
 
     def _query_and_gain(self, q: Array, rows) -> tuple:
         """(query, gain) of the depth-attention op for row(s) `rows` (an int, or a slice of
@@ -314,10 +339,12 @@ class ResidualStream:
 
     # -- the protocol --------------------------------------------------------------------------
     def input(self) -> Array:
-        """h_l `[..., D]` for the next sublayer l."""
+        """h_l `[..., D]` for the next sublayer l; with fuse_out_norm (M15) the sublayer's
+        normed input `rmsnorm(h_l) * out_norm_weights[l - 1]` (h_l stays the stream's)."""
         if self.layer > self.num_layers:
             raise ValueError(f"input: all {self.num_layers} sublayers were already pushed")
         kind, row = self.config.kind, self.layer - 1
+        normed = None
         if kind in ADDITIVE_KINDS:
             h = self.h
         elif kind == "static":
@@ -327,9 +354,16 @@ class ResidualStream:
         elif kind == "block" and self.two_phase:
             h = self._blend(self._two_phase_input(row))
         else:
-            h = self._blend(self._attend(row, self.layer))
+            h, normed = self._read(row, self.layer)
         self._last_input = h
-        return h
+        return self._handed(h, normed, row)
+
+    def _read(self, row: int, layer: int) -> tuple:
+        """(h, normed or None) of a direct read: the blended read under a mix (M10, normed
+        later), else the read itself, with its output norm fused when M15 asks for it."""
+        if self.mix is not None:
+            return self._blend(self._attend(row, layer)[0]), None
+        return self._attend(row, layer, fuse=self.config.fuse_out_norm)
 
     def _blend(self, attended: Array) -> Array:
         """M10: `(1 - alpha) * standard + alpha * attended` (the attended input itself without a
@@ -398,7 +432,8 @@ class ResidualStream:
                                  + self.value_labels[first + S:])
 
     def output(self) -> Array:
-        """h_{L+1} `[..., D]` after all L sublayers (before any final norm); M4: row L."""
+        """h_{L+1} `[..., D]` after all L sublayers (before any final norm); M4: row L.  With
+        fuse_out_norm (M15): the final norm's output `rmsnorm(h_{L+1}) * out_norm_weights[L]`."""
         if self.layer != self.num_layers + 1:
             raise ValueError(f"output: {self.layer - 1} of {self.num_layers} sublayers pushed")
         kind, L = self.config.kind, self.num_layers
@@ -407,8 +442,8 @@ class ResidualStream:
         if kind == "static":
             return self._weighted_sum(L)
         if self._standard_only:
-            return self.standard
-        return self._blend(self._attend(L, L + 1))
+            return self._handed(self.standard, None, L)
+        return self._handed(*self._read(L, L + 1), L)
 
 
 def check_mix(mix, config: ResidualConfig) -> Optional[float]:

@@ -132,6 +132,13 @@ class Tape(ResidualOps):
     def rmsnorm(self, x: Var, eps: float) -> Var:
         return self._op([x], [rmsnorm(x.value, eps)], lambda g: (rmsnorm_vjp(x.value, g, eps),))[0]
 
+    def rmsnorm_gain(self, x: Var, weight: Var, eps: float) -> Var:
+        """M15 composed: `rmsnorm(x) * weight` as one primitive (one rounding, as a fused norm)."""
+        y = rmsnorm(x.value, eps)
+        w = weight.value
+        return self._op([x, weight], [y * w],
+                        lambda g: (rmsnorm_vjp(x.value, g * w, eps), sum_to_shape(g * y, w.shape)))[0]
+
     def matmul(self, x: Var, w: Var) -> Var:
         """`x [..., D_in] @ w [D_in, D_out]`."""
         xv, wv = x.value, w.value
@@ -157,11 +164,16 @@ class Tape(ResidualOps):
 
     # -- depth-attention primitives (VJPs from ops) ------------------------------------------------
     def depth_attention(self, sources: List[Var], stats, query: Var, norm_weight: Var,
-                        config: ResidualConfig, *, return_weights: bool = False):
-        """(out `Var [..., D]`, weights `[N, ...]` or `[N, ..., H]` (plain arrays) or None)."""
+                        config: ResidualConfig, *, return_weights: bool = False,
+                        out_norm_weight: Optional[Var] = None):
+        """(out `Var [..., D]`, weights `[N, ...]` or `[N, ..., H]` (plain arrays) or None);
+        with out_norm_weight (M15): (out, out_normed, weights), both outputs `Var`s."""
         kw = dict(eps=config.eps, scale=config.scale, num_heads=config.num_heads,
                   activation=config.activation, key_norm=config.key_norm)
         xs, q, g = [s.value for s in sources], query.value, _value(norm_weight)
+        if out_norm_weight is not None:
+            return self._depth_attention_out_norm(sources, query, norm_weight, out_norm_weight, kw,
+                                                  return_weights)
         out, p = ops.depth_attention(xs, q, g, return_weights=True, **kw)
 
         def vjp(d_out):
@@ -169,6 +181,20 @@ class Tape(ResidualOps):
             return (*grad["sources"], grad["query"], *_gain_grad(grad["norm_weight"], g))
         out = self._op([*sources, query, *_gain_input(norm_weight)], [out], vjp)[0]
         return out, (p if return_weights else None)
+
+    def _depth_attention_out_norm(self, sources, query, norm_weight, out_norm_weight, kw,
+                                  return_weights: bool):
+        """C17 on the tape: out and out_normed from one op, its VJP taking both cotangents."""
+        xs, q, g, w = [s.value for s in sources], query.value, _value(norm_weight), out_norm_weight.value
+        out, normed, p = ops.depth_attention(xs, q, g, return_weights=True, out_norm_weight=w, **kw)
+
+        def vjp(d_out, d_normed):
+            grad = ops.depth_attention_vjp(xs, q, g, d_out, out_norm_weight=w, d_out_normed=d_normed, **kw)
+            return (*grad["sources"], grad["query"], *_gain_grad(grad["norm_weight"], g),
+                    grad["out_norm_weight"])
+        out, normed = self._op([*sources, query, *_gain_input(norm_weight), out_norm_weight],
+                               [out, normed], vjp)
+        return out, normed, (p if return_weights else None)
 
     def depth_attention_multi(self, sources: List[Var], stats, queries: Var, norm_weights: Var,
                               config: ResidualConfig):

@@ -314,7 +314,7 @@ def _draw_params(rng, config: ResidualConfig, num_layers: int, dim: int, dtype: 
     """Random (not init-valued) parameters, so every parameter's gradient is exercised."""
     params = {}
     for name, shape in config.param_shapes(num_layers, dim).items():
-        if name in ("norm_weights", "alphas"):
+        if name in ("norm_weights", "alphas", "out_norm_weights"):
             value = 1.0 + 0.25 * rng.standard_normal(shape)
         elif name == "queries":
             value = rng.standard_normal(shape) * 2.0 / np.sqrt(dim)
@@ -335,7 +335,8 @@ def probe_case(variant: str, num_layers=5, dim=8, tokens=(3,), dtype="float32", 
     config = ResidualConfig.variant(variant, **overrides)
     tokens = tuple(tokens)
     knobs = (f"_W{config.window}" * (config.kind == "window") + f"_S{config.block_size}" * (config.block_size is not None)
-             + f"_r{config.key_rank}" * (config.key_rank is not None))
+             + f"_r{config.key_rank}" * (config.key_rank is not None)
+             + "_outnorm" * (config.fuse_out_norm and variant != "fused_out_norm"))
     case_id = case_id or (f"probe_{variant}{knobs}_L{num_layers}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
                + "_two_phase" * (schedule == "two_phase")
                + (f"_mix{mix:g}" if mix is not None else "") + (f"_cs{call_scale:g}" if call_scale is not None else ""))
@@ -399,7 +400,12 @@ def golden_cases() -> List[GoldenCase]:
         merge_case(7, (4,), f64, token_query=True),
         *[probe_case(v) for v in ("standard", "scalar", "gated", "static", "full", "block",
                                   "window", "input_query", "sigmoid", "no_key_norm", "multihead",
-                                  "shared_queries", "hybrid", "low_rank_keys", "compressed_history")],
+                                  "shared_queries", "hybrid", "low_rank_keys", "compressed_history",
+                                  "fused_out_norm")],
+        # M15: the norm composed after a blend and after two-phase merges; hybrid in bf16.
+        probe_case("fused_out_norm", mix=0.4, dtype=f64),
+        probe_case("block", fuse_out_norm=True, schedule="two_phase"),
+        probe_case("hybrid", fuse_out_norm=True, dtype=bf16),
         probe_case("low_rank_keys", key_rank=3, dtype=f64),  # M13: r = 3 of D = 8
         # M14 over L = 7: summaries b_1, b_2 of S = 2 beyond W = 2.
         probe_case("compressed_history", num_layers=7, window=2, dtype=f64),

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from attnres_numpy import validation
 from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ResidualOps, ScheduleObserver, run_schedule
+from attnres_numpy.schedule import ResidualOps, ScheduleObserver, run_schedule, split_result
 
 from .ops import compute_dtype, depth_attention, depth_attention_multi, dtype_name, merge_partial
 
@@ -61,12 +61,20 @@ class JaxOps(ResidualOps):
     def to_compute(self, x):
         return x.astype(compute_dtype(x.dtype))
 
-    def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights):
+    def rmsnorm_gain(self, x, weight, eps):
+        """M15 composed: `rmsnorm(x) * weight` in the compute dtype, rounded once (C10)."""
+        ct = compute_dtype(x.dtype)
+        xc = x.astype(ct)
+        r = jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+        return (xc * r * weight.astype(ct)).astype(x.dtype)
+
+    def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights,
+                        out_norm_weight=None):
         result = depth_attention(list(sources), query, norm_weight, eps=config.eps,
                                  scale=config.scale, num_heads=config.num_heads,
                                  activation=config.activation, key_norm=config.key_norm,
-                                 return_weights=return_weights)
-        return result if return_weights else (result, None)
+                                 return_weights=return_weights, out_norm_weight=out_norm_weight)
+        return split_result(result, out_norm_weight, return_weights)
 
     def depth_attention_multi(self, sources, stats, queries, norm_weights, config):
         return depth_attention_multi(list(sources), queries, norm_weights, eps=config.eps,
@@ -120,9 +128,11 @@ def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: S
                         observer=observer, mix=mix, scale=scale)
 
 
-def probe_sublayers(sublayer_weights, eps: float) -> list:
-    """The probe's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])`; W `[L, D, D]`."""
-    return [lambda h, w=sublayer_weights[l]: jnp.tanh(matmul(rmsnorm(h, eps), w))
+def probe_sublayers(sublayer_weights, eps: float, *, prenorm: bool = True) -> list:
+    """The probe's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])`; W `[L, D, D]`;
+    prenorm=False (fuse_out_norm, M15: the stream hands the normed input) drops the rmsnorm."""
+    norm = (lambda h: rmsnorm(h, eps)) if prenorm else (lambda h: h)
+    return [lambda h, w=sublayer_weights[l]: jnp.tanh(matmul(norm(h), w))
             for l in range(sublayer_weights.shape[0])]
 
 
@@ -137,5 +147,6 @@ def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_w
     if w.ndim != 3 or w.shape[0] < 1 or w.shape[1:] != (dim, dim):
         raise ValueError(f"sublayer_weights: expected shape [L, D, D] with L >= 1 and D = {dim}, "
                          f"got shape {w.shape}")
-    return stack_apply(config, params, embedding, probe_sublayers(w, config.eps), schedule=schedule,
+    sublayers = probe_sublayers(w, config.eps, prenorm=not config.fuse_out_norm)  # M15
+    return stack_apply(config, params, embedding, sublayers, schedule=schedule,
                        mix=mix, scale=scale)

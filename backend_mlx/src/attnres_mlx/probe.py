@@ -11,11 +11,12 @@ from . import ops
 from .router import DepthRouter, Sublayer, rmsnorm
 
 
-def probe_sublayers(sublayer_weights: mx.array, eps: float) -> List[Sublayer]:
+def probe_sublayers(sublayer_weights: mx.array, eps: float, *, prenorm: bool = True) -> List[Sublayer]:
     """L callables `h [..., D] -> tanh(rmsnorm(h) @ W[l-1]) [..., D]`; W `[L, D, D]`.  Computed
-    in the compute dtype with one cast back to h's dtype."""
+    in the compute dtype with one cast back to h's dtype.  prenorm=False (fuse_out_norm, M15:
+    the stream hands the normed input): `tanh(h @ W[l-1])`."""
     def sublayer(h, w):
-        normed = rmsnorm(h, eps)
+        normed = rmsnorm(h, eps) if prenorm else h.astype(ops.compute_dtype(h.dtype))
         return mx.tanh(normed @ w.astype(normed.dtype)).astype(h.dtype)
 
     return [lambda h, w=sublayer_weights[l]: sublayer(h, w)
@@ -30,7 +31,8 @@ def probe_forward(config: ResidualConfig, params: Mapping[str, mx.array], embedd
     router = DepthRouter(config, L, D)
     config.check_params(params, L, D, lambda a: ops.dtype_name(a.dtype))
     router.update(dict(params))
-    return router(embedding, probe_sublayers(sublayer_weights, config.eps), schedule=schedule,
+    return router(embedding, probe_sublayers(sublayer_weights, config.eps, prenorm=not config.fuse_out_norm),
+                  schedule=schedule,
                   mix=mix, scale=scale)
 
 

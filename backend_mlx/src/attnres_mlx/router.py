@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ResidualOps, ResidualStream, ScheduleObserver
+from attnres_numpy.schedule import ResidualOps, ResidualStream, ScheduleObserver, split_result
 
 from . import ops
 
@@ -69,15 +69,22 @@ class MlxOps(ResidualOps):
             return None
         return ops.inverse_rms(value, eps=config.eps, num_heads=config.num_heads)
 
-    def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights):
+    def rmsnorm_gain(self, x, weight, eps):
+        """M15 composed: `rmsnorm(x) * weight` in the compute dtype, rounded once (C10)."""
+        normed = rmsnorm(x, eps)
+        return (normed * weight.astype(normed.dtype)).astype(x.dtype)
+
+    def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights,
+                        out_norm_weight=None):
         if return_weights:
             raise ValueError("observer: the MLX depth-attention ops do not return depth weights; "
                              "observe with wants_weights=False")
-        out = ops.depth_attention(list(sources), query, norm_weight, eps=config.eps,
-                                  scale=config.scale, num_heads=config.num_heads,
-                                  activation=config.activation, key_norm=config.key_norm,
-                                  inv_rms=list(stats) if config.key_norm else None)
-        return out, None
+        result = ops.depth_attention(list(sources), query, norm_weight, eps=config.eps,
+                                     scale=config.scale, num_heads=config.num_heads,
+                                     activation=config.activation, key_norm=config.key_norm,
+                                     inv_rms=list(stats) if config.key_norm else None,
+                                     out_norm_weight=out_norm_weight)
+        return split_result(result, out_norm_weight, False)
 
     def depth_attention_multi(self, sources, stats, queries, norm_weights, config):
         return ops.depth_attention_multi(list(sources), queries, norm_weights, eps=config.eps,

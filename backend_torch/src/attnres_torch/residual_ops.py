@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from attnres_numpy.schedule import ResidualOps
+from attnres_numpy.schedule import ResidualOps, split_result
 
 from . import ops
 from ._args import compute_dtype
@@ -36,12 +36,18 @@ class TorchOps(ResidualOps):
     def sigmoid(self, x):
         return torch.sigmoid(x)
 
-    def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights):
+    def rmsnorm_gain(self, x, weight, eps):
+        """M15 composed: `rmsnorm(x) * weight` in the compute dtype, rounded once (C10)."""
+        c = compute_dtype(x.dtype)
+        return F.rms_norm(x.to(c), (x.shape[-1],), weight.to(c), eps=eps).to(x.dtype)
+
+    def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights,
+                        out_norm_weight=None):
         result = ops.depth_attention(sources, query, norm_weight, eps=config.eps,
                                      scale=config.scale, num_heads=config.num_heads,
                                      activation=config.activation, key_norm=config.key_norm,
-                                     return_weights=return_weights)
-        return result if return_weights else (result, None)
+                                     return_weights=return_weights, out_norm_weight=out_norm_weight)
+        return split_result(result, out_norm_weight, return_weights)
 
     def depth_attention_multi(self, sources, stats, queries, norm_weights, config):
         return ops.depth_attention_multi(sources, queries, norm_weights, eps=config.eps,

@@ -202,6 +202,8 @@ def _golden(case: Case):
 # -- requirements of a golden case --------------------------------------------------------------
 def variant_of(config: dict) -> str:
     """The named variant (config.VARIANT_KINDS) a probe config exercises."""
+    if config.get("fuse_out_norm", False):  # M15, over any attention kind
+        return "fused_out_norm"
     if config.get("history", "drop") == "summaries":  # M14
         return "compressed_history"
     if config.get("key_rank") is not None:  # M13
@@ -500,6 +502,24 @@ PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct", ()) for v in VARIANT_KIN
     ("probe/compressed_history", "input-W1-S2-L5-D8-T2x3", "compressed_history", (("query", "input"),),
      "direct", ()),
     ("probe/compressed_history", "W1-S1-L5-D8-T2x3", "compressed_history", (("block_size", 1),), "direct", ()),
+    # M15 fused output norm (the variant row: full): Block direct and two-phase (merges composed),
+    # hybrid with the state as the query, heads with sigmoid over a window, low-rank keys with one
+    # query for the stack, compressed history, a blend (composed after it) and alpha = 0.
+    ("probe/fused_out_norm", "block-S2-L5-D8-T2x3", "fused_out_norm", (("kind", "block"), ("block_size", 2)),
+     "direct", ()),
+    ("probe/block_two_phase", "fused_out_norm-S2-L5-D8-T2x3", "fused_out_norm",
+     (("kind", "block"), ("block_size", 2)), "two_phase", ()),
+    ("probe/fused_out_norm", "hybrid-input-L5-D8-T2x3", "fused_out_norm", (("kind", "hybrid"), ("query", "input")),
+     "direct", ()),
+    ("probe/fused_out_norm", "window-W2-H2-sigmoid-L5-D8-T2x3", "fused_out_norm",
+     (("kind", "window"), ("window", 2), ("num_heads", 2), ("activation", "sigmoid")), "direct", ()),
+    ("probe/fused_out_norm", "r3-stack-L5-D8-T2x3", "fused_out_norm",
+     (("key_rank", 3), ("query_sharing", "stack")), "direct", ()),
+    ("probe/fused_out_norm", "summaries-W1-S2-L5-D8-T2x3", "fused_out_norm",
+     (("kind", "window"), ("window", 1), ("block_size", 2), ("history", "summaries")), "direct", ()),
+    ("probe/mix", "fused_out_norm-L5-D8-T2x3-mix0.4", "fused_out_norm", (), "direct", (("mix", 0.4),)),
+    ("probe/mix", "fused_out_norm-block-L5-D8-T2x3-mix0", "fused_out_norm",
+     (("kind", "block"), ("block_size", 2)), "direct", (("mix", 0.0),)),
     # M10 call inputs: a blend, both exact ends, the two-phase blend, a per-call scale.
     ("probe/mix", "full-L5-D8-T2x3-mix0.3", "full", (), "direct", (("mix", 0.3),)),
     ("probe/mix", "block-L5-D8-T2x3-mix0", "block", (), "direct", (("mix", 0.0),)),

@@ -446,6 +446,16 @@ class ResidualStream:
         return self._handed(*self._read(L, L + 1), L)
 
 
+def split_result(result, out_norm_weight, return_weights: bool) -> tuple:
+    """An op's `out` / `(out, out_normed?, weights?)` as the stream's `(out, weights)` or, with
+    out_norm_weight (M15), `(out, out_normed, weights)`; weights None unless asked for."""
+    if out_norm_weight is None and not return_weights:
+        return result, None
+    result = tuple(result)
+    weights = result[-1] if return_weights else None
+    return (result[0], weights) if out_norm_weight is None else (result[0], result[1], weights)
+
+
 def check_mix(mix, config: ResidualConfig) -> Optional[float]:
     """M10: None (no mix) or a real alpha in [0, 1] for an attention kind; returns None for
     None or 1 (the plain scheme), else the float alpha (0.0: the plain standard scheme).  A 0-d

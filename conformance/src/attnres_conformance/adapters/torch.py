@@ -107,7 +107,8 @@ class TorchAdapter(Adapter):
         num_layers, dim = sublayer_weights.shape[0], embedding.shape[-1]
         router = DepthRouter(config, num_layers, dim, schedule=schedule).to(
             device=embedding.device, dtype=embedding.dtype)
-        sublayers = [lambda h, l=l: torch.tanh(F.rms_norm(h, (dim,), eps=config.eps) @ sublayer_weights[l])
+        prenorm = (lambda h: h) if config.fuse_out_norm else (lambda h: F.rms_norm(h, (dim,), eps=config.eps))
+        sublayers = [lambda h, l=l: torch.tanh(prenorm(h) @ sublayer_weights[l])  # M15: no own prenorm
                      for l in range(num_layers)]
         return torch.func.functional_call(router, params, (embedding, sublayers),
                                           dict(mix=mix, scale=scale))

@@ -60,7 +60,8 @@ def test_per_layer_router_equals_depth_router_value_and_every_gradient(name):
                     if n.endswith("." + {"queries": "query", "norm_weights": "norm_weight",
                                          "query_weights": "query_weight", "alphas": "alpha",
                                          "gate_weights": "gate_weight", "gate_biases": "gate_bias",
-                                         "depth_weights": "depth_weight"}[name_])]
+                                         "depth_weights": "depth_weight",
+                                         "out_norm_weights": "out_norm_weight"}[name_])]
             assert torch.equal(torch.stack(rows), grad)
         assert len(pa) == len(names)
 
@@ -240,3 +241,10 @@ def test_hf_gpt_example_converts_in_place_and_matches_prenorm_at_init(per_layer)
     assert len(out["hidden_states"]) == config.n_layer + 1
     out["logits"].sum().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "attnres" in n and "query" in n)
+
+
+def test_wrap_prenorm_refuses_the_fused_output_norm():
+    """M15 moves each sublayer's pre-norm gain into the scheme; wrap_prenorm keeps the blocks'
+    norms, so it refuses the option by name instead of norming twice."""
+    with pytest.raises(ValueError, match=r"config: fuse_out_norm=True .* wrap_prenorm keeps the blocks' own norms"):
+        wrap_prenorm([GPT2ishBlock(8)], ResidualConfig.variant("fused_out_norm"))

@@ -16,7 +16,9 @@ L, D = 5, 8
 
 
 def _probe(router, emb, w, eps, **call):
-    subs = [lambda h, l=l: torch.tanh(F.rms_norm(h, (D,), eps=eps) @ w[l]) for l in range(L)]
+    """The probe network (spec 6); M15: the stream hands a fused router's sublayers the normed input."""
+    norm = (lambda h: h) if router.config.fuse_out_norm else (lambda h: F.rms_norm(h, (D,), eps=eps))
+    subs = [lambda h, l=l: torch.tanh(norm(h) @ w[l]) for l in range(L)]
     return router(emb, subs, **call)
 
 

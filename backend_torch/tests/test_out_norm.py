@@ -392,3 +392,71 @@ def test_zero_tokens_and_a_broadcast_cotangent(impl):
                                 d_out_normed=torch.ones(4, 8, dtype=torch.float64).numpy())
     assert_close(list(grads[:3]), v["sources"], "float32", "d_sources", grad=True)
     assert_close(grads[3], v["out_norm_weight"], "float32", "d_out_norm_weight", grad=True)
+
+
+# -- M15: the fused output norm inside the residual stream -----------------------------------------
+@pytest.mark.parametrize("kind", ("full", "block", "hybrid"))
+def test_fused_model_equals_prenorm_model_and_uses_the_fused_op(kind):
+    """`AttnResTransformer` with fuse_out_norm (M15) computes the PreNorm-gain model with the
+    gains moved into the router (value and every gradient, a random cotangent), and every
+    direct read asks the op for its out norm (the C kernel's fused pass on this CPU)."""
+    from attnres_torch import dispatch
+
+    torch.manual_seed(0)
+    extra = {"block_size": 2} if kind == "block" else {}
+    plain_cfg = at.ResidualConfig(kind=kind, **extra)
+    fused_cfg = at.ResidualConfig(kind=kind, fuse_out_norm=True, **extra)
+    plain = at.AttnResTransformer(40, 16, 2, 2, plain_cfg).double()
+    torch.manual_seed(0)
+    fused = at.AttnResTransformer(40, 16, 2, 2, fused_cfg).double()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # random gains and queries, one set for both models
+        for name, p in plain.router.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5 + (name == "norm_weights"))
+            getattr(fused.router, name).copy_(p)
+        gains = [s.norm.weight for s in plain.sublayers] + [plain.norm.weight]
+        for g in gains:
+            g.copy_(1.0 + 0.3 * torch.randn(g.shape, generator=gen, dtype=g.dtype))
+        fused.router.out_norm_weights.copy_(torch.stack(gains))
+        for a, b in zip(plain.sublayers, fused.sublayers):
+            b.load_state_dict(a.fn.state_dict())
+        fused.embed.weight.copy_(plain.embed.weight)
+        fused.head.weight.copy_(plain.head.weight)
+    tokens = torch.randint(0, 40, (2, 5), generator=gen)
+    cot = torch.randn(2, 5, 40, generator=gen, dtype=torch.float64)
+    before = dispatch.impl_counts()
+    y_fused = fused(tokens)
+    calls = sum((dispatch.impl_counts() - before).values())
+    y_plain = plain(tokens)
+    torch.testing.assert_close(y_fused, y_plain, rtol=1e-12, atol=1e-12)
+    assert calls >= 2 * 2 + 1  # one op call per read (L = 4 sublayers and the output)
+    g_fused = torch.autograd.grad(y_fused, [fused.router.out_norm_weights, fused.router.queries,
+                                            fused.embed.weight], cot)
+    g_plain = torch.autograd.grad(y_plain, [*gains, plain.router.queries, plain.embed.weight], cot)
+    torch.testing.assert_close(g_fused[0], torch.stack(g_plain[:5]), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g_fused[1], g_plain[5], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g_fused[2], g_plain[6], rtol=1e-10, atol=1e-12)
+
+
+def test_fused_stream_passes_the_gain_to_the_op(monkeypatch):
+    """The stream's direct reads call `ops.depth_attention(..., out_norm_weight=row)`."""
+    from attnres_torch import residual_ops
+
+    seen = []
+    real = residual_ops.ops.depth_attention
+
+    def spy(*args, out_norm_weight=None, **kw):
+        seen.append(out_norm_weight)
+        return real(*args, out_norm_weight=out_norm_weight, **kw)
+
+    monkeypatch.setattr(residual_ops.ops, "depth_attention", spy)
+    router = at.DepthRouter(at.ResidualConfig(kind="full", fuse_out_norm=True), 3, 8)
+    with torch.no_grad():
+        router.out_norm_weights.copy_(torch.arange(32, dtype=torch.float32).reshape(4, 8))
+    router(torch.randn(2, 8), [torch.tanh] * 3)
+    assert len(seen) == 4 and all(torch.equal(w, router.out_norm_weights[r]) for r, w in enumerate(seen))
+
+
+def test_fused_model_refuses_a_different_eps():
+    with pytest.raises(ValueError, match=r"eps: with fuse_out_norm .* config.eps = 1e-06"):
+        at.AttnResTransformer(40, 16, 1, 2, at.ResidualConfig(kind="full", fuse_out_norm=True), eps=1e-5)

@@ -222,6 +222,20 @@ class DropsSummaries(ReferenceBackend):
         return super().call_probe(dataclasses.replace(call, config=config))
 
 
+class IgnoresOutNormWeights(ReferenceBackend):
+    """M15: the stream norms every sublayer input and the output without the learned gains
+    (out_norm_weights left at their init, ones)."""
+
+    name = "ignores_out_norm_weights"
+
+    def call_probe(self, call):
+        w = call.params.get("out_norm_weights")
+        if w is None:
+            return super().call_probe(call)
+        return super().call_probe(dataclasses.replace(
+            call, params=dict(call.params, out_norm_weights=np.ones(np.shape(w)))))
+
+
 class NoCallInputs(ReferenceBackend):
     """Declares no M10 call inputs: their rows must be skipped with the reason, not failed."""
 
@@ -590,6 +604,7 @@ ignores_mix = IgnoresMix()
 ignores_call_scale = IgnoresCallScale()
 ignores_key_projection = IgnoresKeyProjection()
 drops_summaries = DropsSummaries()
+ignores_out_norm_weights = IgnoresOutNormWeights()
 no_call_inputs = NoCallInputs()
 nondeterministic_backward = NondeterministicBackward()
 rounding_broken_eps = Rounding(BrokenEps(), name="rounding_broken_eps")

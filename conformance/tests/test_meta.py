@@ -175,7 +175,8 @@ def test_key_projection_ignored():
     other row."""
     report = run_conformance(adapters.ignores_key_projection, dtypes=F64)  # every probe case: --quick runs one per row
     rows = {row for row, _, _ in failing_rows(report)}
-    assert rows == {"probe/low_rank_keys", "probe/mix", "golden/probe"}, rows
+    # probe/fused_out_norm: its low-rank case (M15 over M13)
+    assert rows == {"probe/low_rank_keys", "probe/mix", "golden/probe", "probe/fused_out_norm"}, rows
     failed = {r.id for r in report.results if r.failed}
     assert all("low_rank" in i or "r3" in i or "_r4" in i for i in failed), failed
     for label in ("L5-D8-T2x3", "input-r3-L5-D8-T2x3", "block-S2-r3-two_phase-L5-D8-T2x3",
@@ -190,8 +191,22 @@ def test_summaries_dropped():
     as a summary of one) and its golden vectors, and nothing else."""
     report = run_conformance(adapters.drops_summaries, dtypes=F64)  # every probe case: --quick runs one per row
     rows = {row for row, _, _ in failing_rows(report)}
-    assert rows == {"probe/compressed_history", "golden/probe"}, rows
+    # probe/fused_out_norm: its compressed-history case (M15 over M14)
+    assert rows == {"probe/compressed_history", "golden/probe", "probe/fused_out_norm"}, rows
     failed = {r.id for r in report.results if r.failed}
-    assert all("compressed_history" in i for i in failed), failed
+    assert all("compressed_history" in i or "/summaries-" in i for i in failed), failed
     cells = [r for r in report.results if r.row == "probe/compressed_history"]
     assert len(cells) == 5 and all(r.forward.status == "fail" for r in cells), cells
+
+
+def test_out_norm_weights_ignored():
+    """M15: a port that norms the sublayer inputs and the output without the learned gains fails
+    every fused-output-norm case (direct, two-phase, blended, alpha = 0) and its golden vectors,
+    and nothing else."""
+    report = run_conformance(adapters.ignores_out_norm_weights, dtypes=F64)
+    rows = {row for row, _, _ in failing_rows(report)}
+    assert rows == {"probe/fused_out_norm", "probe/block_two_phase", "probe/mix", "golden/probe"}, rows
+    failed = {r.id for r in report.results if r.failed}
+    assert all("fused_out_norm" in i or "outnorm" in i for i in failed), failed
+    fused = [r for r in report.results if r.row.startswith("probe/") and "fused_out_norm" in r.id]
+    assert len(fused) == 9 and all(r.forward.status == "fail" for r in fused), fused

@@ -37,7 +37,7 @@ from .modules import DepthRouter
 #: Row names: a stacked parameter of `ResidualConfig.param_shapes` -> one row's name in a site.
 ROW_NAMES = {"queries": "query", "norm_weights": "norm_weight", "query_weights": "query_weight",
              "alphas": "alpha", "gate_weights": "gate_weight", "gate_biases": "gate_bias",
-             "depth_weights": "depth_weight"}
+             "depth_weights": "depth_weight", "out_norm_weights": "out_norm_weight"}
 
 #: Sublayer layouts of common PreNorm blocks: per sublayer, (norm attribute, function attribute).
 LAYOUTS: Dict[str, Tuple[Tuple[str, str], ...]] = {
@@ -77,7 +77,8 @@ class DepthSite(nn.Module):
     """Row r of each of a scheme's parameters as this module's own parameters: what one sublayer
     (or the output aggregation) owns.  Names (`ROW_NAMES`): `query` `[D]` and `norm_weight` `[D]`
     (attention kinds), `query_weight` `[D, D]` (query="input"), `alpha` `[]`, `gate_weight`
-    `[D, D]`, `gate_bias` `[D]`, `depth_weight` `[L+1]`."""
+    `[D, D]`, `gate_bias` `[D]`, `depth_weight` `[L+1]`, `out_norm_weight` `[D]` (M15: the
+    pre-norm gain of this sublayer's input, or of the output)."""
 
     def __init__(self, rows: Mapping[str, torch.Tensor]):
         super().__init__()
@@ -319,6 +320,11 @@ def wrap_prenorm(blocks: Sequence[nn.Module], config: ResidualConfig, dim: Optio
         blocks = nn.ModuleList(blocks)
     if len(blocks) == 0:
         raise ValueError("blocks: expected at least one block")
+    if getattr(config, "fuse_out_norm", False):
+        raise ValueError("config: fuse_out_norm=True moves every sublayer's pre-norm gain into the "
+                         "scheme (M15), but wrap_prenorm keeps the blocks' own norms (their code is "
+                         "untouched); build the model on DepthRouter with sublayers that take the "
+                         "normed input, or use fuse_out_norm=False")
     specs = _resolve_specs(blocks[0], sublayers)
     for b in blocks[1:]:
         _resolve_specs(b, specs)

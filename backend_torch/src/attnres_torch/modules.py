@@ -65,7 +65,7 @@ class DepthRouter(nn.Module):
     """Forms every sublayer's input from earlier outputs per a `ResidualConfig` (spec 4-5).
 
     Args:
-      config: the residual scheme (any of the 11 variants).
+      config: the residual scheme (any variant of the spec, `ResidualConfig.variant`).
       num_layers: L, the number of sublayers (attention and MLP count separately, M1).
       dim: D.
       schedule: "direct", "two_phase" (Block AttnRes only: softmax, key norm, one head, static
@@ -185,6 +185,10 @@ class AttnResTransformer(nn.Module):
     tokens `[B, T]` (int64) -> logits `[B, T, vocab_size]`.  `num_blocks` Transformer blocks give
     L = 2 * num_blocks sublayers (attention, MLP), each with its own pre-norm; then a final
     RMSNorm and the LM head.  `ResidualConfig(kind="standard")` is the plain PreNorm baseline.
+    With `config.fuse_out_norm` (M15) the router owns those norms' gains (`out_norm_weights`,
+    ones at init like `nn.RMSNorm`'s) and hands every sublayer its normed input from the
+    depth-attention pass: the sublayers are then the bare attention / MLP, `norm` is the
+    identity, and the norms' eps is `config.eps` (so `eps` must equal it).
 
     positional: None (default: no position information beyond the causal mask), "rope" (rotary
       embeddings on every attention's queries and keys, no parameters) or "learned" (a
@@ -205,15 +209,20 @@ class AttnResTransformer(nn.Module):
         if positional == "rope" and (dim // num_heads) % 2:
             raise ValueError(f"dim, num_heads: RoPE needs an even head size, got dim {dim} / "
                              f"num_heads {num_heads}")
+        fused = config.fuse_out_norm  # M15: the router norms every sublayer input and the output
+        if fused and eps != config.eps:
+            raise ValueError(f"eps: with fuse_out_norm the router's norms use config.eps = "
+                             f"{config.eps}, so the model's eps must equal it; got eps={eps}")
         self.positional, self.context = positional, context
         self.embed = nn.Embedding(vocab_size, dim)
+        prenorm = (lambda fn: fn) if fused else (lambda fn: PreNorm(dim, fn, eps))
         sublayers = []
         for _ in range(num_blocks):
-            sublayers.append(PreNorm(dim, CausalSelfAttention(dim, num_heads, rope=positional == "rope"), eps))
-            sublayers.append(PreNorm(dim, MLP(dim, mlp_ratio * dim), eps))
+            sublayers.append(prenorm(CausalSelfAttention(dim, num_heads, rope=positional == "rope")))
+            sublayers.append(prenorm(MLP(dim, mlp_ratio * dim)))
         self.sublayers = nn.ModuleList(sublayers)
         self.router = DepthRouter(config, len(sublayers), dim, schedule=schedule)
-        self.norm = nn.RMSNorm(dim, eps=eps)
+        self.norm = nn.Identity() if fused else nn.RMSNorm(dim, eps=eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         nn.init.normal_(self.embed.weight, std=1.0 / math.sqrt(dim))
         if positional == "learned":

@@ -76,6 +76,9 @@ class Decoder(nn.Module):
     def __init__(self, vocab: int, dim: int, num_blocks: int, num_heads: int,
                  residual: Optional[ResidualConfig] = None):
         super().__init__()
+        if residual is not None and residual.fuse_out_norm:
+            raise ValueError("residual: this example's sublayers keep their own pre-norms, so "
+                             "fuse_out_norm=True (M15) would norm twice; see AttnResTransformer")
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(DecoderBlock(dim, num_heads) for _ in range(num_blocks))
         self.norm = nn.RMSNorm(dim, eps=1e-6)

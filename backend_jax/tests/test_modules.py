@@ -91,3 +91,32 @@ def test_transformer_two_phase_equals_direct(rng):
     np.testing.assert_allclose(two_phase, direct, rtol=1e-5, atol=1e-5)
     grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(tokens, schedule="two_phase") ** 2)))(model)
     assert float(jnp.max(jnp.abs(grads["router"]["queries"][...]))) > 0
+
+
+def test_fused_output_norm_model_equals_prenorm_model(rng):
+    """M15: with fuse_out_norm the router's gains replace the sublayers' and the final norm's
+    (the model creates none of its own); copying those gains in gives the PreNorm-gain model's
+    logits."""
+    plain = _model(ResidualConfig.variant("block", block_size=2), eps=1e-6)
+    fused = _model(ResidualConfig.variant("block", block_size=2, fuse_out_norm=True), eps=1e-6)
+    assert all(s.norm is not None and not isinstance(s.norm, nnx.RMSNorm) for s in fused.sublayers)
+    for name in ("queries", "norm_weights"):
+        value = jnp.asarray(rng.standard_normal(getattr(plain.router, name)[...].shape), jnp.float32)
+        getattr(plain.router, name)[...] = value
+        getattr(fused.router, name)[...] = value
+    gains = []
+    for norm in [s.norm for s in plain.sublayers] + [plain.final_norm]:
+        norm.scale[...] = jnp.asarray(1.0 + 0.3 * rng.standard_normal(norm.scale[...].shape), jnp.float32)
+        gains.append(norm.scale[...])
+    fused.router.out_norm_weights[...] = jnp.stack(gains)
+    for a, b in zip(plain.sublayers, fused.sublayers):
+        for attr in ("qkv", "out", "up", "down"):
+            if hasattr(a, attr):
+                setattr(b, attr, getattr(a, attr))
+    fused.embed, fused.head = plain.embed, plain.head
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 5)))
+    want = nnx.jit(lambda m, t: m(t))(plain, tokens)
+    got = nnx.jit(lambda m, t: m(t))(fused, tokens)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="eps: with fuse_out_norm"):
+        _model(ResidualConfig.variant("fused_out_norm"), eps=1e-5)

@@ -38,7 +38,7 @@ def test_probe_forward_and_vjp(variant, dtype):
         # table (input_query: 0.051 vs 0.032).  FlashAttention's rule then bounds our error by
         # 2x that of the reference whose sublayer outputs are rounded the same way.
         rounded = ref_model.stack_forward(cfg, params, emb, [
-            lambda h, f=f: round_to(f(h), dtype) for f in ref_model.probe_sublayers(w, cfg.eps)])
+            lambda h, f=f: round_to(f(h), dtype) for f in ref_model.probe_sublayers(w, cfg.eps, prenorm=not cfg.fuse_out_norm)])
         c = compare("out", to_np(out), expect_out, dtype, grad=False, override="probe")
         if not c.ok:
             c = flash_rule("out", c.err, rounded, expect_out, dtype)

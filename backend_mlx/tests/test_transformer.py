@@ -3,6 +3,7 @@
 import attnres_mlx as A
 import attnres_numpy.model as ref_model
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from attnres_numpy.config import ResidualConfig
@@ -34,10 +35,14 @@ def _reference_logits(model, cfg, tokens):
 
 
 @pytest.mark.parametrize("schedule", ["direct", "two_phase"])
-@pytest.mark.parametrize("block_size", [2, 4])
-def test_prefill_and_decode_match_reference(schedule, block_size):
-    cfg = ResidualConfig.variant("block", block_size=block_size)
+@pytest.mark.parametrize("block_size,fuse", [(2, False), (4, False), (2, True)])
+def test_prefill_and_decode_match_reference(schedule, block_size, fuse):
+    """fuse: M15, the router norms every sublayer input and the output with its own gains (the
+    model then has no norms of its own; the reference's schedule applies M15 itself)."""
+    cfg = ResidualConfig.variant("block", block_size=block_size, fuse_out_norm=fuse)
     model = _model(cfg)
+    if fuse:
+        assert isinstance(model.norm, nn.Identity) and "out_norm_weights" in model.router.parameters()
     tokens = mx.array(np.random.default_rng(1).integers(0, V, size=(2, T)))
     expect = _reference_logits(model, cfg, tokens)
 
@@ -53,7 +58,7 @@ def test_prefill_and_decode_match_reference(schedule, block_size):
 def test_full_forward_and_grad_run_for_every_kind():
     """A training step's gradient reaches the router parameters for the attention kinds."""
     tokens = mx.array(np.random.default_rng(2).integers(0, V, size=(2, T)))
-    for name in ("full", "block", "window", "input_query", "multihead"):
+    for name in ("full", "block", "window", "input_query", "multihead", "fused_out_norm"):
         model = _model(ResidualConfig.variant(name))
 
         def loss(params):

@@ -83,11 +83,16 @@ class DepthRouter(nnx.Module):
                            mix=mix, scale=scale)
 
 
+def _identity(h):
+    """The pre-norm of a sublayer whose router hands it the normed input (M15)."""
+    return h
+
+
 class _Attention(nnx.Module):
     """Causal multi-head self-attention sublayer with its own pre-RMSNorm: `[B, T, D] -> [B, T, D]`."""
 
-    def __init__(self, dim: int, num_heads: int, eps: float, rngs: nnx.Rngs):
-        self.norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
+    def __init__(self, dim: int, num_heads: int, eps: float, rngs: nnx.Rngs, prenorm: bool = True):
+        self.norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs) if prenorm else _identity
         self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, precision=HIGHEST, rngs=rngs)
         self.out = nnx.Linear(dim, dim, use_bias=False, precision=HIGHEST, rngs=rngs)
         self.num_heads = num_heads
@@ -105,8 +110,8 @@ class _Attention(nnx.Module):
 class _MLP(nnx.Module):
     """GELU MLP sublayer with its own pre-RMSNorm: `[..., D] -> [..., D]`."""
 
-    def __init__(self, dim: int, hidden: int, eps: float, rngs: nnx.Rngs):
-        self.norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
+    def __init__(self, dim: int, hidden: int, eps: float, rngs: nnx.Rngs, prenorm: bool = True):
+        self.norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs) if prenorm else _identity
         self.up = nnx.Linear(dim, hidden, precision=HIGHEST, rngs=rngs)
         self.down = nnx.Linear(hidden, dim, precision=HIGHEST, rngs=rngs)
 
@@ -119,19 +124,25 @@ class Transformer(nnx.Module):
 
     num_blocks transformer blocks = L = 2 * num_blocks sublayers (attention, MLP; M1) combined by
     a `DepthRouter(config, L, dim)`, then a final RMSNorm and the LM head.  config "standard" is
-    the PreNorm baseline.
+    the PreNorm baseline.  With `config.fuse_out_norm` (M15) the router owns the pre-norm and
+    final-norm gains (`out_norm_weights`, eps = config.eps, so `eps` must equal it) and hands each
+    sublayer its normed input; the model's own norms are then not created.
     """
 
     def __init__(self, config: ResidualConfig, *, vocab_size: int, dim: int, num_blocks: int,
                  num_heads: int, rngs: nnx.Rngs, eps: float = 1e-6, mlp_ratio: int = 4):
+        fused = config.fuse_out_norm  # M15
+        if fused and eps != config.eps:
+            raise ValueError(f"eps: with fuse_out_norm the router's norms use config.eps = "
+                             f"{config.eps}, so the model's eps must equal it; got eps={eps}")
         self.embed = nnx.Embed(vocab_size, dim, rngs=rngs)
         sublayers = []
         for _ in range(num_blocks):
-            sublayers.append(_Attention(dim, num_heads, eps, rngs))
-            sublayers.append(_MLP(dim, mlp_ratio * dim, eps, rngs))
+            sublayers.append(_Attention(dim, num_heads, eps, rngs, prenorm=not fused))
+            sublayers.append(_MLP(dim, mlp_ratio * dim, eps, rngs, prenorm=not fused))
         self.sublayers = nnx.List(sublayers)
         self.router = DepthRouter(config, 2 * num_blocks, dim)
-        self.final_norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
+        self.final_norm = _identity if fused else nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
         self.head = nnx.Linear(dim, vocab_size, use_bias=False, precision=HIGHEST, rngs=rngs)
 
     def __call__(self, tokens, *, schedule: str = "direct", mix=None, scale=None):

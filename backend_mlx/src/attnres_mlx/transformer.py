@@ -65,18 +65,21 @@ class MLP(nn.Module):
 
 class Transformer(nn.Module):
     """Embedding, `num_blocks` x (attention, MLP) sublayers routed by `config` (L = 2 x
-    num_blocks router layers), final RMSNorm, LM head."""
+    num_blocks router layers), final RMSNorm, LM head.  With `config.fuse_out_norm` (M15) the
+    router owns the pre-norm and final-norm gains (`out_norm_weights`, eps = config.eps) and
+    hands each sublayer its normed input: the model's own norms are then not created."""
 
     def __init__(self, config: ResidualConfig, *, vocab_size: int, dim: int, num_blocks: int,
                  num_heads: int, mlp_ratio: int = 4):
         super().__init__()
+        fused = config.fuse_out_norm  # M15
         self.embed = nn.Embedding(vocab_size, dim)
-        self.attn_norms = [nn.RMSNorm(dim) for _ in range(num_blocks)]
+        self.attn_norms = [nn.Identity() if fused else nn.RMSNorm(dim) for _ in range(num_blocks)]
         self.attns = [CausalSelfAttention(dim, num_heads) for _ in range(num_blocks)]
-        self.mlp_norms = [nn.RMSNorm(dim) for _ in range(num_blocks)]
+        self.mlp_norms = [nn.Identity() if fused else nn.RMSNorm(dim) for _ in range(num_blocks)]
         self.mlps = [MLP(dim, mlp_ratio * dim) for _ in range(num_blocks)]
         self.router = DepthRouter(config, 2 * num_blocks, dim)
-        self.norm = nn.RMSNorm(dim)
+        self.norm = nn.Identity() if fused else nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
     def sublayers(self, cache: Optional[KVCache], new_cache: KVCache):

@@ -87,7 +87,8 @@ def test_embedding_left_out_of_the_probe():
         "probe/full", "probe/block", "probe/window", "probe/block_two_phase", "probe/input_query",
         "probe/sigmoid", "probe/no_key_norm", "probe/multihead", "golden/probe",
         "probe/mix", "probe/call_scale",  # M10 rows run depth attention too (but alpha = 0: below)
-        "probe/shared_queries", "probe/hybrid", "probe/low_rank_keys", "probe/compressed_history"}
+        "probe/shared_queries", "probe/hybrid", "probe/low_rank_keys", "probe/compressed_history",
+        "probe/fused_out_norm"}
     assert status(report, "probe/mix", "float64", "forward") == "fail"
     assert not any("mix0/" in r.id for r in report.results if r.failed)  # alpha = 0: no DA
 

@@ -206,6 +206,25 @@ def test_huge_page_advice_changes_no_bits():
         assert torch.equal(a, b)
 
 
+def test_populate_changes_no_bits():
+    """The default MADV_POPULATE_WRITE of fresh outputs and gradients (>= 1 MiB: here
+    [1024, 1040] fp32 = 4.1 MiB, split over the threads) gives the same bits as without it, and
+    the switch reaches the library."""
+    gen = torch.Generator().manual_seed(7)
+    xs = [rand(gen, (1024, 1040), torch.float32) for _ in range(3)]
+    qg, d_out = rand(gen, (1040,), torch.float32, 0.05), rand(gen, (1024, 1040), torch.float32)
+    assert cpu_c.library() is not None and cpu_c._state["populate"] is True  # on by default
+    populated = _fwd_bwd(xs, qg, d_out)
+    cpu_c.set_populate(False)
+    try:
+        assert cpu_c._state["populate"] is False
+        plain = _fwd_bwd(xs, qg, d_out)
+    finally:
+        cpu_c.set_populate(True)
+    for a, b in zip(plain, populated):
+        assert torch.equal(a, b)
+
+
 def test_specials_propagate_per_token_and_large_values_stay_finite():
     """C12: a NaN or Inf in one token's source reaches that token only; |x| = 1e30 overflows the
     fp32 sum of squares (r = 0) but every output stays finite."""

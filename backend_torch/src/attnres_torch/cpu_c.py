@@ -14,6 +14,10 @@ says which width serves a dtype.  `ATTNRES_TORCH_CPU_C=0` turns it
 off.  Without a compiler the dispatch falls back to the chunked torch kernel (`chunked.py`);
 `unavailable_reason()` says why.
 
+On by default (`set_populate`, `ATTNRES_TORCH_POPULATE=0` to start without; Linux >= 5.14): each
+thread prefaults its rows of a fresh output or gradient in one `madvise(MADV_POPULATE_WRITE)`
+before writing them, instead of one first-touch fault per 4 KiB page (same data, same backing).
+
 Opt-in (`ATTNRES_TORCH_HUGEPAGES=1` or `set_hugepages(True)`; Linux): outputs of 8 MiB or more get
 `madvise(MADV_HUGEPAGE)` on their 2 MiB-aligned interior before the kernel first touches them —
 fewer first-touch page faults on fresh outputs, at the cost of changing how that memory is backed
@@ -120,6 +124,9 @@ def _load(defines: tuple = ()) -> Optional[ctypes.CDLL]:
     lib.attnres_set_hugepages.argtypes = [ctypes.c_int]
     _state.setdefault("hugepages", os.environ.get("ATTNRES_TORCH_HUGEPAGES", "0") == "1")
     lib.attnres_set_hugepages(int(_state["hugepages"]))
+    lib.attnres_set_populate.argtypes = [ctypes.c_int]
+    _state.setdefault("populate", os.environ.get("ATTNRES_TORCH_POPULATE", "1") != "0")
+    lib.attnres_set_populate(int(_state["populate"]))
     f64 = ctypes.c_double
     lib.attnres_forward.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, f32p, i64, f64, f64, ptr,
                                     i64, f32p, f32p, f32p, f64, ptr, i64, ctypes.c_int]
@@ -181,6 +188,19 @@ def set_hugepages(on: bool) -> None:
     for built in (lib, _state.get("wide")):
         if built is not None:
             built.attnres_set_hugepages(int(bool(on)))
+
+
+def set_populate(on: bool) -> None:
+    """Prefault each thread's rows of a fresh output (or gradient) with one
+    `madvise(MADV_POPULATE_WRITE)` before the kernel writes them (on by default; Linux >= 5.14,
+    outputs of >= 1 MiB; `ATTNRES_TORCH_POPULATE=0` starts with it off).  It writes no data and
+    leaves the memory's backing alone: it batches the first-touch faults the kernel's stores would
+    take one 4 KiB page at a time (see the C file)."""
+    lib = _library_or_raise()
+    _state["populate"] = bool(on)
+    for built in (lib, _state.get("wide")):
+        if built is not None:
+            built.attnres_set_populate(int(bool(on)))
 
 
 def build_flags() -> Optional[tuple]:

@@ -109,3 +109,18 @@ def test_out_norm_tpu_lowering_matches_plan(case, normed_kernels):
 @pytest.mark.parametrize("case", NORMED_CASES, ids=lambda c: c.name)
 def test_out_norm_gpu_lowering_matches_plan(case, normed_kernels):
     _check_normed(case, "gpu", "cuda", False)
+
+
+def test_tpu_grid_is_parallel():
+    """The compiled TPU kernels declare their one grid axis (token tiles) parallel, so a megacore
+    chip may split it over both TensorCores; each kernel's output blocks are the tile's own
+    (rows, or one per-tile partial).  The lowering tests above lower every benchmark shape with
+    these parameters."""
+    from attnres_jax.pallas import kernels
+    from attnres_jax.pallas.impl import Pallas
+
+    params = Pallas(platform="tpu", tile=8)._kw(None)["compiler_params"]
+    assert tuple(params.dimension_semantics) == ("parallel",)
+    assert Pallas(platform="gpu", tile=8)._kw(None)["compiler_params"].__class__.__name__ == "CompilerParams"
+    assert Pallas(interpret="generic", tile=8)._kw(None)["compiler_params"] is None
+    assert kernels._rows(8, 16).index_map(3) == (3, 0)  # tile t writes rows 8t .. 8t + 7 only

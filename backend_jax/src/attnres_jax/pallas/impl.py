@@ -87,6 +87,13 @@ class Pallas:
             from jax.experimental.pallas import triton as pltriton
 
             params = pltriton.CompilerParams()
+        elif interpret is False and self.platform == "tpu":
+            from jax.experimental.pallas import tpu as pltpu
+
+            # The one grid axis walks token tiles, and every output block is the tile's own
+            # (rows, or a per-tile partial summed outside): the programs are independent, so
+            # Mosaic may split the axis over a megacore chip's two TensorCores (issue 13).
+            params = pltpu.CompilerParams(dimension_semantics=("parallel",))
         return dict(tb=self.tile, ct=ct, interpret=interpret, poison=self.poison, compiler_params=params)
 
     def forward(self, xs: list, qs: _xla.Query, opts: Options, ct):

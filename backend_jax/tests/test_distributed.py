@@ -103,6 +103,55 @@ SCRIPT = textwrap.dedent(r'''
             collectives=found, per_stat=n * t * h,
             stats=2 if opts.get("key_norm", True) else 1)
 
+    # -- hidden-dimension sharding with the fused output norm (C17: over all D) ------------------
+    ON_CASES = [  # name, dtype, N, T, D, options, out_norm_eps
+        ("f64_heads", "float64", 3, 5, 16, dict(num_heads=2), None),
+        ("f32_eps", "float32", 4, 6, 32, dict(eps=1e-5), 1e-3),
+    ]
+    for name, dt, n, t, d, opts, on_eps in ON_CASES:
+        rng = np.random.default_rng(100 + len(name))
+        xs = rng.standard_normal((n, t, d)).astype(dt)
+        q = rng.standard_normal(d).astype(dt)
+        g = (1 + 0.3 * rng.standard_normal(d)).astype(dt)
+        wn = (1 + 0.3 * rng.standard_normal(d)).astype(dt)
+        h = opts.get("num_heads", 1)
+        c, cn = rng.standard_normal((t, d)).astype(dt), rng.standard_normal((t, d)).astype(dt)
+        cl = rng.standard_normal((t, h) if h > 1 else (t,)).astype(dt)
+
+        def body(xs, q, g, wn):
+            return depth_attention_tp(xs, q, g, axis_name="x", return_lse=True, out_norm_weight=wn,
+                                      out_norm_eps=on_eps, **opts)
+
+        sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(None, None, "x"), P("x"), P("x"), P("x")),
+                                out_specs=(P(None, "x"), P(None, "x"), P()))
+
+        def single(xs, q, g, wn):
+            return attnres_jax.depth_attention(xs, q, g, return_lse=True, out_norm_weight=wn,
+                                               out_norm_eps=on_eps, **opts)
+
+        def loss(fn, *a):
+            out, normed, lse = fn(*a)
+            return (jnp.sum(out.astype(jnp.float64) * c) + jnp.sum(normed.astype(jnp.float64) * cn)
+                    + jnp.sum(lse * cl))
+
+        grad_s = jax.jit(jax.grad(lambda *a: loss(sharded, *a), argnums=(0, 1, 2, 3)))
+        grad_1 = jax.jit(jax.grad(lambda *a: loss(single, *a), argnums=(0, 1, 2, 3)))
+        got_fwd, one_fwd = jax.jit(sharded)(xs, q, g, wn), single(xs, q, g, wn)
+        got, one = grad_s(xs, q, g, wn), grad_1(xs, q, g, wn)
+        x64, q64, g64, w64 = (np.asarray(a, np.float64) for a in (xs, q, g, wn))
+        want_fwd = ref.depth_attention(x64, q64, g64, return_lse=True, out_norm_weight=w64,
+                                       out_norm_eps=on_eps, **opts)
+        vjp = ref.depth_attention_vjp(x64, q64, g64, np.asarray(c, np.float64), np.asarray(cl, np.float64),
+                                      out_norm_weight=w64, out_norm_eps=on_eps,
+                                      d_out_normed=np.asarray(cn, np.float64), **opts)
+        want = [vjp["sources"], vjp["query"], vjp["norm_weight"], vjp["out_norm_weight"]]
+        found = collectives(jax.make_jaxpr(grad_s)(xs, q, g, wn).jaxpr, [])
+        results["tp_out_norm_" + name] = dict(
+            dtype=dt, values=3,
+            errors=[err(a, b) for a, b in zip(got_fwd, want_fwd)] + [err(a, b) for a, b in zip(got, want)],
+            single_errors=[err(a, b) for a, b in zip(got_fwd, one_fwd)] + [err(a, b) for a, b in zip(got, one)],
+            out_dtype=str(got_fwd[1].dtype), collectives=found, per_stat=n * t * h, tokens=t)
+
     # -- sequence-sharded prefill --------------------------------------------------------------
     B, T, D, L, S = 2, 16, 8, 5, 2
     config = ResidualConfig(kind="block", block_size=S)
@@ -196,6 +245,23 @@ def test_hidden_dim_sharding_reduces_scalars_per_token_and_source(results, name)
     # backward psum [N, T, H] of the cotangent of the weights; nothing of size D.
     assert r["collectives"] == [["psum_invariant", [r["stats"] * r["per_stat"]]],
                                 ["psum_invariant", [r["per_stat"]]]], r["collectives"]
+
+
+@pytest.mark.parametrize("name", ["f64_heads", "f32_eps"])
+def test_hidden_dim_sharding_fuses_the_output_norm(results, name):
+    """C17 on hidden shards: out, out_normed and lse, and the gradients of the sources, query, gain
+    and out_norm_weight (random cotangents on all three outputs) equal the float64 reference and
+    the single-device op; the norm over all D costs one psum of T scalars (its sums of squares)
+    in the forward and one in the backward, on top of the op's own two."""
+    r = results["tp_out_norm_" + name]
+    assert r["out_dtype"] == name.split("_")[0].replace("f", "float")
+    assert len(r["errors"]) == 3 + 4
+    _assert_within_table(r)
+    # Forward: the stats [2, N, T, H] and the out norm's sums of squares [T]; backward: their
+    # cotangents' reductions, [T] and [N, T, H].  Nothing of size D.
+    sizes = sorted(c[1][0] for c in r["collectives"])
+    assert all(c[0] == "psum_invariant" for c in r["collectives"]), r["collectives"]
+    assert sizes == sorted([2 * r["per_stat"], r["tokens"], r["tokens"], r["per_stat"]]), r["collectives"]
 
 
 @pytest.mark.parametrize("dt", ["float64", "float32"])

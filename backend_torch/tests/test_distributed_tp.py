@@ -115,3 +115,72 @@ def test_tensor_parallel_equals_reference_and_single_process(world):
     sizes = reports[0]["sizes"]
     assert sum(sizes) == 10 and len(sizes) == world
 
+
+
+# -- C17: the fused output norm over hidden shards ---------------------------------------------------
+# (name, dtype, N, token shape, D, options, out_norm_eps)
+OUT_NORM_CASES = [
+    ("f64_heads", "float64", 3, (2, 3), 12, dict(num_heads=3), None),
+    ("f32_eps", "float32", 4, (5,), 10, dict(eps=1e-5), 1e-3),
+    ("bf16", "bfloat16", 3, (4,), 9, dict(), None),
+]
+
+
+def _worker_out_norm(rank, world):
+    """out, out_normed, lse and every gradient (random cotangents on all three outputs) against
+    the float64 reference's slice; 2NH + T scalars per token forward, NH + T backward; bitwise
+    repeatable."""
+    for name, dt, n, tok, dim, opts, on_eps in OUT_NORM_CASES:
+        gen = torch.Generator().manual_seed(len(name) * 77 + n)
+        dtype = getattr(torch, dt)
+        xs = [rand(gen, tok + (dim,), dtype) for _ in range(n)]
+        q, g = rand(gen, (dim,), torch.float32), rand(gen, (dim,), torch.float32, 0.5) + 1
+        w = rand(gen, (dim,), torch.float32, 0.3) + 1
+        h = opts.get("num_heads", 1)
+        d_out, d_normed = rand(gen, tok + (dim,), dtype).double(), rand(gen, tok + (dim,), dtype).double()
+        d_lse = rand(gen, tok + ((h,) if h > 1 else ()), torch.float64)
+        shard = HiddenShard.even(dim, None)
+        sl = slice(shard.offset, shard.offset + shard.local_size)
+
+        def run(counter):
+            lx = [shard.local(x).clone().requires_grad_() for x in xs]
+            lq, lg, lw = (shard.local(t).clone().requires_grad_() for t in (q, g, w))
+            out, normed, lse = depth_attention_tp(lx, lq, lg, shard=shard, return_lse=True, counter=counter,
+                                                  out_norm_weight=lw, out_norm_eps=on_eps, **opts)
+            loss = ((out.double() * d_out[..., sl]).sum() + (normed.double() * d_normed[..., sl]).sum()
+                    + (lse.double() * d_lse).sum())
+            loss.backward()
+            return out, normed, lse, [x.grad for x in lx], lq.grad, lg.grad, lw.grad
+
+        counter = CommCounter()
+        out, normed, lse, dxs, dq, dg, dw = run(counter)
+        assert normed.dtype == dtype and dw.dtype == w.dtype
+        x64, q64, g64, w64 = f64(xs), f64(q), f64(g), f64(w)
+        want_out, want_normed, want_lse = ref.depth_attention(
+            x64, q64, g64, return_lse=True, out_norm_weight=w64, out_norm_eps=on_eps, **opts)
+        vjp = ref.depth_attention_vjp(x64, q64, g64, f64(d_out), f64(d_lse), out_norm_weight=w64,
+                                      out_norm_eps=on_eps, d_out_normed=f64(d_normed), **opts)
+        ctol = "float64" if dt == "float64" else "float32"
+        assert_close(out, want_out[..., sl], dt, f"{name} out", grad=False)
+        assert_close(normed, want_normed[..., sl], dt, f"{name} out_normed", grad=False)
+        assert_close(lse, want_lse, ctol, f"{name} lse", grad=False)
+        assert_close(dxs, [d[..., sl] for d in vjp["sources"]], dt, f"{name} d_sources", grad=True)
+        assert_close(dq, vjp["query"][sl], "float32", f"{name} d_query", grad=True)
+        assert_close(dg, vjp["norm_weight"][sl], "float32", f"{name} d_norm_weight", grad=True)
+        assert_close(dw, vjp["out_norm_weight"][sl], "float32", f"{name} d_out_norm_weight", grad=True)
+        tokens = int(np.prod(tok))
+        assert counter.elements == {"tp.forward": (2 * n * h + 1) * tokens,
+                                    "tp.backward": (n * h + 1) * tokens}, (name, counter.elements)
+        again = run(None)
+        assert torch.equal(normed, again[1]) and torch.equal(dw, again[6])
+        assert all(torch.equal(a, b) for a, b in zip(dxs, again[3]))
+    shard = HiddenShard.even(10, None)
+    with pytest.raises(ValueError, match="out_norm_weight"):
+        depth_attention_tp([torch.zeros(2, shard.local_size)], torch.zeros(shard.local_size), shard=shard,
+                           out_norm_weight=torch.ones(10))
+    return {}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_parallel_fused_output_norm(world):
+    run_local(_worker_out_norm, world)

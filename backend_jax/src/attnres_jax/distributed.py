@@ -38,7 +38,8 @@ def _head_map(axis_name: str, local_dim: int, dim: int, num_heads: int, dtype):
 
 def depth_attention_tp(sources, query, norm_weight=None, *, axis_name: str, eps: float = 1e-6,
                        scale: float = 1.0, num_heads: int = 1, activation: str = "softmax",
-                       key_norm: bool = True, return_lse: bool = False):
+                       key_norm: bool = True, return_lse: bool = False, out_norm_weight=None,
+                       out_norm_eps=None):
     """Depth attention on hidden-dimension shards (inside `shard_map` over `axis_name`).
 
     Args:
@@ -46,8 +47,12 @@ def depth_attention_tp(sources, query, norm_weight=None, *, axis_name: str, eps:
       query: `[D/P]` or per-token `[..., D/P]`; norm_weight: `[D/P]` or None.
       eps, scale, num_heads, activation, key_norm, return_lse: as `attnres_jax.depth_attention`
         on the full arrays (D = P * D/P must divide by num_heads).
-    Returns out `[..., D/P]` (sources' dtype) and, with return_lse, the replicated lse `[...]`
-      (`[..., H]` if H > 1; compute dtype).
+      out_norm_weight: this device's slice `[D/P]` of the fused output norm's gain (C17), or
+        None; out_norm_eps: its eps (None: eps).  The norm is over all D channels: one more psum
+        of one scalar per token (its sum of squares), from out before its rounding.
+    Returns out `[..., D/P]` (sources' dtype), or `(out, out_normed?, lse?)`: out_normed
+      `[..., D/P]` (sources' dtype) with out_norm_weight, the replicated lse `[...]` (`[..., H]`
+      if H > 1; compute dtype) with return_lse.
     """
     xs = list(sources) if isinstance(sources, (list, tuple)) else [sources[i] for i in range(sources.shape[0])]
     world = jax.lax.axis_size(axis_name)
@@ -62,7 +67,10 @@ def depth_attention_tp(sources, query, norm_weight=None, *, axis_name: str, eps:
         ops.dtype_name(query), None if norm_weight is None else full(norm_weight.shape),
         None if norm_weight is None else ops.dtype_name(norm_weight),
         stacked=not isinstance(sources, (list, tuple)), eps=eps, scale=scale, num_heads=num_heads,
-        activation=activation, key_norm=key_norm, return_lse=return_lse)
+        activation=activation, key_norm=key_norm, return_lse=return_lse,
+        out_norm_weight_shape=None if out_norm_weight is None else full(out_norm_weight.shape),
+        out_norm_weight_dtype=None if out_norm_weight is None else ops.dtype_name(out_norm_weight),
+        out_norm_eps=out_norm_eps)
     h = geo.num_heads
     cd = ops.compute_dtype(xs[0].dtype)  # C10
     m = _head_map(axis_name, local_dim, dim, h, cd)  # [D_r, H]
@@ -77,11 +85,16 @@ def depth_attention_tp(sources, query, norm_weight=None, *, axis_name: str, eps:
     r = jax.lax.rsqrt(stats[1] / (dim // h) + eps) if key_norm else jnp.ones_like(s)
     z = scale * r * s
     p = jax.nn.softmax(z, axis=0) if activation == "softmax" else jax.nn.sigmoid(z)
-    out = jnp.sum(jnp.matmul(p, m.T, precision=hi) * x, axis=0).astype(xs[0].dtype)
-    if not return_lse:
-        return out
-    lse = jax.nn.logsumexp(z, axis=0)
-    return out, (lse[..., 0] if h == 1 else lse)
+    out_c = jnp.sum(jnp.matmul(p, m.T, precision=hi) * x, axis=0)  # [..., D_r], compute dtype
+    results = [out_c.astype(xs[0].dtype)]
+    if out_norm_weight is not None:  # C17 over all D: the per-token sum of squares is psum-ed
+        ms = jax.lax.psum(jnp.sum(out_c * out_c, axis=-1, keepdims=True), axis_name) / dim
+        normed = out_c * jax.lax.rsqrt(ms + geo.out_norm_eps) * out_norm_weight.astype(cd)
+        results.append(normed.astype(xs[0].dtype))
+    if return_lse:
+        lse = jax.nn.logsumexp(z, axis=0)
+        results.append(lse[..., 0] if h == 1 else lse)
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def sequence_sharded_prefill(embedding, sublayers: Sequence[Callable], queries, norm_weights, *,

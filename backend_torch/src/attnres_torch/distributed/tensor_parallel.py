@@ -10,6 +10,10 @@ of every source, of the query and of the key-norm gain.  Per token, head h and s
               (N H scalars per token; sigmoid: <g_out, x_i> p_i (1 - p_i)); every gradient
               (local slices of sources, query and gain) is then local.
 
+With `out_norm_weight` (C17) the fused output norm `rmsnorm(out) * w` over all D adds one
+all-reduce of one scalar per token each way (the sum of squares of out, and the backward's
+`<d_out_normed * w, out>`).
+
 Convention: `out` and every gradient of a sharded input are sharded like the inputs; `lse` is
 replicated (every rank holds the same value) and so is its cotangent: d_lse is added once,
 after the reduction.  Numerics follow C10 (compute in float32, float64 for float64 sources,
@@ -85,7 +89,8 @@ class HiddenShard:
 
 
 class _ShardedDepthAttention(torch.autograd.Function):
-    """Inputs: (opts, query, norm_weight, *sources); outputs (out `[..., D_r]`, lse `[..., H]`)."""
+    """Inputs: (opts, query, norm_weight, *sources); outputs (out `[..., D_r]` in the compute
+    dtype, unrounded: the caller casts it, and the fused output norm reads it; lse `[..., H]`)."""
 
     @staticmethod
     def forward(ctx, opts, query, norm_weight, *xs):
@@ -108,7 +113,7 @@ class _ShardedDepthAttention(torch.autograd.Function):
         ctx.opts = opts
         ctx.save_for_backward(query, norm_weight, x, qg, m, s, r, p, out)
         ctx.dtypes = [t.dtype for t in xs]
-        return out.to(xs[0].dtype), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
@@ -140,10 +145,40 @@ class _ShardedDepthAttention(torch.autograd.Function):
         return (None, dq.to(query.dtype), dg, *d_sources)
 
 
+class _ShardedOutNorm(torch.autograd.Function):
+    """C17 on hidden shards: (opts, out `[..., D_r]` compute dtype, weight `[D_r]`) ->
+    `rmsnorm(out) * weight` over all D channels, `[..., D_r]` in opts' dtype."""
+
+    @staticmethod
+    def forward(ctx, opts, out, weight):
+        shard, eps, counter, dtype = opts
+        ss = all_reduce_sum(out.square().sum(-1, keepdim=True).contiguous(), shard.group, counter,
+                            "tp.forward")  # [..., 1]: one scalar per token
+        r = torch.rsqrt(ss / shard.dim + eps)
+        w = weight.to(out.dtype)
+        ctx.opts, ctx.weight_dtype = opts, weight.dtype
+        ctx.save_for_backward(out, r, w)
+        return (out * r * w).to(dtype)
+
+    @staticmethod
+    def backward(ctx, d_normed):
+        shard, eps, counter, dtype = ctx.opts
+        out, r, w = ctx.saved_tensors
+        dy = d_normed.to(out.dtype)
+        g = dy * w
+        dot = all_reduce_sum((g * out).sum(-1, keepdim=True).contiguous(), shard.group, counter,
+                             "tp.backward")  # <g, out> over all D, one scalar per token
+        d_out = r * g - out * (r ** 3) * dot / shard.dim
+        d_weight = (dy * out * r).reshape(-1, out.shape[-1]).sum(0).to(ctx.weight_dtype)
+        return None, d_out, d_weight
+
+
 def depth_attention_tp(sources: Sources, query: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
                        *, shard: HiddenShard, eps: float = 1e-6, scale: float = 1.0,
                        num_heads: int = 1, activation: str = "softmax", key_norm: bool = True,
-                       return_lse: bool = False, counter: Optional[CommCounter] = None):
+                       return_lse: bool = False, counter: Optional[CommCounter] = None,
+                       out_norm_weight: Optional[torch.Tensor] = None,
+                       out_norm_eps: Optional[float] = None):
     """Depth attention with the hidden dimension sharded over `shard.group`.
 
     Args:
@@ -154,19 +189,25 @@ def depth_attention_tp(sources: Sources, query: torch.Tensor, norm_weight: Optio
       eps, scale, num_heads, activation, key_norm: spec options (same meaning as
         `attnres_torch.depth_attention` on the full tensors).
       counter: optional `CommCounter` (categories "tp.forward", "tp.backward").
+      out_norm_weight: local slice `[D_r]` of the fused output norm's gain (C17), or None;
+        out_norm_eps: its eps (None: eps).  The norm is over all D channels.
 
-    Returns out `[..., D_r]` (this rank's slice of the full op's output, sources' dtype), and
-    with return_lse the replicated lse `[...]` (`[..., H]` if H > 1; compute dtype).
+    Returns out `[..., D_r]` (this rank's slice of the full op's output, sources' dtype), or
+    `(out, out_normed?, lse?)`: out_normed `[..., D_r]` (sources' dtype) with out_norm_weight,
+    the replicated lse `[...]` (`[..., H]` if H > 1; compute dtype) with return_lse.
     """
     xs, stacked, shapes, dtypes = split_sources(sources)
     query = require_tensor("query", query)
     norm_weight = optional_tensor("norm_weight", norm_weight)
+    out_norm_weight = optional_tensor("out_norm_weight", out_norm_weight)
     if not isinstance(shard, HiddenShard):
         raise TypeError(f"shard: expected a HiddenShard, got {type(shard).__name__}")
     d_r, dim = shard.local_size, shard.dim
     local = [("sources[%d]" % i, s) for i, s in enumerate(shapes)] + [("query", tuple(query.shape))]
     if norm_weight is not None:
         local.append(("norm_weight", tuple(norm_weight.shape)))
+    if out_norm_weight is not None:
+        local.append(("out_norm_weight", tuple(out_norm_weight.shape)))
     for name, shape in local:
         if len(shape) == 0 or shape[-1] != d_r:
             raise ValueError(f"{name}: expected a last dimension equal to this rank's hidden slice "
@@ -180,13 +221,21 @@ def depth_attention_tp(sources: Sources, query: torch.Tensor, norm_weight: Optio
         None if norm_weight is None else full(norm_weight.shape),
         None if norm_weight is None else dtype_name(norm_weight), stacked=stacked, eps=eps,
         scale=scale, num_heads=num_heads, activation=activation, key_norm=key_norm,
-        return_lse=return_lse)
+        return_lse=return_lse,
+        out_norm_weight_shape=None if out_norm_weight is None else full(out_norm_weight.shape),
+        out_norm_weight_dtype=None if out_norm_weight is None else dtype_name(out_norm_weight),
+        out_norm_eps=out_norm_eps)
     # One device for every operand (the head map is built on it): NCCL needs the GPU's tensors.
     check_same_device([("sources[%d]" % i, x) for i, x in enumerate(xs)]
-                      + [("query", query), ("norm_weight", norm_weight)])
+                      + [("query", query), ("norm_weight", norm_weight),
+                         ("out_norm_weight", out_norm_weight)])
     opts = (shard, float(eps), float(scale), geo.num_heads, activation, key_norm, counter)
-    out, lse = _ShardedDepthAttention.apply(opts, query, norm_weight, *xs)
-    if not return_lse:
-        return out
-    return out, (lse[..., 0] if geo.num_heads == 1 else lse)
+    out_c, lse = _ShardedDepthAttention.apply(opts, query, norm_weight, *xs)
+    results = [out_c.to(xs[0].dtype)]
+    if out_norm_weight is not None:
+        norm_opts = (shard, float(geo.out_norm_eps), counter, xs[0].dtype)
+        results.append(_ShardedOutNorm.apply(norm_opts, out_c, out_norm_weight))
+    if return_lse:
+        results.append(lse[..., 0] if geo.num_heads == 1 else lse)
+    return results[0] if len(results) == 1 else tuple(results)
 

@@ -448,11 +448,19 @@ INLINE void out_norm_prologue(int dt, const job_t *j, int64_t t, float *y, float
 
 /* ---- backward: d_src[t] for the rows of blocks [blk0, blk1); d_qg per token or per block ----
  * st: 4 N doubles (r, s, p, dp per source).  ON (the output norm; then GDT = DT_F32): sc holds
- * p (N floats), y and g_total ([D] floats each), and g_total replaces d_out (GDT: its dtype). */
-INLINE void backward_rows(int dt, int on, job_t *j, double *st_, float *sc) {
+ * p (N floats), y and g_total ([D] floats each), and g_total replaces d_out (GDT: its dtype).
+ * co: 3 N floats, the per-source coefficients (p, a, b) of the gradient sweep.
+ *
+ * The gradient sweep walks D in VW-wide column tiles and, inside a tile, every source: the
+ * tile's g, q and d_qg stay in registers across the N sources, so per source element it loads
+ * x (from cache) and stores dx only, instead of also reloading g and q and reading and writing
+ * d_qg once per source.  d_qg still adds the sources in order 0..N-1 for every column, and dx
+ * is the same expression: the bits are those of a source-by-source sweep. */
+INLINE void backward_rows(int dt, int on, job_t *j, double *st_, float *sc, float *co) {
     const int64_t n = j->n, d = j->dim, es = j->elsize;
     const int gdt = on ? DT_F32 : dt;
     double *rr = st_, *sq = st_ + n, *pp = st_ + 2 * n, *dpp = st_ + 3 * n;
+    float *cp = co, *ca = co + n, *cb = co + 2 * n;
     float *pf32 = on ? sc : NULL, *yrow = on ? sc + n : NULL, *gt = on ? sc + n + d : NULL;
     for (int64_t b = j->blk0; b < j->blk1; b++) {
         float *dq_blk = NULL, *on_blk = NULL;
@@ -496,22 +504,30 @@ INLINE void backward_rows(int dt, int on, job_t *j, double *st_, float *sc) {
             float *dq = dq_blk ? dq_blk : j->d_qg + t * d;
             if (!dq_blk) memset(dq, 0, (size_t)d * sizeof(float));
             for (int64_t i = 0; i < n; i++) {
-                const void *x = row_ptr(j->src[i], j->src_rs[i], t, es);
-                void *dx = (char *)j->d_src[i] + t * j->d_src_rs[i] * es;
                 const double a_ = pp[i] * (dpp[i] + base) * (j->scale * rr[i]);
-                const float p = (float)pp[i], a = (float)a_;
-                const float bb = (float)(a_ * sq[i] * rr[i] * rr[i] / (double)d);
-                int64_t c = 0;
-                for (; c + VW <= d; c += VW) {
-                    const vf v = ldv(dt, x, c);
-                    stv(dt, dx, c, p * ldv(gdt, g, c) + a * ldv(DT_F32, q, c) - bb * v);
-                    stv(DT_F32, dq, c, ldv(DT_F32, dq, c) + a * v);
+                cp[i] = (float)pp[i], ca[i] = (float)a_;
+                cb[i] = (float)(a_ * sq[i] * rr[i] * rr[i] / (double)d);
+            }
+            int64_t c = 0;
+            for (; c + VW <= d; c += VW) {
+                const vf gv = ldv(gdt, g, c), qv = ldv(DT_F32, q, c);
+                vf dqv = ldv(DT_F32, dq, c);
+                for (int64_t i = 0; i < n; i++) {
+                    const vf v = ldv(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
+                    stv(dt, (char *)j->d_src[i] + t * j->d_src_rs[i] * es, c, cp[i] * gv + ca[i] * qv - cb[i] * v);
+                    dqv += ca[i] * v;
                 }
-                for (; c < d; c++) {
-                    const float v = ld(dt, x, c);
-                    st(dt, dx, c, p * ld(gdt, g, c) + a * q[c] - bb * v);
-                    dq[c] += a * v;
+                stv(DT_F32, dq, c, dqv);
+            }
+            for (; c < d; c++) {
+                const float gc = ld(gdt, g, c), qc = q[c];
+                float dqc = dq[c];
+                for (int64_t i = 0; i < n; i++) {
+                    const float v = ld(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
+                    st(dt, (char *)j->d_src[i] + t * j->d_src_rs[i] * es, c, cp[i] * gc + ca[i] * qc - cb[i] * v);
+                    dqc += ca[i] * v;
                 }
+                dq[c] = dqc;
             }
         }
     }
@@ -588,14 +604,15 @@ static void *backward_worker(void *arg) {
     for (int64_t i = 0; i < j->n; i++) populate_rows(j, j->d_src[i], j->d_src_rs[i]);
     double *stats = (double *)malloc((size_t)j->n * 4 * sizeof(double));
     float *sc = j->onw ? (float *)malloc((size_t)(j->n + 2 * j->dim) * sizeof(float)) : NULL;
-    if (!stats || (j->onw && !sc)) j->failed = 1;
-    else if (j->onw && j->dtype == DT_F32) backward_rows(DT_F32, 1, j, stats, sc);
-    else if (j->onw && j->dtype == DT_BF16) backward_rows(DT_BF16, 1, j, stats, sc);
-    else if (j->onw) backward_rows(DT_F16, 1, j, stats, sc);
-    else if (j->dtype == DT_F32) backward_rows(DT_F32, 0, j, stats, NULL);
-    else if (j->dtype == DT_BF16) backward_rows(DT_BF16, 0, j, stats, NULL);
-    else backward_rows(DT_F16, 0, j, stats, NULL);
-    free(stats), free(sc);
+    float *co = (float *)malloc((size_t)j->n * 3 * sizeof(float));
+    if (!stats || !co || (j->onw && !sc)) j->failed = 1;
+    else if (j->onw && j->dtype == DT_F32) backward_rows(DT_F32, 1, j, stats, sc, co);
+    else if (j->onw && j->dtype == DT_BF16) backward_rows(DT_BF16, 1, j, stats, sc, co);
+    else if (j->onw) backward_rows(DT_F16, 1, j, stats, sc, co);
+    else if (j->dtype == DT_F32) backward_rows(DT_F32, 0, j, stats, NULL, co);
+    else if (j->dtype == DT_BF16) backward_rows(DT_BF16, 0, j, stats, NULL, co);
+    else backward_rows(DT_F16, 0, j, stats, NULL, co);
+    free(stats), free(sc), free(co);
     return NULL;
 }
 

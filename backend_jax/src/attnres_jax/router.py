@@ -28,12 +28,17 @@ Sublayer = Callable[[jax.Array], jax.Array]
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def _rmsnorm_compute(x, eps: float):
+    """Gainless RMSNorm over the last axis in the compute dtype (C10: float32, float64 for
+    float64 x), not rounded back: `[..., D]`."""
+    xc = x.astype(compute_dtype(x.dtype))
+    return xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+
+
 def rmsnorm(x, eps: float):
     """Gainless RMSNorm over the last axis, statistics in the compute dtype (C10: float32, float64
     for float64 x).  x `[..., D]` -> `[..., D]` in x's dtype."""
-    ct = compute_dtype(x.dtype)
-    xc = x.astype(ct)
-    return (xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return _rmsnorm_compute(x, eps).astype(x.dtype)
 
 
 def matmul(x, w):
@@ -63,10 +68,8 @@ class JaxOps(ResidualOps):
 
     def rmsnorm_gain(self, x, weight, eps):
         """M15 composed: `rmsnorm(x) * weight` in the compute dtype, rounded once (C10)."""
-        ct = compute_dtype(x.dtype)
-        xc = x.astype(ct)
-        r = jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
-        return (xc * r * weight.astype(ct)).astype(x.dtype)
+        normed = _rmsnorm_compute(x, eps)
+        return (normed * weight.astype(normed.dtype)).astype(x.dtype)
 
     def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights,
                         out_norm_weight=None):

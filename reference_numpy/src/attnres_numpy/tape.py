@@ -170,10 +170,10 @@ class Tape(ResidualOps):
         with out_norm_weight (M15): (out, out_normed, weights), both outputs `Var`s."""
         kw = dict(eps=config.eps, scale=config.scale, num_heads=config.num_heads,
                   activation=config.activation, key_norm=config.key_norm)
-        xs, q, g = [s.value for s in sources], query.value, _value(norm_weight)
         if out_norm_weight is not None:
             return self._depth_attention_out_norm(sources, query, norm_weight, out_norm_weight, kw,
                                                   return_weights)
+        xs, q, g = [s.value for s in sources], query.value, _value(norm_weight)
         out, p = ops.depth_attention(xs, q, g, return_weights=True, **kw)
 
         def vjp(d_out):

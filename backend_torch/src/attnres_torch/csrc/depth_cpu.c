@@ -449,14 +449,15 @@ INLINE void out_norm_prologue(int dt, const job_t *j, int64_t t, float *y, float
 /* ---- backward: d_src[t] for the rows of blocks [blk0, blk1); d_qg per token or per block ----
  * st: 4 N doubles (r, s, p, dp per source).  ON (the output norm; then GDT = DT_F32): sc holds
  * p (N floats), y and g_total ([D] floats each), and g_total replaces d_out (GDT: its dtype).
- * co: 3 N floats, the per-source coefficients (p, a, b) of the gradient sweep.
+ * co: 3 N floats, the per-source coefficients (p, a, b) of the gradient sweep; rp: 2 N
+ * pointers, the token's source rows and gradient rows (formed once per token, not per tile).
  *
  * The gradient sweep walks D in VW-wide column tiles and, inside a tile, every source: the
  * tile's g, q and d_qg stay in registers across the N sources, so per source element it loads
  * x (from cache) and stores dx only, instead of also reloading g and q and reading and writing
  * d_qg once per source.  d_qg still adds the sources in order 0..N-1 for every column, and dx
  * is the same expression: the bits are those of a source-by-source sweep. */
-INLINE void backward_rows(int dt, int on, job_t *j, double *st_, float *sc, float *co) {
+INLINE void backward_rows(int dt, int on, job_t *j, double *st_, float *sc, float *co, void **rp) {
     const int64_t n = j->n, d = j->dim, es = j->elsize;
     const int gdt = on ? DT_F32 : dt;
     double *rr = st_, *sq = st_ + n, *pp = st_ + 2 * n, *dpp = st_ + 3 * n;
@@ -507,14 +508,16 @@ INLINE void backward_rows(int dt, int on, job_t *j, double *st_, float *sc, floa
                 const double a_ = pp[i] * (dpp[i] + base) * (j->scale * rr[i]);
                 cp[i] = (float)pp[i], ca[i] = (float)a_;
                 cb[i] = (float)(a_ * sq[i] * rr[i] * rr[i] / (double)d);
+                rp[i] = (void *)row_ptr(j->src[i], j->src_rs[i], t, es);
+                rp[n + i] = (char *)j->d_src[i] + t * j->d_src_rs[i] * es;
             }
             int64_t c = 0;
             for (; c + VW <= d; c += VW) {
                 const vf gv = ldv(gdt, g, c), qv = ldv(DT_F32, q, c);
                 vf dqv = ldv(DT_F32, dq, c);
                 for (int64_t i = 0; i < n; i++) {
-                    const vf v = ldv(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
-                    stv(dt, (char *)j->d_src[i] + t * j->d_src_rs[i] * es, c, cp[i] * gv + ca[i] * qv - cb[i] * v);
+                    const vf v = ldv(dt, rp[i], c);
+                    stv(dt, rp[n + i], c, cp[i] * gv + ca[i] * qv - cb[i] * v);
                     dqv += ca[i] * v;
                 }
                 stv(DT_F32, dq, c, dqv);
@@ -523,8 +526,8 @@ INLINE void backward_rows(int dt, int on, job_t *j, double *st_, float *sc, floa
                 const float gc = ld(gdt, g, c), qc = q[c];
                 float dqc = dq[c];
                 for (int64_t i = 0; i < n; i++) {
-                    const float v = ld(dt, row_ptr(j->src[i], j->src_rs[i], t, es), c);
-                    st(dt, (char *)j->d_src[i] + t * j->d_src_rs[i] * es, c, cp[i] * gc + ca[i] * qc - cb[i] * v);
+                    const float v = ld(dt, rp[i], c);
+                    st(dt, rp[n + i], c, cp[i] * gc + ca[i] * qc - cb[i] * v);
                     dqc += ca[i] * v;
                 }
                 dq[c] = dqc;
@@ -605,14 +608,15 @@ static void *backward_worker(void *arg) {
     double *stats = (double *)malloc((size_t)j->n * 4 * sizeof(double));
     float *sc = j->onw ? (float *)malloc((size_t)(j->n + 2 * j->dim) * sizeof(float)) : NULL;
     float *co = (float *)malloc((size_t)j->n * 3 * sizeof(float));
-    if (!stats || !co || (j->onw && !sc)) j->failed = 1;
-    else if (j->onw && j->dtype == DT_F32) backward_rows(DT_F32, 1, j, stats, sc, co);
-    else if (j->onw && j->dtype == DT_BF16) backward_rows(DT_BF16, 1, j, stats, sc, co);
-    else if (j->onw) backward_rows(DT_F16, 1, j, stats, sc, co);
-    else if (j->dtype == DT_F32) backward_rows(DT_F32, 0, j, stats, NULL, co);
-    else if (j->dtype == DT_BF16) backward_rows(DT_BF16, 0, j, stats, NULL, co);
-    else backward_rows(DT_F16, 0, j, stats, NULL, co);
-    free(stats), free(sc), free(co);
+    void **rp = (void **)malloc((size_t)j->n * 2 * sizeof(void *));
+    if (!stats || !co || !rp || (j->onw && !sc)) j->failed = 1;
+    else if (j->onw && j->dtype == DT_F32) backward_rows(DT_F32, 1, j, stats, sc, co, rp);
+    else if (j->onw && j->dtype == DT_BF16) backward_rows(DT_BF16, 1, j, stats, sc, co, rp);
+    else if (j->onw) backward_rows(DT_F16, 1, j, stats, sc, co, rp);
+    else if (j->dtype == DT_F32) backward_rows(DT_F32, 0, j, stats, NULL, co, rp);
+    else if (j->dtype == DT_BF16) backward_rows(DT_BF16, 0, j, stats, NULL, co, rp);
+    else backward_rows(DT_F16, 0, j, stats, NULL, co, rp);
+    free(stats), free(sc), free(co), free(rp);
     return NULL;
 }
 

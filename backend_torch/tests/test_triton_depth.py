@@ -4,7 +4,7 @@ the interpreter never leaks into other test modules; `TRITON_INTERPRET=1 pytest`
 runs it directly).
 
 Every call runs with NaN-poisoned output/workspace buffers (`_alloc` patched), counts its kernel
-launches (`_launch` patched), and compares every output and every gradient (random cotangents,
+launches (`_launch` patched; the pointer-table fills, which a cached table skips, apart), and compares every output and every gradient (random cotangents,
 d_lse included) with `attnres_numpy.ops` on the float64 upcast of the same inputs.  Tilings are
 forced small so that tiny shapes still cover several D tiles, several query groups, several row
 blocks per backward program and several backward programs.
@@ -49,11 +49,11 @@ def kernels(monkeypatch, request):
     monkeypatch.setattr(td, "_BWD_PROGRAMS", progs)
     monkeypatch.setattr(td, "_alloc", lambda shape, dtype, device: torch.full(
         shape, float("nan"), dtype=dtype, device=device))
-    launches = []
+    launches, fills = [], []
     real = td._launch
 
-    def spy(kernel, grid, *args, **meta):
-        launches.append(kernel.fn.__name__)
+    def spy(kernel, grid, *args, **meta):  # table fills apart: a cache hit launches none
+        (fills if kernel is td._k._fill_table_kernel else launches).append(kernel.fn.__name__)
         real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(td, "_launch", spy)
@@ -382,3 +382,106 @@ def test_out_norm_through_the_op_and_autograd(kernels):
     assert_close(grads[3], v["query"], "float32", "d_query", grad=True)
     assert_close(grads[4], v["norm_weight"], "float32", "d_norm_weight", grad=True)
     assert_close(grads[5], v["out_norm_weight"], "float32", "d_out_norm_weight", grad=True)
+
+
+# -- pointer / stride tables: written on the device, cached in eager mode, fresh in a capture -----
+
+TABLE_VALUES = (0, 1, 2**31 - 1, 2**31, 2**47 + 12345, 2**62 - 1, 17, 4096)
+
+
+@pytest.fixture
+def tables(monkeypatch, kernels):
+    """A cold table cache, table buffers poisoned with -7 (no value is negative), and the
+    fill launches (`kernels` records them apart)."""
+    monkeypatch.setattr(td, "_TABLES", type(td._TABLES)())
+    monkeypatch.setattr(td, "_alloc_table", lambda num, device: torch.full(
+        (num,), -7, dtype=torch.int64, device=device))
+    fills = []
+    real = td._launch
+
+    def spy(kernel, grid, *args, **meta):
+        if kernel is td._k._fill_table_kernel:
+            fills.append(args[1:3])  # (start, count)
+        real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(td, "_launch", spy)
+    return fills
+
+
+@pytest.mark.parametrize("num", [1, 8, 15, 16, 17, 40])
+def test_fill_table_writes_every_value(tables, num):
+    values = tuple(TABLE_VALUES[i % len(TABLE_VALUES)] ^ (i // len(TABLE_VALUES))
+                   for i in range(num))
+    table = td._device_table(values, "cpu")
+    assert table.dtype == torch.int64 and table.tolist() == list(values)
+    assert tables == [(s, min(16, num - s)) for s in range(0, num, 16)]
+    for bad in (-1, 2**62):
+        with pytest.raises(ValueError, match="table values"):
+            td._device_table((bad,), "cpu")
+
+
+def test_tables_are_cached_least_recently_used_first_out(tables, monkeypatch):
+    monkeypatch.setattr(td, "_MAX_TABLES", 3)
+    a, b, c, d = [(i, 100 + i) for i in range(4)]
+    ta, tb = td._device_table(a, "cpu"), td._device_table(b, "cpu")
+    td._device_table(c, "cpu")
+    assert td._device_table(a, "cpu") is ta and len(tables) == 3  # a hit: no fill, a is newest
+    td._device_table(d, "cpu")                                     # evicts b, the least recent
+    assert td._device_table(a, "cpu") is ta and len(tables) == 4
+    assert td._device_table(b, "cpu") is not tb and len(tables) == 5
+    assert len(td._TABLES) == 3
+
+
+def test_capture_fills_a_fresh_table_per_call_and_caches_none(tables, kernels, monkeypatch):
+    """While a CUDA graph is captured (simulated: `_capturing` patched) every call fills its own
+    tables, after the cache was warmed by the same call in eager mode, and the results equal the
+    eager ones bit for bit (and the float64 reference, through `_check_depth`)."""
+    gen = torch.Generator().manual_seed(5)
+    xs = _sources(gen, 3, (4, 7), torch.bfloat16, "sliced")
+    q, g = rand(gen, (7,), torch.float32), rand(gen, (7,), torch.float32) + 1.0
+    d_out = rand(gen, (4, 7), torch.bfloat16)
+    eager = td.backward(xs, q, g, *td.forward(xs, q, g, EPS, SCALE), d_out, None, EPS, SCALE)
+    cached, eager_fills = dict(td._TABLES), len(tables)
+    assert eager_fills == 3  # source pointers, strides, gradient pointers
+    monkeypatch.setattr(td, "_capturing", lambda device: True)
+    for call in range(2):
+        got = td.backward(xs, q, g, *td.forward(xs, q, g, EPS, SCALE), d_out, None, EPS, SCALE)
+        assert len(tables) == eager_fills + 5 * (call + 1)  # fwd: 2 tables, bwd: 3, none reused
+        assert all(torch.equal(a, b) for a, b in zip(got[0], eager[0]))
+        assert torch.equal(got[1], eager[1]) and torch.equal(got[2], eager[2])
+    assert dict(td._TABLES) == cached
+    kernels.clear()
+    _check_depth(gen, 2, (3, 33), torch.float32, per_token=True, gain=True, layout="contiguous",
+                 launches=kernels)
+
+
+def test_no_host_data_enters_the_path(tables):
+    """Forward, backward, phase 1 and merge with a cold table cache run no op that makes a
+    tensor from host data (`lift_fresh`, the copy behind `torch.tensor(values, device=...)`)
+    or reads a tensor's value on the host (`_local_scalar_dense`: `.item()`, `bool(t)`), so
+    nothing waits for the device and a CUDA graph can capture every call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    forbidden = {"lift_fresh", "lift_fresh_copy", "_local_scalar_dense"}
+    gen = torch.Generator().manual_seed(6)
+    xs = _sources(gen, 3, (4, 7), torch.float32, "sliced")
+    qs, gs = rand(gen, (2, 7), torch.float32), rand(gen, (2, 7), torch.float32) + 1.0
+    with Ops() as seen:
+        out, lse = td.forward(xs, qs[0], gs[0], EPS, SCALE)
+        td.backward(xs, qs[0], gs[0], out, lse, out, lse, EPS, SCALE)
+        out1, lse1 = td.multi_forward(xs, qs, gs, EPS, SCALE)
+        td.merge_forward(out1[0], lse1[0], xs[0], qs[0], gs[0], EPS, SCALE)
+    assert len(tables) >= 3 and "empty" in seen.names and not seen.names & forbidden, seen.names
+    with Ops() as control:  # the check can fail: the copy the tables replaced is seen
+        torch.tensor([1, 2], dtype=torch.int64)
+        bool(out.sum() > 0)
+    assert {"lift_fresh", "_local_scalar_dense"} <= control.names

@@ -1,5 +1,5 @@
 """Triton kernels of depth attention (spec sections 2-3): forward / phase 1, backward, phase-2
-merge, and a fixed-order row reduction.  Host side: `triton_depth.py`.
+merge, a fixed-order row reduction, and the fill of the pointer tables.  Host side: `triton_depth.py`.
 
 Math (spec 2.1, per token; single head, softmax, key_norm):
     r_i = 1 / sqrt(mean(x_i^2) + eps)      qg = q * g      s_i = <qg, x_i>      z_i = scale r_i s_i
@@ -12,7 +12,8 @@ Conventions shared by every kernel:
 * Sources are N separate tensors, never stacked: `src_ptrs` / `src_strides` are int64 tables of
   the data pointers and row strides (in elements) of the N `[T, D]` row views (unit column
   stride); source i is loaded through `tl.load(src_ptrs + i).to(pointer_type(ELT))`, so N is a
-  runtime loop bound with no cap (C16).
+  runtime loop bound with no cap (C16).  The host writes the tables with `_fill_table_kernel`
+  (values as kernel arguments: no host-to-device copy, capturable in a CUDA graph).
 * D is tiled in BLOCK_D chunks with masks.  ONE_TILE (BLOCK_D >= D) keeps a row in registers, so
   every source row is read exactly once.  Otherwise every source row is walked twice over its D
   tiles (sums first, then the update; the second walk hits cache) and the cross-source
@@ -517,3 +518,48 @@ def _reduce_rows_kernel(ws_ptr, out_ptr, P, D, BLOCK_D: tl.constexpr):
         acc += tl.load(row + cols, mask=cmask, other=0.0)
         row += D
     tl.store(out_ptr + cols, acc, mask=cmask)
+
+
+# -- device tables from scalar arguments ----------------------------------------------------------
+
+TABLE_SLOTS = 16  # int64 values one `_fill_table_kernel` launch writes: 2 x 16 i32 arguments
+_TABLE_ARGS = [f"{half}{j}" for j in range(TABLE_SLOTS) for half in "hl"]
+
+
+@triton.jit
+def _join31(hi, lo):
+    """hi * 2^31 + lo as int64, from two i32 arguments each in [0, 2^31)."""
+    return (hi.to(tl.int64) << 31) | lo.to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["start", "count"] + _TABLE_ARGS)
+def _fill_table_kernel(table_ptr, start, count,
+                       h0, l0, h1, l1, h2, l2, h3, l3, h4, l4, h5, l5, h6, l6, h7, l7,
+                       h8, l8, h9, l9, h10, l10, h11, l11, h12, l12, h13, l13, h14, l14, h15, l15,
+                       SLOTS: tl.constexpr):
+    """table[start + j] = h_j * 2^31 + l_j for j < count <= SLOTS (one program, one masked
+    [SLOTS] int64 store, 128 B).  Writes the pointer / row-stride tables on the device from
+    kernel arguments: no host-to-device copy and no host sync, and a CUDA graph captures the
+    launch as a kernel node whose arguments are the values, replayed before the kernel that reads
+    the table.  Each value travels as two i32 halves below 2^31 with specialization off, so every
+    launch has one signature (a Python int's Triton type and its divisibility by 16 would
+    otherwise pick among several compiles)."""
+    j = tl.arange(0, SLOTS)
+    v = tl.zeros([SLOTS], dtype=tl.int64)
+    v = tl.where(j == 0, _join31(h0, l0), v)
+    v = tl.where(j == 1, _join31(h1, l1), v)
+    v = tl.where(j == 2, _join31(h2, l2), v)
+    v = tl.where(j == 3, _join31(h3, l3), v)
+    v = tl.where(j == 4, _join31(h4, l4), v)
+    v = tl.where(j == 5, _join31(h5, l5), v)
+    v = tl.where(j == 6, _join31(h6, l6), v)
+    v = tl.where(j == 7, _join31(h7, l7), v)
+    v = tl.where(j == 8, _join31(h8, l8), v)
+    v = tl.where(j == 9, _join31(h9, l9), v)
+    v = tl.where(j == 10, _join31(h10, l10), v)
+    v = tl.where(j == 11, _join31(h11, l11), v)
+    v = tl.where(j == 12, _join31(h12, l12), v)
+    v = tl.where(j == 13, _join31(h13, l13), v)
+    v = tl.where(j == 14, _join31(h14, l14), v)
+    v = tl.where(j == 15, _join31(h15, l15), v)
+    tl.store(table_ptr + start + j, v, mask=j < count)

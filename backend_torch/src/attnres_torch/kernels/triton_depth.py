@@ -7,12 +7,14 @@ N sources `[..., D]` of one shape and dtype (any strides; a source is passed as 
 view with unit column stride, copied only when no such view exists), query `[D]` or `[..., D]`,
 norm_weight `[D]` or None.  The token axes flatten to T rows.
 
-Test hooks: every output and workspace buffer comes from `_alloc` and every launch goes through
-`_launch`; `_MAX_BLOCK_D`, `_TILE_ELEMS` and `_BWD_PROGRAMS` set the tiling.
+Test hooks: every output and workspace buffer comes from `_alloc`, every pointer / stride table
+from `_alloc_table`, and every launch goes through `_launch`; `_MAX_BLOCK_D`, `_TILE_ELEMS` and
+`_BWD_PROGRAMS` set the tiling; `_capturing` says whether a CUDA graph is being captured.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -104,19 +106,67 @@ def _tiles(num_rows: int, dim: int, num_queries: int = 1, share: int = 1):
     return block_t, block_s, block_d, block_d >= dim, num_warps
 
 
-_TABLES: dict = {}       # (device, int64 values) -> device tensor; the host-to-device copy once
-_MAX_TABLES = 256
+# -- pointer / row-stride tables ------------------------------------------------------------------
+#
+# The kernels read N source pointers and row strides from int64 device tables.  A table is
+# written on the device by `_fill_table_kernel` from kernel arguments, never copied from the host:
+# no blocking copy and no host sync on any path, so every op can be captured in a CUDA graph.
+#   * Eager: tables are cached by (device, stream, values), least recently used out of
+#     `_MAX_TABLES`.  A table is filled and read on one stream, so the caching allocator may
+#     reuse an evicted table's block only after the kernels already queued on that stream.
+#   * While the current stream is capturing a CUDA graph: a fresh table per call, never cached.
+#     It is an intermediate of the graph like any other: its fill is a node of the graph,
+#     replayed before the kernel that reads it, and its block returns to the graph's pool in
+#     stream order.  (A cached table could be evicted and its memory reused while the graph
+#     still reads it; a table filled inside a capture holds its values only once the graph ran.)
+
+_TABLES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
+_MAX_TABLES = 4096       # x (512 B, the allocator's smallest block): at most 2 MiB per device
+_HALF = 1 << 31          # a value travels as two i32 halves below 2^31 (`_fill_table_kernel`)
+
+
+def _alloc_table(num: int, device) -> Tensor:
+    """Every table's buffer (tests poison it)."""
+    return torch.empty((num,), dtype=torch.int64, device=device)
+
+
+def _capturing(device) -> bool:
+    """True while the current CUDA stream of `device` is capturing a graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _fill_table(values: Tuple[int, ...], device) -> Tensor:
+    """A fresh int64 `[len(values)]` table on `device`, written by ceil(N / 16) launches of
+    `_fill_table_kernel` on the current stream."""
+    if any(not 0 <= v < _HALF * _HALF for v in values):
+        raise ValueError(f"table values must lie in [0, 2^62), got {values}")
+    table = _alloc_table(len(values), device)
+    slots = _k.TABLE_SLOTS
+    for start in range(0, len(values), slots):
+        chunk = values[start:start + slots]
+        halves = [h for v in chunk + (0,) * (slots - len(chunk)) for h in (v // _HALF, v % _HALF)]
+        _launch(_k._fill_table_kernel, (1,), table, start, len(chunk), *halves, SLOTS=slots,
+                num_warps=1)
+    return table
 
 
 def _device_table(values: Sequence[int], device) -> Tensor:
-    """An int64 device tensor holding `values` (pointers or strides), cached by value (safe:
-    a table holds plain numbers, valid for whatever tensor sits at those addresses at launch)."""
-    key = (str(device), tuple(values))
+    """An int64 device tensor holding `values` (pointers or row strides).  Cached by value in
+    eager mode (safe: a table holds plain numbers, valid for whatever tensor sits at those
+    addresses at launch); fresh while capturing a CUDA graph (see above)."""
+    values = tuple(int(v) for v in values)
+    device = torch.device(device)
+    if _capturing(device):
+        return _fill_table(values, device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (str(device), stream, values)
     table = _TABLES.get(key)
-    if table is None:
-        if len(_TABLES) >= _MAX_TABLES:
-            _TABLES.pop(next(iter(_TABLES)))
-        table = _TABLES[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    if table is not None:
+        _TABLES.move_to_end(key)
+        return table
+    table = _TABLES[key] = _fill_table(values, device)
+    if len(_TABLES) > _MAX_TABLES:
+        _TABLES.popitem(last=False)
     return table
 
 

@@ -218,17 +218,21 @@ def run_ptxas(ptx: str, ptxas: str) -> Dict[str, int]:
 
 
 _ACCESS_RE = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)")
+_ASYNC_RE = re.compile(r"\bcp\.async\.c[ag]\.shared\.global\S*\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
 
 
 def global_accesses(ptx: str) -> Dict[str, collections.Counter]:
     """{"ld": Counter(bytes per instruction), "st": ...} over the global loads/stores of the PTX
-    (ld.global.v4.b32 -> 16, st.global.b16 -> 2)."""
+    (ld.global.v4.b32 -> 16, st.global.b16 -> 2); a pipelined loop's asynchronous global-to-shared
+    copies count as loads of their size (cp.async.cg.shared.global [..], [..], 0x10 -> 16)."""
     out = {"ld": collections.Counter(), "st": collections.Counter()}
     for op, mods in _ACCESS_RE.findall(ptx):
         parts = mods.split(".")
         vec = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
         bits = next((int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p)), 0)
         out[op][vec * bits // 8] += 1
+    for size in _ASYNC_RE.findall(ptx):
+        out["ld"][int(size, 0)] += 1
     return out
 
 
@@ -269,6 +273,13 @@ def source_reads(name: str, meta: dict, case: Case) -> int:
     return 1
 
 
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
 def _widths(counter: dict) -> str:
     """{bytes: count} (keys int, or str after a JSON round trip) -> "16Bx10 8Bx2", widest first."""
     items = sorted(((int(b), n) for b, n in counter.items()), reverse=True)
@@ -289,7 +300,7 @@ def analyze_launch(case: Case, kernel, grid, args, meta, ptxas: str) -> dict:
     pipelined = "cp.async" in ptx
     name = kernel.fn.__name__
     step = step_bytes(name, meta, case.d)
-    grid0 = grid[0] if isinstance(grid, tuple) else grid
+    grid0 = _prod(grid) if isinstance(grid, tuple) else grid        # programs in all
     in_flight = None
     if step is not None:
         resident = min(grid0, SMS * ctas)                 # CTAs running at once

@@ -77,9 +77,12 @@ def test_ptx_access_widths():
         @%p2 st.global.b16 [ %rd3 + 0 ], { %rs1 };
         st.global.v4.b32 [ %rd3 + 0 ], { %r1, %r2, %r3, %r4 };
         ld.shared.v4.b32 { %r1, %r2, %r3, %r4 }, [ %r9 + 0 ];
+        cp.async.cg.shared.global [ %r10 + 0 ], [ %rd8 + 0 ], 0x10, %r11;
+        cp.async.ca.shared.global [ %r12 + 0 ], [ %rd9 + 0 ], 4;
+        cp.async.commit_group;
     """
     acc = report.global_accesses(ptx)
-    assert acc["ld"] == collections.Counter({16: 1, 8: 2})
+    assert acc["ld"] == collections.Counter({16: 2, 8: 2, 4: 1})
     assert acc["st"] == collections.Counter({16: 1, 2: 1})
 
 

@@ -485,3 +485,26 @@ def test_no_host_data_enters_the_path(tables):
         torch.tensor([1, 2], dtype=torch.int64)
         bool(out.sum() > 0)
     assert {"lift_fresh", "_local_scalar_dense"} <= control.names
+
+
+@pytest.mark.parametrize("num_p,dim,programs", [(1, 7, 264), (2, 33, 264), (7, 33, 3), (300, 7, 8),
+                                                (300, 2100, 5), (1024, 16, 264)])
+def test_reduce_sums_every_row_in_a_fixed_order(kernels, monkeypatch, num_p, dim, programs):
+    """The workspace reduction (two passes when the first has several chunks) against the float64
+    sum, outputs poisoned, bits repeated; the grid of each pass checked."""
+    monkeypatch.setattr(td, "_REDUCE_PROGRAMS", programs)
+    grids = []
+    real = td._launch
+    monkeypatch.setattr(td, "_launch", lambda k, grid, *a, **m: (grids.append(grid), real(k, grid, *a, **m)))
+    ws = rand(torch.Generator().manual_seed(num_p + dim), (num_p, dim), torch.float32)
+    before = ws.clone()
+    out = td._reduce(ws)
+    first = list(grids)
+    _no_nan(out)
+    assert torch.equal(ws, before) and torch.equal(td._reduce(ws), out)
+    assert_close(out, f64(ws).sum(0), "float32", "sum of rows", grad=True)
+    tiles = -(-dim // min(1024, 1 << (dim - 1).bit_length()))
+    rows = -(-num_p // max(1, min(num_p, programs // tiles)))
+    chunks = -(-num_p // rows)
+    assert first == ([(tiles, chunks), (tiles, 1)] if chunks > 1 else [(tiles, 1)])
+    assert kernels.count("_reduce_rows_kernel") == 2 * len(first)

@@ -508,17 +508,21 @@ def _merge_kernel(
 
 
 @triton.jit
-def _reduce_rows_kernel(ws_ptr, out_ptr, P, D, BLOCK_D: tl.constexpr):
-    """out[d] = sum_p ws[p, d], p ascending (a fixed order: deterministic).  Tile [BLOCK_D]."""
+def _reduce_rows_kernel(ws_ptr, out_ptr, P, D, ROWS, BLOCK_D: tl.constexpr):
+    """out[c, d] = sum of ws[p, d] over chunk c, rows p = c ROWS .. min((c + 1) ROWS, P) - 1 in
+    ascending order (a fixed order: deterministic, no atomics).  Grid (column tiles, chunks), tile
+    [BLOCK_D] fp32; the host's `_reduce` runs it twice (chunks, then the chunk sums) so that the
+    first pass spreads over many programs instead of walking all P rows in a few."""
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
+    start = tl.program_id(1) * ROWS
+    end = tl.minimum(start + ROWS, P)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    row = ws_ptr                                                   # ws[p], p = 0, 1, ... (64-bit)
-    for _ in range(P):
+    row = ws_ptr + start.to(tl.int64) * D                          # ws[p], p = start, ... (64-bit)
+    for _ in tl.range(start, end, num_stages=3):                   # rows in order, loads ahead
         acc += tl.load(row + cols, mask=cmask, other=0.0)
         row += D
-    tl.store(out_ptr + cols, acc, mask=cmask)
-
+    tl.store(out_ptr + tl.program_id(1).to(tl.int64) * D + cols, acc, mask=cmask)
 
 # -- device tables from scalar arguments ----------------------------------------------------------
 

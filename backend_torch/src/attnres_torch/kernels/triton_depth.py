@@ -9,7 +9,7 @@ norm_weight `[D]` or None.  The token axes flatten to T rows.
 
 Test hooks: every output and workspace buffer comes from `_alloc`, every pointer / stride table
 from `_alloc_table`, and every launch goes through `_launch`; `_MAX_BLOCK_D`, `_TILE_ELEMS` and
-`_BWD_PROGRAMS` set the tiling; `_capturing` says whether a CUDA graph is being captured.
+`_BWD_PROGRAMS` and `_REDUCE_PROGRAMS` set the tiling; `_capturing` says whether a CUDA graph is being captured.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK_D = 16384     # widest D tile held in registers; wider rows walk D in tiles
 _TILE_ELEMS = 8192       # elements of one [BLOCK_T, BLOCK_S, BLOCK_D] tile (sets BLOCK_T, BLOCK_S)
 _BWD_PROGRAMS = 1024     # most backward programs, i.e. rows of the partial-sum workspace
+_REDUCE_PROGRAMS = 264   # programs of the workspace reduction's first pass (2 per H200 SM)
 _ON_REG_MAX_D = 4096     # output norm backward: widest tile summing d_out_norm_weight in registers
 
 
@@ -263,11 +264,20 @@ def multi_forward(sources, queries: Tensor, norm_weights: Optional[Tensor], eps:
 
 
 def _reduce(ws: Tensor) -> Tensor:
-    """`[P, D]` fp32 -> `[D]`: sums in ascending p (deterministic, no atomics)."""
+    """`[P, D]` fp32 -> `[D]`: a fixed two-level order (deterministic, no atomics).  Pass 1 sums
+    chunks of `rows` consecutive rows into `[C, D]` on a (column tiles x C) grid of about
+    `_REDUCE_PROGRAMS` programs; pass 2 sums the C chunk rows in order (one pass when C = 1)."""
     num_p, dim = ws.shape
-    out = _alloc((dim,), torch.float32, ws.device)
     block = min(_pow2(dim), 1024)
-    _launch(_k._reduce_rows_kernel, (triton.cdiv(dim, block),), ws, out, num_p, dim, BLOCK_D=block)
+    tiles = triton.cdiv(dim, block)
+    rows = triton.cdiv(num_p, max(1, min(num_p, _REDUCE_PROGRAMS // tiles)))
+    chunks = triton.cdiv(num_p, rows)
+    if chunks > 1:
+        part = _alloc((chunks, dim), torch.float32, ws.device)
+        _launch(_k._reduce_rows_kernel, (tiles, chunks), ws, part, num_p, dim, rows, BLOCK_D=block)
+        ws, num_p = part, chunks
+    out = _alloc((dim,), torch.float32, ws.device)
+    _launch(_k._reduce_rows_kernel, (tiles, 1), ws, out, num_p, dim, num_p, BLOCK_D=block)
     return out
 
 

@@ -261,6 +261,10 @@ def step_bytes(name: str, meta: dict, d: int) -> Optional[int]:
         return bt * bd * 2 * 2                             # out1 and partial tiles
     if name == "_reduce_rows_kernel":
         return meta["BLOCK_D"] * 4
+    if name == "_phase1_logits_kernel":                   # a bf16 source tile and an fp32 qg tile
+        return bt * bd * 2 + bd * meta["BLOCK_S"] * 4
+    if name == "_weighted_sum_kernel":                    # a bf16 source tile and its fp32 weights
+        return bt * bd * 2 + bt * meta["BLOCK_S"] * 4
     return None
 
 

@@ -161,7 +161,8 @@ def test_multi_matches_reference(kernels, n, num_q, dim, gain):
     qs = rand(gen, (num_q, dim), torch.float32)
     gs = rand(gen, (num_q, dim), torch.float32) + 1.0 if gain else None
     out, lse = td.multi_forward(xs, qs, gs, EPS, SCALE)
-    assert kernels == ["_depth_fwd_kernel"]
+    split = -(-num_q // td._tiles(5, dim, num_q)[1]) > 1  # one tile cannot hold every query
+    assert kernels == (["_phase1_logits_kernel", "_weighted_sum_kernel"] if split else ["_depth_fwd_kernel"])
     _no_nan(out, lse)
     ref_out, ref_lse = ops.depth_attention_multi(f64(xs), f64(qs), f64(gs), eps=EPS, scale=SCALE)
     assert_close(out, ref_out, "float32", "out", grad=False)
@@ -508,3 +509,29 @@ def test_reduce_sums_every_row_in_a_fixed_order(kernels, monkeypatch, num_p, dim
     chunks = -(-num_p // rows)
     assert first == ([(tiles, chunks), (tiles, 1)] if chunks > 1 else [(tiles, 1)])
     assert kernels.count("_reduce_rows_kernel") == 2 * len(first)
+
+
+@pytest.mark.parametrize("kernels", ["one_tile", "d_tiles"], indirect=True)
+@pytest.mark.parametrize("n,num_q,dim,dtype", [(1, 12, 7, torch.float32), (8, 12, 33, torch.bfloat16),
+                                               (3, 3, 7, torch.float16), (4, 17, 20, torch.float32),
+                                               (2, 5, 100, torch.bfloat16)])
+def test_phase1_split_reads_each_source_twice_not_s_times(kernels, n, num_q, dim, dtype):
+    """`_run_phase1_split` (`_phase1_logits_kernel`, then `_weighted_sum_kernel`) called directly,
+    with and without gains, one and several D steps, S above one 16-query group of the sum,
+    against the float64 reference; N = 1 returns the source exactly (C6); bits repeat."""
+    gen = torch.Generator().manual_seed(n * 100 + num_q + dim)
+    name = str(dtype).replace("torch.", "")
+    xs = _sources(gen, n, (6, dim), dtype, "sliced")
+    qs = rand(gen, (num_q, dim), torch.float32)
+    gs = None if num_q == 3 else rand(gen, (num_q, dim), torch.float32) + 1.0
+    table = td._SourceTable(xs, dim)
+    out, lse = td._run_phase1_split(table, qs, gs, num_q, EPS, SCALE)
+    assert kernels == ["_phase1_logits_kernel", "_weighted_sum_kernel"]
+    _no_nan(out, lse)
+    ref_out, ref_lse = ops.depth_attention_multi(f64(xs), f64(qs), f64(gs), eps=EPS, scale=SCALE)
+    assert_close(out, ref_out, name, "out", grad=False)
+    assert_close(lse, ref_lse, "float32", "lse", grad=False)
+    if n == 1:
+        assert all(torch.equal(o, xs[0]) for o in out)
+    again = td._run_phase1_split(table, qs, gs, num_q, EPS, SCALE)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)

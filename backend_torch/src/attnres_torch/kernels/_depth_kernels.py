@@ -1,5 +1,5 @@
-"""Triton kernels of depth attention (spec sections 2-3): forward / phase 1, backward, phase-2
-merge, a fixed-order row reduction, and the fill of the pointer tables.  Host side: `triton_depth.py`.
+"""Triton kernels of depth attention (spec sections 2-3): forward / phase 1 (one pass, or its
+logits then its weighted sum), backward, phase-2 merge, a fixed-order row reduction, and the fill of the pointer tables.  Host side: `triton_depth.py`.
 
 Math (spec 2.1, per token; single head, softmax, key_norm):
     r_i = 1 / sqrt(mean(x_i^2) + eps)      qg = q * g      s_i = <qg, x_i>      z_i = scale r_i s_i
@@ -433,6 +433,100 @@ def _depth_bwd_kernel(
                         tl.store(ws_row + col2, acc + tl.sum(dqg * q, axis=0)[None, :],
                                  mask=cmask2)
                     tl.debug_barrier()
+
+
+@triton.jit
+def _phase1_logits_kernel(
+    src_ptrs, src_strides,          # int64 [N] tables of the `[T, D]` source views
+    qg_ptr,                         # qg = q * g [S, D] fp32, contiguous
+    lse_ptr, w_ptr,                 # lse [S, T] fp32; weights p [N, S, T] fp32
+    N, T, S, D, eps, scale,
+    ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Phase 1's statistics for all S queries in one read of each source (spec 3.1): per source,
+    s = X qg^T over D tiles as an fp32 `tl.dot` ([BLOCK_T, BLOCK_D] x [BLOCK_D, BLOCK_S],
+    input_precision "ieee": FMA, no TF32 rounding), sum(x^2) beside it, then z = scale r s and
+    the online max / sum; z parked in w_ptr, finally p = exp(z - m) / l and lse = m + log l.
+
+    Grid (cdiv(T, BLOCK_T),).  The qg tile [BLOCK_D, BLOCK_S] fp32 is reused by BLOCK_T rows, so
+    its L2 traffic is S D 4 / BLOCK_T bytes per row and source (7 KiB at S = 16, BLOCK_T = 64)
+    against the source row's D 2 (14 KiB at D = 7168, bf16).  `_weighted_sum_kernel` forms out.
+    """
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row2 = rows.to(tl.int64)[:, None]                              # [BLOCK_T, 1]
+    rmask2 = row2 < T
+    qidx = tl.arange(0, BLOCK_S)
+    q2 = qidx.to(tl.int64)[None, :]                                # [1, BLOCK_S]
+    mask2 = rmask2 & (q2 < S)                                      # [BLOCK_T, BLOCK_S]
+    m = tl.full([BLOCK_T, BLOCK_S], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+    for i in range(N):
+        base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+        s = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+        ss = tl.zeros([BLOCK_T], tl.float32)
+        ss_lo = tl.zeros([BLOCK_T], tl.float32)
+        for d0 in tl.range(0, D, BLOCK_D, num_stages=3):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            cmask = cols < D
+            x = tl.load(base + row2 * stride + cols[None, :], mask=rmask2 & cmask[None, :],
+                        other=0.0).to(tl.float32)                  # [BLOCK_T, BLOCK_D]
+            qgt = tl.load(qg_ptr + q2 * D + cols[:, None], mask=cmask[:, None] & (q2 < S),
+                          other=0.0)                               # [BLOCK_D, BLOCK_S]
+            s += tl.dot(x, qgt, input_precision="ieee")
+            sq, sq_lo = _sumsq(x, 1)
+            ss += sq
+            ss_lo += sq_lo
+        z = scale * _rsqrt_mean(ss, ss_lo, D, eps)[:, None] * s   # [BLOCK_T, BLOCK_S]
+        tl.store(w_ptr + (q2 + i * S) * T + row2, z, mask=mask2)
+        m_new = tl.maximum(m, z)
+        l = l * tl.exp(m - m_new) + tl.exp(z - m_new)
+        m = m_new
+    tl.store(lse_ptr + q2 * T + row2, m + tl.log(l), mask=mask2)
+    for i in range(N):                                             # z_i -> p_i of that lse
+        w_at = w_ptr + (q2 + i * S) * T + row2
+        tl.store(w_at, tl.exp(tl.load(w_at, mask=mask2, other=0.0) - m) / l, mask=mask2)
+
+
+@triton.jit
+def _weighted_sum_kernel(
+    src_ptrs, src_strides,          # int64 [N] tables of the `[T, D]` source views
+    w_ptr,                          # weights p [N, S, T] fp32 (`_phase1_logits_kernel`'s)
+    out_ptr,                        # out [S, T, D] source dtype
+    N, T, S, D,
+    ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Phase 1's outputs from its weights (spec 3.1): out[k] = sum_i p_ik x_i for BLOCK_S queries
+    at once, so each source element is read once whatever S is.
+
+    Grid (cdiv(S, BLOCK_S) * cdiv(T, BLOCK_T) * cdiv(D, BLOCK_D),), D tiles fastest.  Tile: the
+    fp32 accumulator [BLOCK_T, BLOCK_S, BLOCK_D]; per pipelined source step one [BLOCK_T,
+    BLOCK_D] source tile and one [BLOCK_T, BLOCK_S] fp32 weight tile.  The sum runs over i in
+    order (deterministic); N = 1 gives p = 1 and out = x exactly (C6).
+    """
+    num_dt = tl.cdiv(D, BLOCK_D)
+    num_rt = tl.cdiv(T, BLOCK_T)
+    pid = tl.program_id(0)
+    cols = (pid % num_dt) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = ((pid // num_dt) % num_rt) * BLOCK_T + tl.arange(0, BLOCK_T)
+    qidx = (pid // (num_dt * num_rt)) * BLOCK_S + tl.arange(0, BLOCK_S)
+    row2 = rows.to(tl.int64)[:, None]                              # [BLOCK_T, 1]
+    col2 = cols[None, :]                                           # [1, BLOCK_D]
+    xmask = (row2 < T) & (col2 < D)                                # [BLOCK_T, BLOCK_D]
+    q2 = qidx.to(tl.int64)[None, :]                                # [1, BLOCK_S]
+    wmask = (row2 < T) & (q2 < S)                                  # [BLOCK_T, BLOCK_S]
+    acc = tl.zeros([BLOCK_T, BLOCK_S, BLOCK_D], tl.float32)
+    for i in tl.range(0, N, num_stages=3):
+        base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+        x = tl.load(base + row2 * stride + col2, mask=xmask, other=0.0).to(tl.float32)
+        p = tl.load(w_ptr + (q2 + i * S) * T + row2, mask=wmask, other=0.0)
+        acc += p[:, :, None] * x[:, None, :]
+    row3 = rows.to(tl.int64)[:, None, None]                        # [BLOCK_T, 1, 1]
+    q3 = qidx.to(tl.int64)[None, :, None]                          # [1, BLOCK_S, 1]
+    col3 = cols[None, None, :]                                     # [1, 1, BLOCK_D]
+    tl.store(out_ptr + q3 * T * D + row3 * D + col3, _to_elt(acc, ELT),
+             mask=(row3 < T) & (q3 < S) & (col3 < D))
 
 
 @triton.jit

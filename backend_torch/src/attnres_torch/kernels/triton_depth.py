@@ -35,6 +35,7 @@ _MAX_BLOCK_D = 16384     # widest D tile held in registers; wider rows walk D in
 _TILE_ELEMS = 8192       # elements of one [BLOCK_T, BLOCK_S, BLOCK_D] tile (sets BLOCK_T, BLOCK_S)
 _BWD_PROGRAMS = 1024     # most backward programs, i.e. rows of the partial-sum workspace
 _REDUCE_PROGRAMS = 264   # programs of the workspace reduction's first pass (2 per H200 SM)
+_LOGITS_MAX_S = 64       # most queries of the two-pass phase 1 (its [64, S] fp32 dot tile)
 _ON_REG_MAX_D = 4096     # output norm backward: widest tile summing d_out_norm_weight in registers
 
 
@@ -252,15 +253,70 @@ def forward(sources, query: Tensor, norm_weight: Optional[Tensor], eps: float,
 def multi_forward(sources, queries: Tensor, norm_weights: Optional[Tensor], eps: float,
                   scale: float) -> Tuple[Tensor, Tensor]:
     """Phase 1 (spec 3.1): queries `[S, D]`, norm_weights `[S, D]` or None ->
-    out `[S, ..., D]` (sources' dtype), lse `[S, ...]` fp32; each source is read once."""
+    out `[S, ..., D]` (sources' dtype), lse `[S, ...]` fp32.  Each source is read once when one
+    tile holds every query, else twice (`_run_phase1_split`), never S times."""
     sources = _as_list(sources)
     shape, dim = sources[0].shape, sources[0].shape[-1]
     num_q = queries.shape[0]
     table = _SourceTable(sources, dim)
     q = queries.contiguous()
     g = _vec(norm_weights)
-    out, lse, _, _ = _run_forward(table, q, dim, g, dim, num_q, False, eps, scale)
+    num_rows = table.views[0].shape[0]
+    if triton.cdiv(num_q, _tiles(num_rows, dim, num_q)[1]) > 1 and num_q <= _LOGITS_MAX_S:
+        out, lse = _run_phase1_split(table, q, g, num_q, eps, scale)
+    else:
+        out, lse, _, _ = _run_forward(table, q, dim, g, dim, num_q, False, eps, scale)
     return out.view((num_q,) + tuple(shape)), lse.view((num_q,) + tuple(shape[:-1]))
+
+
+def _logit_tiles(num_rows: int, dim: int, num_queries: int):
+    """(BLOCK_T, BLOCK_S, BLOCK_D, num_warps) of `_phase1_logits_kernel`: `tl.dot` needs every
+    block >= 16; up to 64 rows share each qg tile (fewer where that leaves an H200 SM idle:
+    32 at T = 8192), D walked in 64-column steps."""
+    block_t = next((bt for bt in (64, 32) if triton.cdiv(num_rows, bt) >= 132), 16)
+    block_t = min(block_t, max(16, _pow2(num_rows)))
+    block_s = max(16, _pow2(num_queries))
+    block_d = min(64, max(16, _pow2(dim)))
+    return block_t, block_s, block_d, 4
+
+
+def _sum_tiles(num_rows: int, dim: int, num_queries: int):
+    """(BLOCK_T, BLOCK_S, BLOCK_D, num_warps) of `_weighted_sum_kernel`: one row, up to 16
+    queries, D in tiles of up to 512 at 8 columns per thread (16-byte bf16 loads; the fp32
+    accumulator is 16 x 8 registers per thread; sm_90: 164 registers, 6 CTAs per SM).  Writes
+    dominate this kernel: S outputs per element read."""
+    block_s = min(_pow2(num_queries), 16)
+    block_d = min(_pow2(dim), 512, max(1, _TILE_ELEMS // 16))
+    return 1, block_s, block_d, max(1, block_d // 256)
+
+
+def _run_phase1_split(table: _SourceTable, q: Tensor, g: Optional[Tensor], num_queries: int,
+                      eps: float, scale: float) -> Tuple[Tensor, Tensor]:
+    """Phase 1 when the single-pass forward would split the S queries into several groups, each
+    reading every source again (at D = 7168 a row fills the tile, so S = 12 meant 12 reads):
+    pass 1, `_phase1_logits_kernel`, reads each source once for all S queries and writes lse
+    `[S, T]` and the weights p `[N, S, T]` fp32; pass 2, `_weighted_sum_kernel`, reads each
+    source once more and writes out `[S, T, D]`.  Two reads instead of S."""
+    x0 = table.views[0]
+    num_rows, dim = x0.shape
+    dev, n = x0.device, len(table.views)
+    out = _alloc((num_queries, num_rows, dim), table.dtype, dev)
+    lse = _alloc((num_queries, num_rows), torch.float32, dev)
+    w = _alloc((n, num_queries, num_rows), torch.float32, dev)
+    if num_rows == 0:
+        return out, lse
+    qg = (q.float() * g.float() if g is not None else q.float()).contiguous()   # [S, D] fp32
+    bt, bs, bd, warps = _logit_tiles(num_rows, dim, num_queries)
+    _launch(_k._phase1_logits_kernel, (triton.cdiv(num_rows, bt),), table.ptrs, table.strides, qg,
+            lse, w, n, num_rows, num_queries, dim, float(eps), float(scale), ELT=table.elt,
+            VEC=table.vec, ALIGNED=table.aligned, BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd,
+            num_warps=warps)
+    bt, bs, bd, warps = _sum_tiles(num_rows, dim, num_queries)
+    grid = (triton.cdiv(num_queries, bs) * triton.cdiv(num_rows, bt) * triton.cdiv(dim, bd),)
+    _launch(_k._weighted_sum_kernel, grid, table.ptrs, table.strides, w, out, n, num_rows,
+            num_queries, dim, ELT=table.elt, VEC=table.vec, ALIGNED=table.aligned, BLOCK_T=bt,
+            BLOCK_S=bs, BLOCK_D=bd, num_warps=warps)
+    return out, lse
 
 
 def _reduce(ws: Tensor) -> Tensor:

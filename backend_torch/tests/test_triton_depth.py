@@ -29,9 +29,12 @@ pytestmark = pytest.mark.triton
 
 EPS, SCALE = 1e-6, 0.7
 
-# (max D tile, tile elements, backward programs): one tile in registers; D walked in 16-wide
-# tiles with 1-row blocks shared by 2 backward programs; 2-row blocks, one backward program.
-TILINGS = {"one_tile": (16384, 8192, 1024), "d_tiles": (16, 16, 2), "row_blocks": (16384, 16, 1)}
+# (max D tile, tile elements, backward programs, forward programs, narrowest hoisted qg): one
+# tile in registers; D walked in 16-wide tiles with 1-row blocks shared by 2 backward and 3
+# forward programs; 2-row blocks, one backward program, 2 forward programs (the persistent grids
+# loop) that load a shared qg once.
+TILINGS = {"one_tile": (16384, 8192, 1024, 264, 1024), "d_tiles": (16, 16, 2, 3, 1024),
+           "row_blocks": (16384, 16, 1, 2, 1)}
 VARIANTS = [(False, True), (True, True), (False, False)]  # (per-token query, gain)
 DEPTH_CASES = ([("one_tile", n, d, pt, g) for n, d in [(1, 7), (2, 1), (3, 33), (9, 7)]
                 for pt, g in VARIANTS]
@@ -43,10 +46,12 @@ DEPTH_CASES = ([("one_tile", n, d, pt, g) for n, d in [(1, 7), (2, 1), (3, 33), 
 def kernels(monkeypatch, request):
     """Poisoned buffers + launch counter; `request.param` (optional) names a tiling."""
     name = getattr(request, "param", "one_tile")
-    max_d, elems, progs = TILINGS[name]
+    max_d, elems, progs, fwd_progs, hoist_min_d = TILINGS[name]
     monkeypatch.setattr(td, "_MAX_BLOCK_D", max_d)
     monkeypatch.setattr(td, "_TILE_ELEMS", elems)
     monkeypatch.setattr(td, "_BWD_PROGRAMS", progs)
+    monkeypatch.setattr(td, "_FWD_PROGRAMS", fwd_progs)
+    monkeypatch.setattr(td, "_HOIST_MIN_D", hoist_min_d)
     monkeypatch.setattr(td, "_alloc", lambda shape, dtype, device: torch.full(
         shape, float("nan"), dtype=dtype, device=device))
     launches, fills = [], []

@@ -111,102 +111,117 @@ def _depth_fwd_kernel(
     ELT: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, PER_TOKEN: tl.constexpr,
     HAS_GAIN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_TILE: tl.constexpr, WEIGHTS: tl.constexpr, OUT_NORM: tl.constexpr = False,
+    HOIST_QG: tl.constexpr = False,
 ):
     """Forward and phase 1 (spec 2.1 and 3.1): one online-softmax pass over the N sources for
     BLOCK_S queries at once; each source row is loaded once and used by all of them.
 
-    Grid (cdiv(S, BLOCK_S) * cdiv(T, BLOCK_T),), one axis (no 65535 limit on T); the query
-    group varies fastest so the groups that share rows run together.  acc_ptr is touched only
-    when not ONE_TILE.  WEIGHTS: each z_i is parked in w_ptr during the pass, then replaced by
+    Tiles: cdiv(S, BLOCK_S) * cdiv(T, BLOCK_T) (query group fastest, so the groups that share
+    rows run together), walked by a persistent grid of at most that many programs (one axis, no
+    65535 limit on T).  HOIST_QG (ONE_TILE, shared query, one group; host-checked): the fp32
+    qg tile, up to BLOCK_D x 4 bytes read from L2, is loaded once per program, not per tile.
+    acc_ptr is touched only when not ONE_TILE.  WEIGHTS: each z_i is parked in w_ptr during the pass, then replaced by
     p_i = exp(z_i - m) / l with the final m and l of lse (the same logits, max and sum; exactly
     1 at N = 1).  OUT_NORM (C17; S = 1 and ONE_TILE only, host-checked): out_normed =
     (rho y) w from the same fp32 accumulator y = acc / l, before out's rounding.
     """
     num_groups = tl.cdiv(S, BLOCK_S)
-    rows = (tl.program_id(0) // num_groups) * BLOCK_T + tl.arange(0, BLOCK_T)   # [BLOCK_T]
-    qidx = (tl.program_id(0) % num_groups) * BLOCK_S + tl.arange(0, BLOCK_S)    # [BLOCK_S]
-    row3 = rows.to(tl.int64)[:, None, None]                        # [BLOCK_T, 1, 1]
-    q3 = qidx[None, :, None]                                       # [1, BLOCK_S, 1]
-    rmask3 = row3 < T
-    smask3 = q3 < S
-    row2 = rows.to(tl.int64)[:, None]                              # [BLOCK_T, 1]
-    q2 = qidx.to(tl.int64)[None, :]                                # [1, BLOCK_S]
-    mask2 = (row2 < T) & (q2 < S)                                  # [BLOCK_T, BLOCK_S]
-    out_row3 = q3.to(tl.int64) * T * D + row3 * D                  # [BLOCK_T, BLOCK_S, 1]
-    m = tl.full([BLOCK_T, BLOCK_S], float("-inf"), tl.float32)     # running max of z
-    l = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)                   # running sum of exp(z - m)
-    if ONE_TILE:
-        col3 = tl.arange(0, BLOCK_D)[None, None, :]                # [1, 1, BLOCK_D]
-        cmask3 = col3 < D
-        qg = _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3, rmask3, q3, smask3, col3, cmask3,
-                      PER_TOKEN, HAS_GAIN)
-        acc = tl.zeros([BLOCK_T, BLOCK_S, BLOCK_D], tl.float32)    # sum_i exp(z_i - m) x_i
-        for i in tl.range(0, N, num_stages=3):
-            base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
-            x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
-                        other=0.0).to(tl.float32)                  # [BLOCK_T, 1, BLOCK_D]
-            ss, ss_lo = _sumsq(x, 2)
-            r = _rsqrt_mean(ss, ss_lo, D, eps)                     # [BLOCK_T, 1]
-            z = scale * r * tl.sum(x * qg, axis=2)                 # [BLOCK_T, BLOCK_S]
-            if WEIGHTS:
-                tl.store(w_ptr + (q2 + i * S) * T + row2, z, mask=mask2)
-            m_new = tl.maximum(m, z)
-            alpha = tl.exp(m - m_new)
-            beta = tl.exp(z - m_new)
-            l = l * alpha + beta
-            acc = acc * alpha[:, :, None] + beta[:, :, None] * x
-            m = m_new
-        out = acc / l[:, :, None]
-        tl.store(out_ptr + out_row3 + col3, _to_elt(out, ELT), mask=rmask3 & smask3 & cmask3)
-        if OUT_NORM:  # columns past D hold 0: the sums cover exactly the D channels
-            yh, _, _ = _out_norm_scale(out, 2, D, on_eps)
-            w = tl.load(onw_ptr + col3, mask=cmask3, other=0.0)
-            tl.store(normed_ptr + out_row3 + col3, _to_elt(yh * w, ELT), mask=rmask3 & smask3 & cmask3)
-    else:
-        for i in range(N):
-            base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
-            ss = tl.zeros([BLOCK_T, 1], tl.float32)
-            ss_lo = tl.zeros([BLOCK_T, 1], tl.float32)
-            s = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
-            for d0 in range(0, D, BLOCK_D):                        # walk 1: sum(x^2), <qg, x>
-                col3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
-                cmask3 = col3 < D
-                qg = _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3, rmask3, q3, smask3, col3,
-                              cmask3, PER_TOKEN, HAS_GAIN)
+    num_tiles = num_groups * tl.cdiv(T, BLOCK_T)
+    if HOIST_QG:  # one shared query group: qg = q * g is the same for every tile, loaded once
+        q3_once = tl.arange(0, BLOCK_S)[None, :, None]
+        col3_once = tl.arange(0, BLOCK_D)[None, None, :]
+        row3_none = tl.zeros([BLOCK_T, 1, 1], tl.int64)            # unused by a shared query
+        qg_once = _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3_none, row3_none < 1, q3_once,
+                           q3_once < S, col3_once, col3_once < D, PER_TOKEN, HAS_GAIN)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):   # persistent grid
+        rows = (tile // num_groups) * BLOCK_T + tl.arange(0, BLOCK_T)       # [BLOCK_T]
+        qidx = (tile % num_groups) * BLOCK_S + tl.arange(0, BLOCK_S)        # [BLOCK_S]
+        row3 = rows.to(tl.int64)[:, None, None]                        # [BLOCK_T, 1, 1]
+        q3 = qidx[None, :, None]                                       # [1, BLOCK_S, 1]
+        rmask3 = row3 < T
+        smask3 = q3 < S
+        row2 = rows.to(tl.int64)[:, None]                              # [BLOCK_T, 1]
+        q2 = qidx.to(tl.int64)[None, :]                                # [1, BLOCK_S]
+        mask2 = (row2 < T) & (q2 < S)                                  # [BLOCK_T, BLOCK_S]
+        out_row3 = q3.to(tl.int64) * T * D + row3 * D                  # [BLOCK_T, BLOCK_S, 1]
+        m = tl.full([BLOCK_T, BLOCK_S], float("-inf"), tl.float32)     # running max of z
+        l = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)                   # running sum of exp(z - m)
+        if ONE_TILE:
+            col3 = tl.arange(0, BLOCK_D)[None, None, :]                # [1, 1, BLOCK_D]
+            cmask3 = col3 < D
+            if HOIST_QG:
+                qg = qg_once
+            else:
+                qg = _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3, rmask3, q3, smask3, col3, cmask3,
+                              PER_TOKEN, HAS_GAIN)
+            acc = tl.zeros([BLOCK_T, BLOCK_S, BLOCK_D], tl.float32)    # sum_i exp(z_i - m) x_i
+            for i in tl.range(0, N, num_stages=3):
+                base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
                 x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
-                            other=0.0).to(tl.float32)              # [BLOCK_T, 1, BLOCK_D]
-                sq, sq_lo = _sumsq(x, 2)
-                ss += sq
-                ss_lo += sq_lo
-                s += tl.sum(x * qg, axis=2)
-            z = scale * _rsqrt_mean(ss, ss_lo, D, eps) * s         # [BLOCK_T, BLOCK_S]
-            if WEIGHTS:
-                tl.store(w_ptr + (q2 + i * S) * T + row2, z, mask=mask2)
-            m_new = tl.maximum(m, z)
-            alpha = tl.exp(m - m_new)                              # [BLOCK_T, BLOCK_S]
-            beta = tl.exp(z - m_new)
-            l = l * alpha + beta
-            for d0 in range(0, D, BLOCK_D):                        # walk 2: acc = acc alpha + beta x
+                            other=0.0).to(tl.float32)                  # [BLOCK_T, 1, BLOCK_D]
+                ss, ss_lo = _sumsq(x, 2)
+                r = _rsqrt_mean(ss, ss_lo, D, eps)                     # [BLOCK_T, 1]
+                z = scale * r * tl.sum(x * qg, axis=2)                 # [BLOCK_T, BLOCK_S]
+                if WEIGHTS:
+                    tl.store(w_ptr + (q2 + i * S) * T + row2, z, mask=mask2)
+                m_new = tl.maximum(m, z)
+                alpha = tl.exp(m - m_new)
+                beta = tl.exp(z - m_new)
+                l = l * alpha + beta
+                acc = acc * alpha[:, :, None] + beta[:, :, None] * x
+                m = m_new
+            out = acc / l[:, :, None]
+            tl.store(out_ptr + out_row3 + col3, _to_elt(out, ELT), mask=rmask3 & smask3 & cmask3)
+            if OUT_NORM:  # columns past D hold 0: the sums cover exactly the D channels
+                yh, _, _ = _out_norm_scale(out, 2, D, on_eps)
+                w = tl.load(onw_ptr + col3, mask=cmask3, other=0.0)
+                tl.store(normed_ptr + out_row3 + col3, _to_elt(yh * w, ELT), mask=rmask3 & smask3 & cmask3)
+        else:
+            for i in range(N):
+                base, stride = _source(src_ptrs, src_strides, i, ELT, VEC, ALIGNED)
+                ss = tl.zeros([BLOCK_T, 1], tl.float32)
+                ss_lo = tl.zeros([BLOCK_T, 1], tl.float32)
+                s = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+                for d0 in range(0, D, BLOCK_D):                        # walk 1: sum(x^2), <qg, x>
+                    col3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
+                    cmask3 = col3 < D
+                    qg = _qg_tile(q_ptr, q_stride, g_ptr, g_stride, row3, rmask3, q3, smask3, col3,
+                                  cmask3, PER_TOKEN, HAS_GAIN)
+                    x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
+                                other=0.0).to(tl.float32)              # [BLOCK_T, 1, BLOCK_D]
+                    sq, sq_lo = _sumsq(x, 2)
+                    ss += sq
+                    ss_lo += sq_lo
+                    s += tl.sum(x * qg, axis=2)
+                z = scale * _rsqrt_mean(ss, ss_lo, D, eps) * s         # [BLOCK_T, BLOCK_S]
+                if WEIGHTS:
+                    tl.store(w_ptr + (q2 + i * S) * T + row2, z, mask=mask2)
+                m_new = tl.maximum(m, z)
+                alpha = tl.exp(m - m_new)                              # [BLOCK_T, BLOCK_S]
+                beta = tl.exp(z - m_new)
+                l = l * alpha + beta
+                for d0 in range(0, D, BLOCK_D):                        # walk 2: acc = acc alpha + beta x
+                    col3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
+                    cmask3 = col3 < D
+                    x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
+                                other=0.0).to(tl.float32)
+                    wmask = rmask3 & smask3 & cmask3                   # [BLOCK_T, BLOCK_S, BLOCK_D]
+                    acc = tl.load(acc_ptr + out_row3 + col3, mask=wmask & (i > 0), other=0.0)
+                    tl.store(acc_ptr + out_row3 + col3, acc * alpha[:, :, None] + beta[:, :, None] * x,
+                             mask=wmask)
+                tl.debug_barrier()
+                m = m_new
+            for d0 in range(0, D, BLOCK_D):
                 col3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
-                cmask3 = col3 < D
-                x = tl.load(base + row3 * stride + col3, mask=rmask3 & cmask3,
-                            other=0.0).to(tl.float32)
-                wmask = rmask3 & smask3 & cmask3                   # [BLOCK_T, BLOCK_S, BLOCK_D]
-                acc = tl.load(acc_ptr + out_row3 + col3, mask=wmask & (i > 0), other=0.0)
-                tl.store(acc_ptr + out_row3 + col3, acc * alpha[:, :, None] + beta[:, :, None] * x,
-                         mask=wmask)
-            tl.debug_barrier()
-            m = m_new
-        for d0 in range(0, D, BLOCK_D):
-            col3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
-            wmask = rmask3 & smask3 & (col3 < D)
-            acc = tl.load(acc_ptr + out_row3 + col3, mask=wmask, other=0.0)
-            tl.store(out_ptr + out_row3 + col3, _to_elt(acc / l[:, :, None], ELT), mask=wmask)
-    tl.store(lse_ptr + q2 * T + row2, m + tl.log(l), mask=mask2)
-    if WEIGHTS:                                                    # z_i -> p_i of that lse
-        for i in range(N):
-            w_at = w_ptr + (q2 + i * S) * T + row2
-            tl.store(w_at, tl.exp(tl.load(w_at, mask=mask2, other=0.0) - m) / l, mask=mask2)
+                wmask = rmask3 & smask3 & (col3 < D)
+                acc = tl.load(acc_ptr + out_row3 + col3, mask=wmask, other=0.0)
+                tl.store(out_ptr + out_row3 + col3, _to_elt(acc / l[:, :, None], ELT), mask=wmask)
+        tl.store(lse_ptr + q2 * T + row2, m + tl.log(l), mask=mask2)
+        if WEIGHTS:                                                    # z_i -> p_i of that lse
+            for i in range(N):
+                w_at = w_ptr + (q2 + i * S) * T + row2
+                tl.store(w_at, tl.exp(tl.load(w_at, mask=mask2, other=0.0) - m) / l, mask=mask2)
+
 
 
 @triton.jit

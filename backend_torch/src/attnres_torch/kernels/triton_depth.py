@@ -8,8 +8,9 @@ view with unit column stride, copied only when no such view exists), query `[D]`
 norm_weight `[D]` or None.  The token axes flatten to T rows.
 
 Test hooks: every output and workspace buffer comes from `_alloc`, every pointer / stride table
-from `_alloc_table`, and every launch goes through `_launch`; `_MAX_BLOCK_D`, `_TILE_ELEMS` and
-`_BWD_PROGRAMS` and `_REDUCE_PROGRAMS` set the tiling; `_capturing` says whether a CUDA graph is being captured.
+from `_alloc_table`, and every launch goes through `_launch`; `_MAX_BLOCK_D`, `_TILE_ELEMS`,
+`_BWD_PROGRAMS`, `_REDUCE_PROGRAMS`, `_FWD_PROGRAMS` and `_HOIST_MIN_D` set the tiling; `_capturing` says
+whether a CUDA graph is being captured.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ _MAX_BLOCK_D = 16384     # widest D tile held in registers; wider rows walk D in
 _TILE_ELEMS = 8192       # elements of one [BLOCK_T, BLOCK_S, BLOCK_D] tile (sets BLOCK_T, BLOCK_S)
 _BWD_PROGRAMS = 1024     # most backward programs, i.e. rows of the partial-sum workspace
 _REDUCE_PROGRAMS = 264   # programs of the workspace reduction's first pass (2 per H200 SM)
+_FWD_PROGRAMS = 264      # most programs of the forward's persistent grid (2 per H200 SM)
+_HOIST_MIN_D = 1024      # narrowest D tile whose shared qg the forward loads once per program
 _LOGITS_MAX_S = 64       # most queries of the two-pass phase 1 (its [64, S] fp32 dot tile)
 _ON_REG_MAX_D = 4096     # output norm backward: widest tile summing d_out_norm_weight in registers
 
@@ -212,7 +215,12 @@ def _run_forward(table: _SourceTable, q: Tensor, q_stride: int, g: Optional[Tens
         raise ValueError(f"out_norm_weight: the Triton output norm needs one query and D <= "
                          f"{_MAX_BLOCK_D // 2} (one tile), got S = {num_queries}, D = {dim}")
     acc = out if one_tile else _alloc((num_queries, num_rows, dim), torch.float32, dev)
-    grid = (triton.cdiv(num_queries, bs) * triton.cdiv(num_rows, bt),)
+    num_tiles = triton.cdiv(num_queries, bs) * triton.cdiv(num_rows, bt)
+    grid = (min(num_tiles, _FWD_PROGRAMS),)                       # persistent: programs loop
+    # A shared query's qg tile is loaded once per program where it is worth it (>= 4 KiB of fp32;
+    # sm_90 at D = 7168: 91 -> 83 registers).  Not for narrow rows: there it is a few bytes and
+    # ptxas spilled the hoisted tile at D = 7 (256-row tiles).
+    hoist = one_tile and not per_token and bs >= num_queries and bd >= _HOIST_MIN_D
     _launch(_k._depth_fwd_kernel, grid, table.ptrs, table.strides, q, q_stride,
             q if g is None else g, g_stride, out, lse, acc, lse if w is None else w,
             lse if onw is None else onw, out if normed is None else normed,
@@ -220,7 +228,7 @@ def _run_forward(table: _SourceTable, q: Tensor, q_stride: int, g: Optional[Tens
             len(table.views), num_rows, num_queries, dim, float(eps), float(scale), ELT=table.elt,
             VEC=table.vec, ALIGNED=table.aligned, PER_TOKEN=per_token, HAS_GAIN=g is not None,
             BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, ONE_TILE=one_tile, WEIGHTS=w is not None,
-            OUT_NORM=out_norm is not None, num_warps=warps)
+            OUT_NORM=out_norm is not None, HOIST_QG=hoist, num_warps=warps)
     return out, lse, w, normed
 
 

@@ -1,6 +1,8 @@
 """The `torch.library` custom ops of the kernel implementations ("triton", "cpu_c", "chunked"),
 with fake implementations and explicit autograd, so `torch.compile(fullgraph=True)` treats them as
-single graph nodes and CUDA graphs can capture them.
+single graph nodes.  The Triton path has no host sync (its pointer tables are written on the
+device by a kernel, fresh per call while a CUDA graph captures), so CUDA graphs can capture it by
+design; `bench/gpu_check.py` checks capture and replay on a GPU, which has not run yet.
 
 Ops (namespace `attnres`):
   depth_attention(sources N x [..., D], query [D] | [..., D], norm_weight [D]?, eps, scale, impl)

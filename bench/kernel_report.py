@@ -447,6 +447,11 @@ def pallas_lower(case: PallasCase, platform: str, impl, mosaic_gpu: Optional[boo
     """Lower the kernel for `platform` ("tpu", "cuda") on abstract bf16 inputs, with the keyword
     arguments `impl` (a resolved `Pallas`) passes to the kernels (tile, compute dtype, ...):
     None, or the first line of the error.  `mosaic_gpu`: force `jax_pallas_use_mosaic_gpu`."""
+    return pallas_lowering(case, platform, impl, mosaic_gpu)[1]
+
+
+def pallas_lowering(case: PallasCase, platform: str, impl, mosaic_gpu: Optional[bool] = None):
+    """`pallas_lower`, returning (the `jax.stages.Lowered` or None, None or the error's first line)."""
     import jax
     import jax.numpy as jnp
     from attnres_jax.pallas import kernels
@@ -460,10 +465,10 @@ def pallas_lower(case: PallasCase, platform: str, impl, mosaic_gpu: Optional[boo
                                             key_norm=True, **common)
         args = ([a((t, d), bf16)] * n, a((1, d), f32))
     elif case.kernel == "backward":
-        col = a((t, 1), f32)
-        fn = lambda xs, qg, go, dl, ps, rs, ss: kernels.backward(
-            xs, qg, go, dl, ps, rs, ss, per_token=False, scale=SCALE, softmax=True, key_norm=True, **common)
-        args = ([a((t, d), bf16)] * n, a((1, d), f32), a((t, d), bf16), col, [col] * n, [col] * n, [col] * n)
+        stats = a((t, kernels.backward_columns(n, True).width), f32)  # d_lse, p_i, r_i, s_i packed
+        fn = lambda xs, qg, go, st: kernels.backward(xs, qg, go, st, per_token=False, scale=SCALE, softmax=True,
+                                                     key_norm=True, **common)
+        args = ([a((t, d), bf16)] * n, a((1, d), f32), a((t, d), bf16), stats)
     elif case.kernel == "phase1":
         fn = lambda xs, qg: kernels.phase1(xs, qg, eps=EPS, scale=SCALE, **common)
         args = ([a((t, d), bf16)] * n, a((s, d), f32))
@@ -476,14 +481,33 @@ def pallas_lower(case: PallasCase, platform: str, impl, mosaic_gpu: Optional[boo
     try:
         if mosaic_gpu is not None and mosaic_gpu != old:
             jax.config.update("jax_pallas_use_mosaic_gpu", mosaic_gpu)
-        jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
     except Exception as e:  # noqa: BLE001 - a refusal is the result
         text = str(e).strip().splitlines()
-        return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+        return None, f"{type(e).__name__}: {text[0] if text else ''}"[:300]
     finally:
         if mosaic_gpu is not None and mosaic_gpu != old:
             jax.config.update("jax_pallas_use_mosaic_gpu", old)
-    return None
+    return lowered, None
+
+
+#: The kernel's custom call in lowered StableHLO: its operand and result types after the last " : (".
+_PALLAS_CALL = re.compile(r"stablehlo\.custom_call @\S+\(.*:\s*\((.*)\)\s*->\s*\((.*)\)\s*$")
+_PALLAS_TENSOR = re.compile(r"tensor<([0-9x]+)x[a-z]+[0-9]*>")
+
+
+def pallas_narrow(lowered) -> tuple:
+    """(operands, results) of the lowered kernel's custom call whose last dim is 1 (`[T, 1]`
+    columns: each padded 128x on TPU, whose (8, 128) tiles put the last dim on the lanes), summed
+    over the module's custom calls."""
+    ins = outs = 0
+    for line in lowered.as_text().splitlines():
+        match = _PALLAS_CALL.search(line)
+        if match:
+            narrow = [sum(dims.split("x")[-1] == "1" for dims in _PALLAS_TENSOR.findall(types))
+                      for types in match.groups()]
+            ins, outs = ins + narrow[0], outs + narrow[1]
+    return ins, outs
 
 
 def _mosaic_gpu_default() -> bool:
@@ -498,11 +522,12 @@ def pallas_rows(cases=PALLAS_CASES, targets=PALLAS_TARGETS) -> List[dict]:
         for label, platform, plan_platform, mosaic in targets:
             reason, impl = pallas_plan(case, plan_platform)
             t0 = time.time()
-            err = pallas_lower(case, platform, impl, mosaic)
+            lowered, err = pallas_lowering(case, platform, impl, mosaic)
             log(f"  {case.name} on {label}: {'lowered' if err is None else 'refused'} ({time.time() - t0:.1f} s)")
             rows.append({"case": case.name, "kernel": case.kernel, "target": label, "tile": impl.tile,
                          "plan": "pallas" if reason is None else f"xla: {reason}",
-                         "lowered": err is None, "error": err})
+                         "lowered": err is None, "error": err,
+                         "narrow": None if lowered is None else pallas_narrow(lowered)})
     return rows
 
 
@@ -515,11 +540,15 @@ def pallas_part(quick: bool) -> dict:
 
 def pallas_markdown(part: dict) -> str:
     lines = [f"JAX {part['jax_version']} (default GPU lowering of pallas_call: {part['default_gpu_lowering']}), "
-             "lowered on the CPU for abstract bf16 inputs; plan = `Pallas().supports` on that platform.", "",
-             "| case | target | TB | plan | lowering |", "|---|---|---:|---|---|"]
+             "lowered on the CPU for abstract bf16 inputs; plan = `Pallas().supports` on that platform; "
+             "[*, 1] in/out = the kernel's operands / results whose last dim is 1 (on TPU each is padded "
+             "128x by the (8, 128) tiling).", "",
+             "| case | target | TB | plan | lowering | [*, 1] in/out |", "|---|---|---:|---|---|---:|"]
     for r in part["rows"]:
         low = "lowered" if r["lowered"] else f"refused: {r['error']}"
-        lines.append(f"| {r['case']} | {r['target']} | {r['tile']} | {r['plan']} | {low.replace('|', '/')} |")
+        narrow = "" if r.get("narrow") is None else "%d / %d" % tuple(r["narrow"])
+        lines.append(f"| {r['case']} | {r['target']} | {r['tile']} | {r['plan']} | {low.replace('|', '/')} | "
+                     f"{narrow} |")
     return "\n".join(lines)
 
 

@@ -167,6 +167,90 @@ def test_poison_catches_an_unwritten_tile():
     assert np.all(np.isfinite(out[:8])) and np.all(np.isnan(out[8:]))
 
 
+# -- the packed statistics `[T, K]` (kernels.Columns): every element written, each column right ----
+
+EPS, SCALE = 1e-6, 0.7
+
+
+def _stats_reference(xs, qg):
+    """float64: r `[T, N]` (spec 2.1: 1 / sqrt(mean x^2 + eps)) and s `[T, N, S]` (<x_i, qg_k>)."""
+    r = np.stack([1.0 / np.sqrt(np.mean(x * x, axis=1) + EPS) for x in xs], axis=1)
+    return r, np.stack([x @ qg.T for x in xs], axis=1)
+
+
+def _packed(columns, t, groups):
+    """The `[T, K]` the kernel must write: groups name -> `[T, count]`, pad columns exactly zero."""
+    want = np.zeros((t, columns.width))
+    for name, value in groups.items():
+        want[:, columns.col(name):columns.col(name) + value.shape[1]] = value
+    return want
+
+
+def _logsumexp(z, axis):
+    m = np.max(z, axis=axis, keepdims=True)
+    return np.squeeze(m, axis) + np.log(np.sum(np.exp(z - m), axis=axis))
+
+
+@pytest.mark.parametrize("softmax", [True, False])
+def test_forward_writes_every_statistics_column(rng, softmax):
+    """Poisoned (NaN) `[T, K]` output, T = 10 in tiles of 4: every element comes back written,
+    pads 0, lse / r_i / s_i where `forward_columns` says (K = 8: 7 or 6 used)."""
+    n, t = 3, 10
+    xs, qg = [rng.standard_normal((t, D)) for _ in range(n)], rng.standard_normal((1, D))
+    with precision("float64"):
+        _, stats, _ = kernels.forward([jnp.asarray(x) for x in xs], jnp.asarray(qg), per_token=False, eps=EPS,
+                                      scale=SCALE, softmax=softmax, key_norm=True, tb=4, ct=jnp.float64,
+                                      interpret=True, poison=True)
+    columns = kernels.forward_columns(n, softmax)
+    r, s = _stats_reference(xs, qg)
+    groups = dict(r=r, s=s[..., 0])
+    if softmax:
+        groups["lse"] = _logsumexp(SCALE * r * s[..., 0], axis=1)[:, None]
+    assert stats.shape == (t, 8)
+    np.testing.assert_allclose(np.asarray(stats), _packed(columns, t, groups), rtol=1e-12, atol=0)
+
+
+def test_phase1_and_merge_write_every_statistics_column(rng):
+    """As above for phase 1 (N = 3, S = 3: 15 columns in K = 16, s row-major) and the merge (lse,
+    r, s, w1 in K = 4; spec 3.2: w1 = sigmoid(lse1 - z2))."""
+    n, sets, t = 3, 3, 10
+    xs, qg = [rng.standard_normal((t, D)) for _ in range(n)], rng.standard_normal((sets, D))
+    lse1, partial = rng.standard_normal((t, 1)), rng.standard_normal((t, D))
+    kw = dict(eps=EPS, scale=SCALE, tb=4, ct=jnp.float64, interpret=True, poison=True)
+    with precision("float64"):
+        _, stats = kernels.phase1([jnp.asarray(x) for x in xs], jnp.asarray(qg), **kw)
+        _, merged = kernels.merge(jnp.asarray(partial), jnp.asarray(lse1), jnp.asarray(partial),
+                                  jnp.asarray(qg[:1]), per_token=False, **kw)
+    r, s = _stats_reference(xs, qg)
+    want = _packed(kernels.phase1_columns(n, sets), t, dict(
+        lse=_logsumexp(SCALE * r[..., None] * s, axis=1), r=r, s=s.reshape(t, n * sets)))
+    assert stats.shape == (t, 16)
+    np.testing.assert_allclose(np.asarray(stats), want, rtol=1e-12, atol=0)
+    r2, s2 = (a[:, :1] for a in _stats_reference([partial], qg[:1]))
+    z2 = SCALE * r2 * s2[..., 0]
+    want = _packed(kernels.MERGE_COLUMNS, t, dict(lse=np.logaddexp(lse1, z2), r=r2, s=s2[..., 0],
+                                                  w1=1.0 / (1.0 + np.exp(z2 - lse1))))
+    assert merged.shape == (t, 4)
+    np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-12, atol=0)
+
+
+def test_columns_layout():
+    """Groups in order, K the used count padded to a power of two; pack / unpack invert each other."""
+    columns = kernels.backward_columns(9, softmax=True)  # d_lse, p_0..8, r_0..8, s_0..8
+    assert (columns.col("d_lse"), columns.col("p", 0), columns.col("r", 0), columns.col("s", 8)) == (0, 1, 10, 27)
+    assert (columns.used, columns.width) == (28, 32)
+    assert kernels.forward_columns(9, softmax=False).col("r", 0) == 0
+    assert [kernels.phase1_columns(8, s).width for s in (1, 12)] == [32, 128]  # 17, 116 used
+    with pytest.raises(IndexError):
+        columns.col("p", 9)
+    parts = {name: jnp.arange(10 * count, dtype=jnp.float32).reshape(10, count) + c
+             for c, (name, count) in enumerate(columns.groups)}
+    packed = columns.pack(jnp.float32, parts)
+    assert packed.shape == (10, 32) and not np.any(np.asarray(packed[:, 28:]))
+    for name, value in columns.unpack(packed).items():
+        np.testing.assert_array_equal(value, parts[name])
+
+
 def test_cpu_auto_mode_uses_xla(rng):
     kernels.CALLS.clear()
     xs = [jnp.asarray(rng.standard_normal((4, D)), jnp.float32) for _ in range(3)]

@@ -124,3 +124,39 @@ def test_tpu_grid_is_parallel():
     assert Pallas(platform="gpu", tile=8)._kw(None)["compiler_params"].__class__.__name__ == "CompilerParams"
     assert Pallas(interpret="generic", tile=8)._kw(None)["compiler_params"] is None
     assert kernels._rows(8, 16).index_map(3) == (3, 0)  # tile t writes rows 8t .. 8t + 7 only
+
+
+# -- lane-dense statistics: no `[T, 1]` column crosses a kernel's boundary ---------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_tpu_kernels_move_no_narrow_statistics(case):
+    """Each kernel's per-token statistics travel packed in one `[T, K]` array (`kernels.Columns`):
+    on TPU a `[T, 1]` f32 array is padded 128x by the (8, 128) tiling (4 MiB at T = 8192).  The
+    lowered custom call has no result whose last dim is 1, and at most one such operand (the
+    merge's lse1, given by its caller); the old layout wrote 19 at N = 9, phase 1 116 at S = 12."""
+    reason, impl = report.pallas_plan(case, "tpu")
+    assert reason is None
+    lowered, err = report.pallas_lowering(case, "tpu", impl)
+    assert err is None, err
+    ins, outs = report.pallas_narrow(lowered)
+    assert outs == 0, f"{case.name}: {outs} results [T, 1]"
+    assert ins == (1 if case.kernel == "merge" else 0), f"{case.name}: {ins} operands [T, 1]"
+
+
+def test_narrow_count_sees_columns():
+    """`pallas_narrow` counts `[*, 1]` operands and results of the custom call (the check above can fail)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref, c_ref):
+        o_ref[...] = x_ref[...]
+        c_ref[...] = jnp.sum(x_ref[...], axis=1, keepdims=True)
+
+    spec, col = pl.BlockSpec((8, 128), lambda t: (t, 0)), pl.BlockSpec((8, 1), lambda t: (t, 0))
+    f = lambda x: pl.pallas_call(kernel, grid=(2,), in_specs=[spec], out_specs=[spec, col],
+                                 out_shape=[jax.ShapeDtypeStruct((16, 128), jnp.float32),
+                                            jax.ShapeDtypeStruct((16, 1), jnp.float32)])(x)
+    lowered = jax.jit(f).trace(jax.ShapeDtypeStruct((16, 128), jnp.float32)).lower(lowering_platforms=("tpu",))
+    assert report.pallas_narrow(lowered) == (0, 1)

@@ -1,6 +1,8 @@
 """The Pallas implementation: `Pallas`, the entry points that lay the op's arrays out for the
-kernels of `kernels` (tokens flattened to `[T, D]`, per-token statistics as `[T, 1]` columns)
-and back.
+kernels of `kernels` (tokens flattened to `[T, D]`, a kernel's per-token statistics packed in one
+`[T, K]` array, its columns as `kernels.Columns` says) and back: the statistics are split into
+the `[N, ..., 1]` / `[N, ..., S]` residuals of the `_xla` rules here, and packed again (one XLA
+concatenate) for the backward kernel.
 
 One head only (the kernels have no head axis); phase 1's backward and merge's backward are the XLA
 rules of `_xla` (the kernels save the same residuals as the XLA forward).  Compiled kernels run
@@ -99,46 +101,52 @@ class Pallas:
     def forward(self, xs: list, qs: _xla.Query, opts: Options, ct):
         """`_xla.forward` for S = 1 on the forward kernel: out `[1, ..., D]` (sources' dtype),
         lse `[..., 1]` or None, p, r, s `[N, ..., 1]`."""
-        tokens, dim, n = xs[0].shape[:-1], xs[0].shape[-1], len(xs)
-        out, lse, rs, ss, _ = kernels.forward([x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim),
-                                           per_token=qs.qm is None, eps=opts.eps, scale=opts.scale,
-                                           softmax=opts.activation == "softmax", key_norm=opts.key_norm,
-                                           **self._kw(ct))
+        tokens, dim = xs[0].shape[:-1], xs[0].shape[-1]
+        softmax = opts.activation == "softmax"
+        out, stats, _ = kernels.forward([x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim),
+                                        per_token=qs.qm is None, eps=opts.eps, scale=opts.scale, softmax=softmax,
+                                        key_norm=opts.key_norm, **self._kw(ct))
         out = out.reshape((1,) + tokens + (dim,))
-        lse = None if lse is None else lse.reshape(tokens + (1,))
-        s = jnp.stack(ss).reshape((n,) + tokens + (1,))
-        return (out, lse) + self._weights(rs, s, lse, tokens, opts, 1)
+        return (out,) + self._forward_stats(stats, len(xs), softmax, tokens, opts)
+
+    def _forward_stats(self, stats, n: int, softmax: bool, tokens, opts: Options):
+        """The forward kernel's statistics `[T, K]` -> lse `[..., 1]` or None, p, r, s `[N, ..., 1]`."""
+        cols = kernels.forward_columns(n, softmax).unpack(stats)
+        lse = cols["lse"].reshape(tokens + (1,)) if softmax else None
+        r, s = (cols[name].T.reshape((n,) + tokens + (1,)) for name in ("r", "s"))
+        return (lse,) + self._weights(r, s, lse, opts, 1)
 
     def forward_normed(self, xs: list, qs: _xla.Query, opts: Options, ct, w):
         """`_xla.forward_normed` on the forward kernel (out_normed from the tile's accumulator, C17):
         as `forward`, then out_normed `[1, ..., D]` (sources' dtype) and nothing saved (the
         backward kernel recomputes out from the tiles it reads anyway)."""
-        tokens, dim, n = xs[0].shape[:-1], xs[0].shape[-1], len(xs)
-        out, lse, rs, ss, normed = kernels.forward(
+        tokens, dim = xs[0].shape[:-1], xs[0].shape[-1]
+        softmax = opts.activation == "softmax"
+        out, stats, normed = kernels.forward(
             [x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim), per_token=qs.qm is None, eps=opts.eps,
-            scale=opts.scale, softmax=opts.activation == "softmax", key_norm=opts.key_norm,
-            out_norm_weight=w.reshape(1, dim), out_norm_eps=opts.out_norm_eps, **self._kw(ct))
-        lse = None if lse is None else lse.reshape(tokens + (1,))
-        s = jnp.stack(ss).reshape((n,) + tokens + (1,))
+            scale=opts.scale, softmax=softmax, key_norm=opts.key_norm, out_norm_weight=w.reshape(1, dim),
+            out_norm_eps=opts.out_norm_eps, **self._kw(ct))
         shape = (1,) + tokens + (dim,)
-        return ((out.reshape(shape), lse) + self._weights(rs, s, lse, tokens, opts, 1)
+        return ((out.reshape(shape),) + self._forward_stats(stats, len(xs), softmax, tokens, opts)
                 + (normed.reshape(shape), None))
 
     def phase1(self, xs: list, qs: _xla.Query, opts: Options, ct):
         """`_xla.forward` for S pseudo-queries on the phase-1 kernel (each source tile read once):
         out `[S, ..., D]`, lse `[..., S]`, p, s `[N, ..., S]`, r `[N, ..., 1]`."""
         tokens, dim, n, sets = xs[0].shape[:-1], xs[0].shape[-1], len(xs), qs.num_sets
-        outs, lses, rs, ss = kernels.phase1([x.reshape(-1, dim) for x in xs], qs.qg, eps=opts.eps,
-                                            scale=opts.scale, **self._kw(ct))
+        outs, stats = kernels.phase1([x.reshape(-1, dim) for x in xs], qs.qg, eps=opts.eps, scale=opts.scale,
+                                     **self._kw(ct))
+        cols = kernels.phase1_columns(n, sets).unpack(stats)
         out = jnp.stack(outs).reshape((sets,) + tokens + (dim,))
-        lse = jnp.concatenate(lses, axis=1).reshape(tokens + (sets,))
-        s = jnp.concatenate(ss, axis=1).reshape((-1, n, sets)).transpose(1, 0, 2).reshape((n,) + tokens + (sets,))
-        return (out, lse) + self._weights(rs, s, lse, tokens, opts, sets)
+        lse = cols["lse"].reshape(tokens + (sets,))
+        r = cols["r"].T.reshape((n,) + tokens + (1,))
+        s = cols["s"].reshape((-1, n, sets)).transpose(1, 0, 2).reshape((n,) + tokens + (sets,))
+        return (out, lse) + self._weights(r, s, lse, opts, sets)
 
     @staticmethod
-    def _weights(rs, s, lse, tokens, opts: Options, sets: int):
-        """p `[N, ..., K]` from the kernels' statistics (r N x `[T, 1]`, s), and r `[N, ..., 1]`."""
-        r = jnp.stack(rs).reshape((len(rs),) + tokens + (1,))
+    def _weights(r, s, lse, opts: Options, sets: int):
+        """p `[N, ..., S]` from the kernels' statistics r `[N, ..., 1]`, s `[N, ..., S]` (and lse
+        `[..., S]`, None for sigmoid), then r and s."""
         z = opts.scale * _xla.tile_sets(r, sets) * s
         p = jax.nn.sigmoid(z) if lse is None else jnp.exp(z - lse[None])
         return p, r, s
@@ -155,15 +163,23 @@ class Pallas:
                               dict(out_norm_weight=w.reshape(1, -1), out_norm_eps=opts.out_norm_eps,
                                    d_normed=d_normed[0].reshape(-1, xs[0].shape[-1])))
 
+    @staticmethod
+    def _backward_stats(ct, softmax: bool, d_lse, p, r, s):
+        """The backward kernel's input `[T, K]` (`kernels.backward_columns`) from d_lse `[..., 1]`
+        or None (zeros) and p, r, s `[N, ..., 1]`: one concatenate."""
+        rows = lambda a: a.reshape(a.shape[0], -1).T  # [N, ..., 1] -> [T, N]
+        parts = dict(p=rows(p), r=rows(r), s=rows(s))
+        if softmax:
+            parts["d_lse"] = jnp.zeros((parts["p"].shape[0], 1), ct) if d_lse is None else d_lse.reshape(-1, 1)
+        return kernels.backward_columns(p.shape[0], softmax).pack(ct, parts)
+
     def _backward(self, xs, qs, opts, ct, d_out, d_lse, p, r, s, normed=None):
         dim = xs[0].shape[-1]
-        cols = lambda a: list(a.reshape(a.shape[0], -1, 1))  # [N, ..., 1] -> N x [T, 1]
-        per_token = qs.qm is None
+        per_token, softmax = qs.qm is None, opts.activation == "softmax"
         dxs, dqg, d_w = kernels.backward(
             [x.reshape(-1, dim) for x in xs], qs.qg.reshape(-1, dim), d_out[0].reshape(-1, dim),
-            None if d_lse is None else d_lse.reshape(-1, 1), cols(p), cols(r), cols(s), per_token=per_token,
-            scale=opts.scale, softmax=opts.activation == "softmax", key_norm=opts.key_norm, **(normed or {}),
-            **self._kw(ct))
+            self._backward_stats(ct, softmax, d_lse, p, r, s), per_token=per_token, scale=opts.scale,
+            softmax=softmax, key_norm=opts.key_norm, **(normed or {}), **self._kw(ct))
         d_sources = [dx.reshape(x.shape) for dx, x in zip(dxs, xs)]
         d_w = None if d_w is None else jnp.sum(d_w, axis=0)  # per-tile partials, in tile order
         if per_token:
@@ -178,9 +194,9 @@ class Pallas:
         qg = query.astype(ct).reshape(-1, dim)
         if norm_weight is not None:
             qg = qg * norm_weight.astype(ct)
-        out, lse, r, s, w1 = kernels.merge(out1.reshape(-1, dim), lse1.reshape(-1, 1), partial.reshape(-1, dim),
-                                           qg, per_token=query.ndim > 1, eps=opts.eps, scale=opts.scale,
-                                           **self._kw(ct))
-        return (out.reshape(partial.shape),) + tuple(a.reshape(tokens) for a in (lse, r, s, w1))
+        out, stats = kernels.merge(out1.reshape(-1, dim), lse1.reshape(-1, 1), partial.reshape(-1, dim), qg,
+                                   per_token=query.ndim > 1, eps=opts.eps, scale=opts.scale, **self._kw(ct))
+        cols = kernels.MERGE_COLUMNS.unpack(stats)
+        return (out.reshape(partial.shape),) + tuple(cols[name].reshape(tokens) for name in ("lse", "r", "s", "w1"))
 
     merge_backward = staticmethod(_xla.merge_backward)  # same residuals as the XLA forward

@@ -2,9 +2,20 @@
 
 Layout: every source is a `[T, D]` array (tokens flattened, never stacked); the grid runs over
 token tiles of TB rows, each program holding full rows `[TB, D]` (one tile of every source).
-Per-token statistics travel as one `[T, 1]` array per source (block `(TB, 1)`), so every block
-shape is (TB or 1) x (D or 1): legal for Mosaic (full last dim) and for Triton (powers of two
-where `Pallas.supports` checks D).  Every kernel computes in `ct`, the compute dtype its caller
+A kernel's per-token statistics (lse, r_i, s_i, ...) travel packed in ONE `[T, K]` array (block
+`(TB, K)`), one statistic per column as its `Columns` layout says, K the count padded up to a
+power of two, pad columns written as zeros.  Why packed: on TPU a 2-D f32 array is laid out in
+(8, 128) tiles with the last dim on the 128 lanes, so a `[T, 1]` column is padded 128x in HBM
+and VMEM (4 MiB at T = 8192 for 32 KiB of data); the forward wrote 1 + 2N of them, phase 1
+S + N + N S, the backward read 1 + 3N.  Packed, K <= 128 columns cost what one column did.
+Every block shape is (TB or 1) x (D or K or 1): legal for Mosaic (full last dim) and for Triton
+(powers of two where `Pallas.supports` checks D; K is one).  In the kernel a column is put into
+the `[TB, K]` tile by a select on a lane iota and read back by a select and a lane sum (`_put`,
+`_get`), the tile moving as one full block: only ops every kernel here already lowers (lane
+broadcast, iota, select, lane reduction, full-block load and store).  The host lowerings of
+Mosaic and Triton also accept width-1 ref slices (`ref[:, j:j + 1]`), but Mosaic's layout
+passes (a store at lane offset j needs a lane shift and a masked store) run only in libtpu,
+which no host check here reaches.  Every kernel computes in `ct`, the compute dtype its caller
 derives with `_args.compute_dtype` (C10: float32; float64 for float64 sources, interpreters
 only); outputs are written in their final dtype (one cast).
 
@@ -13,9 +24,10 @@ Poisoning: with `poison=True` each output is aliased to a NaN-filled input
 
 Kernels:
   forward   single pass over the N sources with an online softmax (running max m, sum l and
-            accumulator acc [TB, D]); writes out, lse and the residual statistics r_i, s_i; with
+            accumulator acc [TB, D]); writes out and the statistics lse, r_i, s_i (packed); with
             the fused output norm (C17, "attnres_forward_normed") also out_normed, from acc.
-  backward  from the residual weights and statistics p_i, r_i, s_i; two passes over the tile's
+  backward  from d_lse and the residual weights and statistics p_i, r_i, s_i (packed by the
+            caller, one XLA concatenate); two passes over the tile's
             sources (dp_i = <g, x_i>, then dx_i); the pseudo-query gradient is written as one
             partial sum per tile (`[tiles, D]`, summed afterwards): no atomics anywhere.  With
             the output norm ("attnres_backward_normed") a first pass over the tile recomputes
@@ -28,8 +40,9 @@ Kernels:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
-from typing import Sequence
+from typing import Dict, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +90,78 @@ def _call(body, name: str, inputs: Sequence, in_specs: Sequence, out_shapes: Seq
                           compiler_params=compiler_params, name=name)(*inputs)
 
 
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """Column layout of a kernel's packed statistics, one `[T, K]` array: named groups of
+    consecutive columns in order, e.g. (("lse", 1), ("r", N), ("s", N)) puts lse in column 0,
+    r_i in column 1 + i, s_i in column 1 + N + i; K = `width`, the total padded up to a power of
+    two (Triton blocks), the pad columns zeros."""
+
+    groups: Tuple[Tuple[str, int], ...]
+
+    def col(self, name: str, i: int = 0) -> int:
+        """The column of statistic `name`, member i of its group."""
+        start = 0
+        for group, count in self.groups:
+            if group == name:
+                if not 0 <= i < count:
+                    raise IndexError(f"{name}[{i}]: the group has {count} columns")
+                return start + i
+            start += count
+        raise KeyError(name)
+
+    @property
+    def used(self) -> int:
+        return sum(count for _, count in self.groups)
+
+    @property
+    def width(self) -> int:
+        """K: the columns used, padded up to a power of two."""
+        return 1 << max(0, self.used - 1).bit_length()
+
+    def pack(self, dtype, parts: Dict[str, "jax.Array"]):
+        """XLA side: parts name -> `[T, count]` -> `[T, K]` in dtype, pad columns zero (one
+        concatenate)."""
+        pieces = [parts[name].astype(dtype) for name, count in self.groups if count]
+        tokens = pieces[0].shape[0]
+        return jnp.concatenate(pieces + [jnp.zeros((tokens, self.width - self.used), dtype)], axis=1)
+
+    def unpack(self, packed) -> Dict[str, "jax.Array"]:
+        """XLA side: `[T, K]` -> name -> `[T, count]` (its columns, in group order)."""
+        return {name: packed[:, self.col(name):self.col(name) + count] for name, count in self.groups if count}
+
+
+def forward_columns(n: int, softmax: bool) -> Columns:
+    """The forward's statistics: lse (softmax only), r_i, s_i for the N sources."""
+    return Columns((("lse", int(softmax)), ("r", n), ("s", n)))
+
+
+def backward_columns(n: int, softmax: bool) -> Columns:
+    """The backward's inputs: d_lse (softmax only), then the weights p_i and statistics r_i, s_i."""
+    return Columns((("d_lse", int(softmax)), ("p", n), ("r", n), ("s", n)))
+
+
+def phase1_columns(n: int, sets: int) -> Columns:
+    """Phase 1's statistics: lse_k (S), r_i (N), s_ik (N x S, row-major: column of s[i * S + k])."""
+    return Columns((("lse", sets), ("r", n), ("s", n * sets)))
+
+
+#: The merge's statistics: lse, r, s and the weight w1 of out1.
+MERGE_COLUMNS = Columns((("lse", 1), ("r", 1), ("s", 1), ("w1", 1)))
+
+
+def _put(tile, j: int, value):
+    """tile `[TB, K]` with column j replaced by value `[TB, 1]` (a lane broadcast and a select)."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, tile.shape, 1)
+    return jnp.where(lane == j, value.astype(tile.dtype), tile)
+
+
+def _get(tile, j: int):
+    """Column j `[TB, 1]` of a tile `[TB, K]`: a select and a lane sum, exact (x + 0 = x)."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, tile.shape, 1)
+    return jnp.sum(jnp.where(lane == j, tile, 0), axis=1, keepdims=True)
+
+
 def _rms(x, eps: float):
     """r [TB, 1] of a tile x [TB, D]: `_xla.inv_rms`, overflow-safe (C10.6)."""
     return inv_rms(x, lambda v: jnp.sum(v, axis=1, keepdims=True), x.shape[1], eps)
@@ -95,23 +180,22 @@ def forward(xs, qg, *, per_token, eps, scale, softmax, key_norm, tb, ct, interpr
             out_norm_weight=None, out_norm_eps=None):
     """xs: N x `[T, D]`; qg `[1, D]` (pseudo) or `[T, D]` (per token), compute dtype;
     out_norm_weight `[1, D]` (compute dtype) or None: the fused output norm (C17, eps out_norm_eps).
-    Returns out `[T, D]` (sources' dtype), lse `[T, 1]` (softmax; else None), r, s: N x `[T, 1]`,
-    and out_normed `[T, D]` (sources' dtype; None without out_norm_weight)."""
+    Returns out `[T, D]` (sources' dtype), the statistics `[T, K]` (compute dtype; columns
+    `forward_columns(N, softmax)`: lse if softmax, r_i, s_i), and out_normed `[T, D]` (sources'
+    dtype; None without out_norm_weight)."""
     n, (t, d) = len(xs), xs[0].shape
     normed = out_norm_weight is not None
+    columns = forward_columns(n, softmax)
 
     def body(ins, outs):
         q = ins[n][...].astype(ct)
-        out_ref, rest = outs[0], outs[1:]
-        if normed:
-            normed_ref, rest = rest[0], rest[1:]
-        lse_ref, stats = (rest[0], rest[1:]) if softmax else (None, rest)
+        out_ref, stats_ref = outs[0], outs[-1]
+        stats = jnp.zeros(stats_ref.shape, ct)  # the [TB, K] tile, stored once at the end
         m = l = acc = None
         for i in range(n):  # static unroll over the sources: each tile read once
             x = ins[i][...].astype(ct)
             r, s = _key(x, q, eps, key_norm)
-            stats[i][...] = r
-            stats[n + i][...] = s
+            stats = _put(_put(stats, columns.col("r", i), r), columns.col("s", i), s)
             z = scale * r * s
             if not softmax:
                 acc = jax.nn.sigmoid(z) * x if acc is None else acc + jax.nn.sigmoid(z) * x
@@ -124,33 +208,31 @@ def forward(xs, qg, *, per_token, eps, scale, softmax, key_norm, tb, ct, interpr
         y = acc / l if softmax else acc  # out in the compute dtype, before its one cast (C10)
         out_ref[...] = y.astype(out_ref.dtype)
         if normed:  # C17 from the same registers: (rho y) w, rho overflow-safe (C10.6)
-            normed_ref[...] = ((_rms(y, out_norm_eps) * y) * ins[n + 1][...]).astype(normed_ref.dtype)
+            outs[1][...] = ((_rms(y, out_norm_eps) * y) * ins[n + 1][...]).astype(outs[1].dtype)
         if softmax:
-            lse_ref[...] = m + jnp.log(l)
+            stats = _put(stats, columns.col("lse"), m + jnp.log(l))
+        stats_ref[...] = stats  # every column, pads included (zeros)
 
-    col = jax.ShapeDtypeStruct((t, 1), ct)
     big = jax.ShapeDtypeStruct((t, d), xs[0].dtype)
-    out_shapes = [big] * (1 + normed) + ([col] if softmax else []) + [col] * (2 * n)
+    out_shapes = [big] * (1 + normed) + [jax.ShapeDtypeStruct((t, columns.width), ct)]
     q_spec = _rows(tb, d) if per_token else _whole((1, d))
     inputs, in_specs = [*xs, qg], [_rows(tb, d)] * n + [q_spec]
     if normed:
         inputs, in_specs = inputs + [out_norm_weight], in_specs + [_whole((1, d))]
     outs = _call(body, "attnres_forward_normed" if normed else "attnres_forward", inputs, in_specs, out_shapes,
-                 [_rows(tb, d)] * (1 + normed) + [_rows(tb, 1)] * (len(out_shapes) - 1 - normed), t, tb,
+                 [_rows(tb, d)] * (1 + normed) + [_rows(tb, columns.width)], t, tb,
                  interpret=interpret, poison=poison, compiler_params=compiler_params)
-    out, outs = outs[0], outs[1:]
-    out_normed, outs = (outs[0], outs[1:]) if normed else (None, outs)
-    lse, stats = (outs[0], outs[1:]) if softmax else (None, outs)
-    return out, lse, stats[:n], stats[n:], out_normed
+    return outs[0], outs[-1], outs[1] if normed else None
 
 
 # -- backward --------------------------------------------------------------------------------------
 
 
-def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key_norm, tb, ct, interpret,
-             poison, compiler_params=None, out_norm_weight=None, out_norm_eps=None, d_normed=None):
-    """Gradients of `forward` from its residuals.  d_out `[T, D]`; d_lse `[T, 1]` (softmax, else
-    None); ps, rs, ss: N x `[T, 1]` (weights and statistics).  With the fused output norm (C17):
+def backward(xs, qg, d_out, stats, *, per_token, scale, softmax, key_norm, tb, ct, interpret, poison,
+             compiler_params=None, out_norm_weight=None, out_norm_eps=None, d_normed=None):
+    """Gradients of `forward` from its residuals.  d_out `[T, D]`; stats `[T, K]` (compute dtype;
+    columns `backward_columns(N, softmax)`: d_lse if softmax, the weights p_i, the statistics r_i,
+    s_i; `Columns.pack`).  With the fused output norm (C17):
     out_norm_weight `[1, D]` (compute dtype), its eps, d_normed `[T, D]` the cotangent of
     out_normed.  Returns dxs N x `[T, D]` (sources' dtype), dqg: `[tiles, D]` per-tile partial sums
     for a pseudo-query (sum over axis 0), `[T, D]` for a per-token query, and d_out_norm_weight as
@@ -158,19 +240,23 @@ def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key
     n, (t, d) = len(xs), xs[0].shape
     tiles = pl.cdiv(t, tb)
     normed = out_norm_weight is not None
+    columns = backward_columns(n, softmax)
+    if stats.shape != (t, columns.width):
+        raise ValueError(f"stats: expected [T, K] = {(t, columns.width)}, got {stats.shape}")
 
     def body(ins, outs):
         x_refs, q, g = ins[:n], ins[n][...].astype(ct), ins[n + 1][...].astype(ct)
-        dl = ins[n + 2][...]
-        p_refs, r_refs, s_refs = ins[n + 3:2 * n + 3], ins[2 * n + 3:3 * n + 3], ins[3 * n + 3:4 * n + 3]
+        tile = ins[n + 2][...]  # [TB, K]: one load, then a column per statistic
+        dl = _get(tile, columns.col("d_lse")) if softmax else None
+        ps, rs, ss = ([_get(tile, columns.col(name, i)) for i in range(n)] for name in ("p", "r", "s"))
 
         def valid():  # rows past T (last partial tile) hold garbage: masked before a tile sum
             return pl.program_id(0) * tb + jax.lax.broadcasted_iota(jnp.int32, (tb, 1), 0) < t
 
         if normed:  # C17 prologue: y recomputed from the tiles this program holds anyway (no extra
             # HBM read; out in the compute dtype, as the forward formed it), then g += d_y
-            gn, w = ins[4 * n + 3][...].astype(ct), ins[4 * n + 4][...]
-            y = functools.reduce(lambda a, b: a + b, [p_refs[i][...] * x_refs[i][...].astype(ct) for i in range(n)])
+            gn, w = ins[n + 3][...].astype(ct), ins[n + 4][...]
+            y = functools.reduce(lambda a, b: a + b, [ps[i] * x_refs[i][...].astype(ct) for i in range(n)])
             rho = _rms(y, out_norm_eps)
             y_hat = rho * y
             a = gn * w
@@ -178,10 +264,10 @@ def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key
             outs[n + 1][...] = jnp.sum(jnp.where(valid(), gn * y_hat, 0.0), axis=0, keepdims=True)
         dps = [jnp.sum(g * x_refs[i][...].astype(ct), axis=1, keepdims=True) for i in range(n)]  # pass 1
         if softmax:
-            pdp = functools.reduce(lambda a, b: a + b, [p_refs[i][...] * dps[i] for i in range(n)])
+            pdp = functools.reduce(lambda a, b: a + b, [ps[i] * dps[i] for i in range(n)])
         dqg = None
         for i in range(n):  # pass 2: dx_i, and the query gradient contribution c_i r_i x_i
-            x, r, s, p = x_refs[i][...].astype(ct), r_refs[i][...], s_refs[i][...], p_refs[i][...]
+            x, r, s, p = x_refs[i][...].astype(ct), rs[i], ss[i], ps[i]
             dz = p * (dps[i] - pdp) + p * dl if softmax else dps[i] * p * (1.0 - p)
             c = scale * dz
             dx = p * g + c * r * q
@@ -195,9 +281,9 @@ def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key
         else:
             outs[n][...] = jnp.sum(jnp.where(valid(), dqg, 0.0), axis=0, keepdims=True).astype(outs[n].dtype)
 
-    inputs = [*xs, qg, d_out, jnp.zeros((t, 1), ct) if d_lse is None else d_lse, *ps, *rs, *ss]
+    inputs = [*xs, qg, d_out, stats]
     in_specs = ([_rows(tb, d)] * n + [_rows(tb, d) if per_token else _whole((1, d)), _rows(tb, d)]
-                + [_rows(tb, 1)] * (1 + 3 * n))
+                + [_rows(tb, columns.width)])
     out_shapes = [jax.ShapeDtypeStruct((t, d), x.dtype) for x in xs]
     # pseudo-query: one [1, D] partial per tile, as a [tiles, 1, D] array (block (squeezed, 1, D)).
     out_shapes.append(jax.ShapeDtypeStruct((t, d) if per_token else (tiles, 1, d), ct))
@@ -218,22 +304,23 @@ def backward(xs, qg, d_out, d_lse, ps, rs, ss, *, per_token, scale, softmax, key
 
 def phase1(xs, qg, *, eps, scale, tb, ct, interpret, poison, compiler_params=None):
     """S pseudo-queries over N sources, each source tile read once.  qg `[S, D]` (query * gain).
-    Returns outs S x `[T, D]` (sources' dtype), lses S x `[T, 1]`, rs N x `[T, 1]`,
-    ss N x S x `[T, 1]` (row-major: ss[i * S + k])."""
+    Returns outs S x `[T, D]` (sources' dtype) and the statistics `[T, K]` (compute dtype; columns
+    `phase1_columns(N, S)`: lse_k, r_i, s_ik row-major)."""
     n, (t, d), sets = len(xs), xs[0].shape, qg.shape[0]
+    columns = phase1_columns(n, sets)
 
     def body(ins, outs):
         q = ins[n][...].astype(ct)  # [S, D]
-        out_refs, lse_refs = outs[:sets], outs[sets:2 * sets]
-        r_refs, s_refs = outs[2 * sets:2 * sets + n], outs[2 * sets + n:]
+        out_refs, stats_ref = outs[:sets], outs[sets]
+        stats = jnp.zeros(stats_ref.shape, ct)  # the [TB, K] tile, stored once at the end
         state = [None] * sets  # (m, l, acc) per query
         for i in range(n):
             x = ins[i][...].astype(ct)  # one read of source i's tile for all S queries
             r = _rms(x, eps)
-            r_refs[i][...] = r
+            stats = _put(stats, columns.col("r", i), r)
             for k in range(sets):
                 s = jnp.sum(x * q[k:k + 1], axis=1, keepdims=True)
-                s_refs[i * sets + k][...] = s
+                stats = _put(stats, columns.col("s", i * sets + k), s)
                 z = scale * r * s
                 if state[k] is None:
                     state[k] = (z, jnp.ones_like(z), x)
@@ -244,15 +331,15 @@ def phase1(xs, qg, *, eps, scale, tb, ct, interpret, poison, compiler_params=Non
                     state[k] = (m_new, alpha * l + e, alpha * acc + e * x)
         for k, (m, l, acc) in enumerate(state):
             out_refs[k][...] = (acc / l).astype(out_refs[k].dtype)
-            lse_refs[k][...] = m + jnp.log(l)
+            stats = _put(stats, columns.col("lse", k), m + jnp.log(l))
+        stats_ref[...] = stats  # every column, pads included (zeros)
 
-    col = jax.ShapeDtypeStruct((t, 1), ct)
-    out_shapes = [jax.ShapeDtypeStruct((t, d), xs[0].dtype)] * sets + [col] * (sets + n + n * sets)
-    out_specs = [_rows(tb, d)] * sets + [_rows(tb, 1)] * (sets + n + n * sets)
+    out_shapes = [jax.ShapeDtypeStruct((t, d), xs[0].dtype)] * sets + [jax.ShapeDtypeStruct((t, columns.width), ct)]
+    out_specs = [_rows(tb, d)] * sets + [_rows(tb, columns.width)]
     outs = _call(body, "attnres_phase1", [*xs, qg], [_rows(tb, d)] * n + [_whole((sets, d))], out_shapes,
                  out_specs, t, tb, interpret=interpret, poison=poison,
                  compiler_params=compiler_params)
-    return outs[:sets], outs[sets:2 * sets], outs[2 * sets:2 * sets + n], outs[2 * sets + n:]
+    return outs[:sets], outs[sets]
 
 
 # -- phase 2 ---------------------------------------------------------------------------------------
@@ -260,8 +347,10 @@ def phase1(xs, qg, *, eps, scale, tb, ct, interpret, poison, compiler_params=Non
 
 def merge(out1, lse1, partial, qg, *, per_token, eps, scale, tb, ct, interpret, poison, compiler_params=None):
     """out1, partial `[T, D]`; lse1 `[T, 1]`; qg `[1, D]` or `[T, D]`.  Returns out `[T, D]`
-    (partial's dtype), lse, r, s, w1 `[T, 1]` (compute dtype)."""
+    (partial's dtype) and the statistics `[T, K]` (compute dtype; columns `MERGE_COLUMNS`: lse, r,
+    s, w1)."""
     t, d = partial.shape
+    columns = MERGE_COLUMNS
 
     def body(ins, outs):
         o1, l1, x = ins[0][...].astype(ct), ins[1][...].astype(ct), ins[2][...].astype(ct)
@@ -270,12 +359,13 @@ def merge(out1, lse1, partial, qg, *, per_token, eps, scale, tb, ct, interpret, 
         w1, w2 = merge_weights(l1, z2)  # C10.7: each from its own logistic, not 1 - w1
         m = jnp.maximum(l1, z2)
         outs[0][...] = (w1 * o1 + w2 * x).astype(outs[0].dtype)
-        outs[1][...] = m + jnp.log(jnp.exp(l1 - m) + jnp.exp(z2 - m))
-        outs[2][...], outs[3][...], outs[4][...] = r, s, w1
+        stats = jnp.zeros(outs[1].shape, ct)
+        for name, value in (("lse", m + jnp.log(jnp.exp(l1 - m) + jnp.exp(z2 - m))), ("r", r), ("s", s), ("w1", w1)):
+            stats = _put(stats, columns.col(name), value)
+        outs[1][...] = stats  # every column, pads included (zeros)
 
-    col = jax.ShapeDtypeStruct((t, 1), ct)
-    out_shapes = [jax.ShapeDtypeStruct((t, d), partial.dtype)] + [col] * 4
+    out_shapes = [jax.ShapeDtypeStruct((t, d), partial.dtype), jax.ShapeDtypeStruct((t, columns.width), ct)]
     in_specs = [_rows(tb, d), _rows(tb, 1), _rows(tb, d), _rows(tb, d) if per_token else _whole((1, d))]
     return _call(body, "attnres_merge", [out1, lse1, partial, qg], in_specs, out_shapes,
-                 [_rows(tb, d)] + [_rows(tb, 1)] * 4, t, tb, interpret=interpret, poison=poison,
+                 [_rows(tb, d), _rows(tb, columns.width)], t, tb, interpret=interpret, poison=poison,
                  compiler_params=compiler_params)

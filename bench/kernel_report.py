@@ -21,7 +21,10 @@ Two parts, each in its own environment (torch+Triton and JAX are separate nox en
   `jax_pallas_use_mosaic_gpu=False`), lowered on the CPU with
   `jax.jit(f).trace(*abstract args).lower(lowering_platforms=(platform,))`: lowered, or refused
   (first line of the error); and what the dispatch plan (`Pallas().supports`) says for the
-  platform (pallas, or routed to XLA and why).
+  platform (pallas, or routed to XLA and why).  The kernels the Triton lowering produced are
+  then compiled for sm_90 too: their Triton IR is taken from the lowered custom call (printed by
+  JAX's own Triton dialect) and compiled by `triton.compile` and the wheel's ptxas in the torch
+  env (`--torch-python`; `compile_ttir_child`): warps, registers and spills per kernel.
 * `--part all` (default): runs both parts as child processes, each with its env's python
   (`--torch-python` / `--jax-python`, default the nox envs under `.nox/` when present, else this
   interpreter), and prints both tables.
@@ -415,6 +418,7 @@ PALLAS_CASES = (
     PallasCase("backward", 9, 8192, 7168),
     PallasCase("phase1", 8, 8192, 7168, s=12),
     PallasCase("phase1", 8, 8192, 4096, s=12),
+    PallasCase("phase1", 8, 8192, 4096, s=16),
     PallasCase("merge", 2, 8192, 7168),
     PallasCase("merge", 2, 32768, 4096),
 )
@@ -516,8 +520,77 @@ def _mosaic_gpu_default() -> bool:
     return bool(getattr(jax.config, "jax_pallas_use_mosaic_gpu", False))
 
 
-def pallas_rows(cases=PALLAS_CASES, targets=PALLAS_TARGETS) -> List[dict]:
-    rows = []
+def pallas_triton_ir(lowered) -> List[tuple]:
+    """[(Triton IR as text, num_warps)] of every Triton-lowered kernel call in `lowered` (the
+    `__gpu$xla.gpu.triton` custom calls carry the kernel as MLIR bytecode in their backend
+    config; JAX's own Triton dialect prints it, so Triton's compiler can take it from there)."""
+    from jax._src.lib import triton as jax_triton
+    from jax._src.lib.mlir import ir
+
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    if child.operation.name == "stablehlo.custom_call" and \
+                            "mhlo.backend_config" in child.attributes:
+                        calls.append(child)
+                    walk(child.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    out = []
+    for call in calls:
+        config = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        if "ir" not in config:
+            continue
+        ctx = ir.Context()
+        jax_triton.dialect.register_dialect(ctx)
+        with ctx:
+            text = str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))
+        out.append((text, ir.IntegerAttr(config["num_warps"]).value))
+    return out
+
+
+def compile_ttir(items: List[dict]) -> List[dict]:
+    """Triton env: compile each {"path": Triton IR text file, "num_warps"} for sm_90 and assemble
+    with the wheel's ptxas -> {"registers", "spill_stores", "spill_loads", "stack", "loads",
+    "stores"} or {"error"}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    ptxas = ptxas_path()
+    out = []
+    for item in items:
+        try:
+            ck = triton.compile(item["path"], target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=item["num_warps"]))
+            info = run_ptxas(ck.asm["ptx"], ptxas)
+            acc = global_accesses(ck.asm["ptx"])
+            out.append(dict(info, loads=dict(acc["ld"]), stores=dict(acc["st"])))
+        except Exception as e:  # noqa: BLE001 - a refusal is the result
+            out.append({"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"})
+    return out
+
+
+def compile_ttir_child(items: List[dict], python: str) -> List[dict]:
+    """`compile_ttir` in `python` (the torch env has Triton; the JAX env need not): raises
+    RuntimeError with the reason when that interpreter cannot."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "items.json", Path(tmp) / "compiled.json"
+        src.write_text(json.dumps(items))
+        res = subprocess.run([python, str(Path(__file__).resolve()), "--compile-ttir", str(src), "--json",
+                              str(dst)], capture_output=True, text=True)
+        if res.returncode != 0 or not dst.exists():
+            raise RuntimeError(f"{python} could not compile the Triton IR: {res.stderr.strip()[-300:]}")
+        return json.loads(dst.read_text())
+
+
+def pallas_rows(cases=PALLAS_CASES, targets=PALLAS_TARGETS, torch_python: Optional[str] = None,
+                ir_dir: Optional[str] = None) -> List[dict]:
+    """Rows of the Pallas table; with `torch_python`, the Triton-lowered GPU kernels are also
+    compiled for sm_90 there ("sm90": registers and spills, or "sm90_error")."""
+    rows, items = [], []
     for case in cases:
         for label, platform, plan_platform, mosaic in targets:
             reason, impl = pallas_plan(case, plan_platform)
@@ -525,17 +598,33 @@ def pallas_rows(cases=PALLAS_CASES, targets=PALLAS_TARGETS) -> List[dict]:
             lowered, err = pallas_lowering(case, platform, impl, mosaic)
             log(f"  {case.name} on {label}: {'lowered' if err is None else 'refused'} ({time.time() - t0:.1f} s)")
             rows.append({"case": case.name, "kernel": case.kernel, "target": label, "tile": impl.tile,
+                         "num_warps": impl.num_warps if plan_platform == "gpu" else None,
                          "plan": "pallas" if reason is None else f"xla: {reason}",
                          "lowered": err is None, "error": err,
                          "narrow": None if lowered is None else pallas_narrow(lowered)})
+            if torch_python and lowered is not None and mosaic is False:
+                for j, (text, warps) in enumerate(pallas_triton_ir(lowered)):
+                    path = Path(ir_dir) / f"{len(rows)}_{j}.ttir"
+                    path.write_text(text)
+                    items.append({"row": len(rows) - 1, "path": str(path), "num_warps": warps})
+    if items:
+        log(f"  compiling {len(items)} Triton-lowered kernels for sm_90 with {torch_python} ...")
+        try:
+            for item, res in zip(items, compile_ttir_child(items, torch_python)):
+                rows[item["row"]]["sm90"] = res
+        except RuntimeError as e:
+            for item in items:
+                rows[item["row"]]["sm90"] = {"error": str(e)}
     return rows
 
 
-def pallas_part(quick: bool) -> dict:
+def pallas_part(quick: bool, torch_python: Optional[str] = None) -> dict:
     import jax
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = pallas_rows(torch_python=torch_python, ir_dir=tmp)
     return {"jax_version": jax.__version__,
             "default_gpu_lowering": "Mosaic GPU" if _mosaic_gpu_default() else "Triton",
-            "rows": pallas_rows()}
+            "rows": rows}
 
 
 def pallas_markdown(part: dict) -> str:
@@ -543,12 +632,20 @@ def pallas_markdown(part: dict) -> str:
              "lowered on the CPU for abstract bf16 inputs; plan = `Pallas().supports` on that platform; "
              "[*, 1] in/out = the kernel's operands / results whose last dim is 1 (on TPU each is padded "
              "128x by the (8, 128) tiling).", "",
-             "| case | target | TB | plan | lowering | [*, 1] in/out |", "|---|---|---:|---|---|---:|"]
+             "| case | target | TB | plan | lowering | [*, 1] in/out | sm_90 warps, regs, spill st/ld B |",
+             "|---|---|---:|---|---|---:|---|"]
     for r in part["rows"]:
         low = "lowered" if r["lowered"] else f"refused: {r['error']}"
         narrow = "" if r.get("narrow") is None else "%d / %d" % tuple(r["narrow"])
+        sm90 = r.get("sm90") or {}
+        if "error" in sm90:
+            compiled = f"not compiled: {sm90['error'][:80]}"
+        elif sm90:
+            compiled = f"{r['num_warps']}, {sm90['registers']}, {sm90['spill_stores']}/{sm90['spill_loads']}"
+        else:
+            compiled = ""
         lines.append(f"| {r['case']} | {r['target']} | {r['tile']} | {r['plan']} | {low.replace('|', '/')} | "
-                     f"{narrow} |")
+                     f"{narrow} | {compiled.replace('|', '/')} |")
     return "\n".join(lines)
 
 
@@ -568,6 +665,7 @@ def parse_args(argv=None):
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--torch-python", default=_env_python("tests-torch"), help="python of the torch env")
     p.add_argument("--jax-python", default=_env_python("tests-jax"), help="python of the JAX env")
+    p.add_argument("--compile-ttir", type=Path, help=argparse.SUPPRESS)  # `compile_ttir_child`'s end
     return p.parse_args(argv)
 
 
@@ -583,6 +681,9 @@ def _child(python: str, part: str, quick: bool) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compile_ttir:
+        args.json.write_text(json.dumps(compile_ttir(json.loads(args.compile_ttir.read_text()))))
+        return 0
     result = {}
     if args.part == "all":
         log(f"triton part with {args.torch_python}")
@@ -592,7 +693,7 @@ def main(argv=None) -> int:
     elif args.part == "triton":
         result["triton"] = triton_part(args.quick)
     else:
-        result["pallas"] = pallas_part(args.quick)
+        result["pallas"] = pallas_part(args.quick, args.torch_python)
     for part, render in (("triton", triton_markdown), ("pallas", pallas_markdown)):
         if part in result:
             print(f"## {part}\n")

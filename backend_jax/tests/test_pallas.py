@@ -327,9 +327,11 @@ def _request(platform, dtype="float32", dim=128, num_heads=1, num_sources=9, num
 
 @pytest.mark.parametrize("request_, want", [
     (_request("cpu"), None),
-    (_request("gpu"), Pallas(tile=64, platform="gpu")),
-    (_request("gpu", num_sets=3), None),  # Triton blocks: S query sets, a power of two
+    (_request("gpu"), Pallas(tile=32, num_warps=16, platform="gpu")),  # a [32, 128] tile, 8 per thread
+    (_request("gpu", dim=8, num_sets=1), Pallas(tile=64, num_warps=2, platform="gpu")),
+    (_request("gpu", num_sets=2), None),  # phase 1: no slice primitive in the Triton lowering
     (_request("gpu", dim=96), None),  # Triton blocks: powers of two
+    (_request("gpu", dim=16384), None),  # one row spills the registers (sm_90 compile)
     (_request("gpu", dtype="float64"), None),  # C10: float64 computes in float64
     (_request("tpu", dtype="bfloat16", dim=4096, num_sources=40), Pallas(tile=8, platform="tpu")),
     (_request("tpu", num_heads=2), None),

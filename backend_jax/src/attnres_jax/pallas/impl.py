@@ -31,12 +31,27 @@ def _pow2_floor(x: int) -> int:
 
 
 def _auto_tile(request: Request) -> int:
-    """Token rows per program: a tile of every source (plus S accumulators, plus out_normed or its
-    cotangent with the output norm) within ~4 MiB of fp32."""
-    rows = (1 << 20) // max(1, request.dim * (request.num_sources + request.num_sets + request.out_norm))
+    """Token rows per program.  TPU: a tile of every source (plus S accumulators, plus out_normed
+    or its cotangent with the output norm) within ~4 MiB of fp32 VMEM.  GPU (Triton): the values
+    live in registers, so one `[TB, D]` fp32 tile is at most 4096 elements, 8 per thread at
+    `_GPU_WARPS` warps (sm_90 compile of the Triton-lowered kernels at D = 4096, N = 10: TB = 1
+    at 16 warps gives 64 / 94 / 32 registers for forward / backward / merge and no spills, where
+    the ~4 MiB rule's TB = 16 at 4 warps spilled 127 KB / 252 KB / 26 KB per thread)."""
     if request.platform == "tpu":
+        rows = (1 << 20) // max(1, request.dim * (request.num_sources + request.num_sets + request.out_norm))
         return max(8, min(256, _pow2_floor(rows)))
-    return max(1, min(64, _pow2_floor(rows)))
+    return max(1, min(64, _pow2_floor(4096 // max(1, request.dim))))
+
+
+_GPU_WARPS = 16  # most warps of a Triton-lowered program (512 threads)
+_GPU_MAX_DIM = 8192  # widest row the GPU kernels take: at D = 16384 the sm_90 compile spills
+# (forward 108 B, backward 1284 B per thread at TB = 1, 16 warps); D = 8192: forward none,
+# backward 28 B
+
+
+def _gpu_warps(tile: int, dim: int) -> int:
+    """Warps for a `[tile, D]` tile: 8 elements per thread, at most `_GPU_WARPS`."""
+    return max(1, min(_GPU_WARPS, _pow2_floor(max(1, tile * dim // 256))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +63,7 @@ class Pallas:
 
     interpret: str = "off"  # one of INTERPRETERS
     tile: Optional[int] = None  # TB token rows per program (None: chosen by `resolve`)
+    num_warps: Optional[int] = None  # compiled GPU (Triton) kernels: warps (None: `resolve`)
     poison: bool = False  # alias every output to a NaN-filled input (tests: unwritten -> NaN)
     platform: Optional[str] = None  # "gpu" / "tpu": picks the lowering's compiler params
 
@@ -67,14 +83,21 @@ class Pallas:
             return f"compiled kernels compute in float32; {request.dtype} sources compute in float64 (C10)"
         if request.platform == "gpu" and request.dim & (request.dim - 1):
             return f"Triton blocks must be powers of two (D = {request.dim})"
-        if request.platform == "gpu" and request.num_sets & (request.num_sets - 1):
-            return f"Triton blocks must be powers of two (S = {request.num_sets} query sets)"
+        if request.platform == "gpu" and request.num_sets > 1:
+            return (f"phase 1 ({request.num_sets} query sets) does not lower for Triton (no slice "
+                    f"primitive for the query rows)")
+        if request.platform == "gpu" and request.dim > _GPU_MAX_DIM:
+            return (f"a row of D = {request.dim} > {_GPU_MAX_DIM} does not fit a Triton program's "
+                    f"registers (the sm_90 compile spills)")
         return None
 
     def resolve(self, request: Request) -> "Pallas":
         """This implementation with the tile fixed for the call."""
         tile = self.tile or (8 if self.interpret != "off" else _auto_tile(request))
-        return dataclasses.replace(self, tile=tile, platform=request.platform)
+        warps = self.num_warps
+        if warps is None and self.interpret == "off" and request.platform == "gpu":
+            warps = _gpu_warps(tile, request.dim)
+        return dataclasses.replace(self, tile=tile, platform=request.platform, num_warps=warps)
 
     # -- entry points ------------------------------------------------------------------------
 
@@ -88,7 +111,8 @@ class Pallas:
         if interpret is False and self.platform == "gpu":  # Triton, not JAX's default Mosaic GPU
             from jax.experimental.pallas import triton as pltriton
 
-            params = pltriton.CompilerParams()
+            params = (pltriton.CompilerParams() if self.num_warps is None
+                      else pltriton.CompilerParams(num_warps=self.num_warps))
         elif interpret is False and self.platform == "tpu":
             from jax.experimental.pallas import tpu as pltpu
 

@@ -211,13 +211,6 @@ def _run_forward(table: _SourceTable, q: Tensor, q_stride: int, g: Optional[Tens
     if num_rows == 0:
         return out, lse, w, normed
     bt, bs, bd, one_tile, warps = _tiles(num_rows, dim, num_queries)
-    if out_norm is None and one_tile and bt * bs >= 2 and bd >= 2048:
-        # A recorded per-shape choice (sm_90 compile, bench/kernel_report.py): a tile of 2+ rows
-        # of 2048+ columns at 8 warps fits 2 CTAs per SM (10 x 32768 x 4096: 120 registers, 64
-        # KiB in flight) where 16 warps fit one (90 registers, 32 KiB).  Not with the output
-        # norm (174 registers at 8 warps: still one CTA, half the threads) nor for one-row tiles
-        # (D = 7168: 152 registers at 8 warps).
-        warps = min(warps, 8)
     if out_norm is not None and not (one_tile and num_queries == 1):
         raise ValueError(f"out_norm_weight: the Triton output norm needs one query and D <= "
                          f"{_MAX_BLOCK_D // 2} (one tile), got S = {num_queries}, D = {dim}")

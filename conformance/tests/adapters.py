@@ -195,18 +195,34 @@ class IgnoresCallScale(ReferenceBackend):
         return super().call_probe(dataclasses.replace(call, scale=None))
 
 
-class IgnoresKeyProjection(ReferenceBackend):
+class _IgnoresParam(ReferenceBackend):
+    """A port that leaves one scheme parameter, `param`, at its init value (`init(shape)`)
+    instead of the learned one it is given."""
+
+    param = ""
+
+    @staticmethod
+    def init(shape):
+        raise NotImplementedError
+
+    def call_probe(self, call):
+        value = call.params.get(self.param)
+        if value is None:
+            return super().call_probe(call)
+        params = dict(call.params, **{self.param: self.init(np.shape(value))})
+        return super().call_probe(dataclasses.replace(call, params=params))
+
+
+class IgnoresKeyProjection(_IgnoresParam):
     """M13: keys are the first r channels of the normed sources (the init P = I[:, :r]), not
     `(rmsnorm(v) * g) @ key_projection` with the learned projection."""
 
     name = "ignores_key_projection"
+    param = "key_projection"
 
-    def call_probe(self, call):
-        P = call.params.get("key_projection")
-        if P is None:
-            return super().call_probe(call)
-        return super().call_probe(dataclasses.replace(
-            call, params=dict(call.params, key_projection=np.eye(*np.shape(P)))))
+    @staticmethod
+    def init(shape):
+        return np.eye(*shape)
 
 
 class DropsSummaries(ReferenceBackend):
@@ -222,18 +238,16 @@ class DropsSummaries(ReferenceBackend):
         return super().call_probe(dataclasses.replace(call, config=config))
 
 
-class IgnoresOutNormWeights(ReferenceBackend):
+class IgnoresOutNormWeights(_IgnoresParam):
     """M15: the stream norms every sublayer input and the output without the learned gains
     (out_norm_weights left at their init, ones)."""
 
     name = "ignores_out_norm_weights"
+    param = "out_norm_weights"
 
-    def call_probe(self, call):
-        w = call.params.get("out_norm_weights")
-        if w is None:
-            return super().call_probe(call)
-        return super().call_probe(dataclasses.replace(
-            call, params=dict(call.params, out_norm_weights=np.ones(np.shape(w)))))
+    @staticmethod
+    def init(shape):
+        return np.ones(shape)
 
 
 class NoCallInputs(ReferenceBackend):

@@ -31,9 +31,8 @@ def probe_forward(config: ResidualConfig, params: Mapping[str, mx.array], embedd
     router = DepthRouter(config, L, D)
     config.check_params(params, L, D, lambda a: ops.dtype_name(a.dtype))
     router.update(dict(params))
-    return router(embedding, probe_sublayers(sublayer_weights, config.eps, prenorm=not config.fuse_out_norm),
-                  schedule=schedule,
-                  mix=mix, scale=scale)
+    sublayers = probe_sublayers(sublayer_weights, config.eps, prenorm=not config.fuse_out_norm)  # M15
+    return router(embedding, sublayers, schedule=schedule, mix=mix, scale=scale)
 
 
 def probe_vjp(config: ResidualConfig, params: Mapping[str, mx.array], embedding: mx.array,

@@ -157,8 +157,8 @@ def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_w
     """
     emb = _check_call(config, embedding, schedule)
     w = _check_sublayer_weights(sublayer_weights, emb.shape[-1])
-    return stack_forward(config, params, embedding, probe_sublayers(w, config.eps, prenorm=not config.fuse_out_norm), schedule=schedule,
-                         mix=mix, scale=scale)
+    sublayers = probe_sublayers(w, config.eps, prenorm=not config.fuse_out_norm)  # M15
+    return stack_forward(config, params, embedding, sublayers, schedule=schedule, mix=mix, scale=scale)
 
 
 def probe_vjp(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, cotangent, *,

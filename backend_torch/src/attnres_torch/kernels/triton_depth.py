@@ -291,8 +291,9 @@ def _logit_tiles(num_rows: int, dim: int, num_queries: int):
 def _sum_tiles(num_rows: int, dim: int, num_queries: int):
     """(BLOCK_T, BLOCK_S, BLOCK_D, num_warps) of `_weighted_sum_kernel`: one row, up to 16
     queries, D in tiles of up to 512 at 8 columns per thread (16-byte bf16 loads; the fp32
-    accumulator is 16 x 8 registers per thread; sm_90: 164 registers, 6 CTAs per SM).  Writes
-    dominate this kernel: S outputs per element read."""
+    accumulator is 16 x 8 registers per thread; sm_90: 164 registers and 6 CTAs per SM with
+    Triton 3.9, 255 and 4 with Triton 3.6).  Writes dominate this kernel: S outputs per element
+    read."""
     block_s = min(_pow2(num_queries), 16)
     block_d = min(_pow2(dim), 512, max(1, _TILE_ELEMS // 16))
     return 1, block_s, block_d, max(1, block_d // 256)

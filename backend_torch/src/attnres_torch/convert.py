@@ -73,6 +73,19 @@ class RowStack:
         return self.rows[index]
 
 
+class SiteRows(RowStack):
+    """The rows named `attr` of a list of sites, read from the sites at every access (not when
+    the view is made): FSDP2 swaps a site's sharded parameter for the gathered one only while
+    the owning layer runs, so a pass must see the parameter of that moment."""
+
+    def __init__(self, sites: Sequence[nn.Module], attr: str):
+        self.sites, self.attr = [s for s in sites if getattr(s, attr, None) is not None], attr
+
+    @property
+    def rows(self) -> List[torch.Tensor]:
+        return [getattr(s, self.attr) for s in self.sites]
+
+
 class DepthSite(nn.Module):
     """Row r of each of a scheme's parameters as this module's own parameters: what one sublayer
     (or the output aggregation) owns.  Names (`ROW_NAMES`): `query` `[D]` and `norm_weight` `[D]`
@@ -166,8 +179,7 @@ class PerLayerRouter(DepthRouter):
     def __getattr__(self, name: str):
         # DepthRouter.stream reads the stacked parameters by name; hand it the rows as a view.
         if name in ROW_NAMES and name in self.__dict__.get("_names", ()):
-            rows = [getattr(s, ROW_NAMES[name], None) for s in self.site_list()]
-            return RowStack([r for r in rows if r is not None])  # alphas, gates: L rows
+            return SiteRows(self.site_list(), ROW_NAMES[name])  # alphas, gates: L rows
         return super().__getattr__(name)
 
     def stacked(self) -> Dict[str, torch.Tensor]:

@@ -19,7 +19,9 @@ Two parts, each in its own environment (torch+Triton and JAX are separate nox en
   of `attnres_jax.pallas.kernels` at the benchmark shapes, for the platforms `tpu` and `cuda`
   (the GPU lowering JAX picks by default, and the Triton lowering with
   `jax_pallas_use_mosaic_gpu=False`), lowered on the CPU with
-  `jax.jit(f).trace(*abstract args).lower(lowering_platforms=(platform,))`: lowered, or refused
+  `jax.jit(f).trace(*abstract args).lower(lowering_platforms=(platform,))` (for `cuda` under an
+  abstract mesh of one H200, `target_device`: JAX >= 0.11 reads the GPU from it and needs no
+  device, e.g. the H200 image's JAX 0.11.2 without a GPU plugin): lowered, or refused
   (first line of the error); and what the dispatch plan (`Pallas().supports`) says for the
   platform (pallas, or routed to XLA and why).  The kernels the Triton lowering produced are
   then compiled for sm_90 too: their Triton IR is taken from the lowered custom call (printed by
@@ -488,7 +490,8 @@ def pallas_lowering(case: PallasCase, platform: str, impl, mosaic_gpu: Optional[
     try:
         if mosaic_gpu is not None and mosaic_gpu != old:
             jax.config.update("jax_pallas_use_mosaic_gpu", mosaic_gpu)
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+        with target_device(platform):
+            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
     except Exception as e:  # noqa: BLE001 - a refusal is the result
         text = str(e).strip().splitlines()
         return None, f"{type(e).__name__}: {text[0] if text else ''}"[:300]
@@ -496,6 +499,27 @@ def pallas_lowering(case: PallasCase, platform: str, impl, mosaic_gpu: Optional[
         if mosaic_gpu is not None and mosaic_gpu != old:
             jax.config.update("jax_pallas_use_mosaic_gpu", old)
     return lowered, None
+
+
+#: The GPU a `cuda` lowering targets when this machine has none (`target_device`).
+GPU_KIND, GPU_CORES = "NVIDIA H200", SMS
+
+
+def target_device(platform: str):
+    """Context for lowering for `platform` with no such device here: for "cuda", an abstract
+    mesh of one `GPU_KIND` device (`jax.sharding.use_abstract_mesh`), which JAX >= 0.11's Pallas
+    Triton lowering reads for the compute capability instead of asking for a local GPU (there it
+    raises "No supported GPU devices found"); older JAX reads no abstract device and lowers
+    as before.  Any other platform: no change."""
+    import contextlib
+
+    import jax
+    sharding = jax.sharding
+    if platform != "cuda" or not all(hasattr(sharding, n) for n in
+                                     ("use_abstract_mesh", "AbstractMesh", "AbstractDevice")):
+        return contextlib.nullcontext()
+    device = sharding.AbstractDevice(device_kind=GPU_KIND, num_cores=GPU_CORES, platform="gpu")
+    return sharding.use_abstract_mesh(sharding.AbstractMesh((1,), ("gpu",), abstract_device=device))
 
 
 #: The kernel's custom call in lowered StableHLO: its operand and result types after the last " : (".

@@ -35,6 +35,9 @@ JAX = "jax[cpu]>=0.4.35"
 FLAX = "flax>=0.10"
 MLX = "mlx[cpu]>=0.25"
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
+#: The Hugging Face stack tests-torch converts and trains (tiny configs, random weights, nothing
+#: downloaded): pinned, so a new release cannot change what CI checks without a commit.
+HF_STACK = ("transformers==5.24.0", "accelerate==1.15.0", "peft==0.21.2")
 BASE = ("-e", "reference_numpy", "-e", "conformance")
 DISTRIBUTIONS = ("reference_numpy", "conformance", "backend_torch", "backend_jax", "backend_mlx")
 #: The golden vectors: package data of the suite (its wheel ships them); spec/vectors links here.
@@ -42,7 +45,7 @@ GOLDEN = "conformance/src/attnres_conformance/golden"
 
 BACKEND_INSTALL = {
     "numpy": (),
-    "torch": (TORCH, "-e", "backend_torch[plots]"),
+    "torch": (TORCH, *HF_STACK, "-e", "backend_torch[plots]"),
     "jax": (JAX, FLAX, "-e", "backend_jax[flax]"),
     "mlx": (MLX, "-e", "backend_mlx"),
 }

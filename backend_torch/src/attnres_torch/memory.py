@@ -48,8 +48,13 @@ _ACCOUNTING: List["SavedBytes"] = []  # the active SavedBytes contexts (innermos
 
 
 def sublayer_modules(model: ModelLike) -> List[nn.Module]:
-    """The sublayer modules of `model`: its `.sublayers` (an `AttnResTransformer` or anything
-    with that attribute) or the modules of an iterable (e.g. an `nn.ModuleList`)."""
+    """The sublayer modules of `model`: a Hugging Face model converted by `attnres_torch.hf`
+    (its attention and MLP modules), its `.sublayers` (an `AttnResTransformer` or anything with
+    that attribute) or the modules of an iterable (e.g. an `nn.ModuleList`)."""
+    from . import hf  # no transformers import: hf reads only the model's own structure
+
+    if isinstance(model, nn.Module) and hf.is_converted(model):
+        return hf.sublayer_modules(model)
     subs = getattr(model, "sublayers", model)
     if isinstance(subs, nn.Module) and not isinstance(subs, (nn.ModuleList, nn.Sequential)):
         raise ValueError(f"model: expected a model with .sublayers or an iterable of sublayer "
@@ -114,14 +119,27 @@ class SavedBytes:
         self._seen = {}
 
 
+#: Keyword arguments of Hugging Face attention modules that hold a KV cache: a checkpointed
+#: sublayer would append its keys twice (forward and recomputation), so they are dropped while a
+#: gradient is recorded, as HF's own gradient checkpointing does.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
 def checkpointed(f: Callable, *, preserve_rng_state: bool = True) -> Callable:
     """f wrapped in non-reentrant `torch.utils.checkpoint`: its internals are recomputed in the
-    backward instead of saved; what is kept is its input h (see `Recompute`)."""
+    backward instead of saved; what is kept is its input h, the first positional argument or,
+    for a keyword-only call (HF's `self_attn(hidden_states=...)`), the first tensor keyword
+    (see `Recompute`)."""
 
-    def run(h, *args, **kwargs):
+    def run(*args, **kwargs):
+        h = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
         for acct in _ACCOUNTING:
             acct.add(h)
-        return checkpoint(f, h, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+        if torch.is_grad_enabled():
+            kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+        return checkpoint(f, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                           **kwargs)
 
     return run

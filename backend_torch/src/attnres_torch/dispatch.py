@@ -41,6 +41,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import chunked, cpu_c
 
@@ -157,6 +158,9 @@ def _merge_refusal(impl: Impl, call: Call) -> Optional[Exception]:
     if call.needs_grad or not call.default_op:
         return ValueError(f"impl: {impl.name!r} merges only without gradients and for "
                           "float16/bfloat16/float32 sources")
+    if any(is_traceable_wrapper_subclass(t) for t in call.tensors):  # not a custom op: raw storage
+        return ValueError(f"impl: {impl.name!r} merges plain tensors only (a DTensor or other "
+                          "tensor subclass takes the composition)")
     return None
 
 

@@ -173,8 +173,44 @@ class _ShardedOutNorm(torch.autograd.Function):
         return None, d_out, d_weight
 
 
+def _from_dtensors(sources, query, norm_weight, out_norm_weight, **options):
+    """`depth_attention_tp` on DTensors sharded over their last dim D on a 1-D mesh: the layout
+    (`HiddenShard`) comes from the mesh and DTensor's chunking; the results are DTensors (out and
+    out_normed Shard on D, lse Replicate)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    xs = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    named = [("sources[%d]" % i, x) for i, x in enumerate(xs)] + [("query", query)]
+    named += [(n, t) for n, t in (("norm_weight", norm_weight), ("out_norm_weight", out_norm_weight))
+              if t is not None]
+    mesh = xs[0].device_mesh if isinstance(xs[0], DTensor) else None
+    for name, t in named:
+        if not (isinstance(t, DTensor) and t.device_mesh == mesh and mesh.ndim == 1
+                and t.placements == (Shard(t.dim() - 1),)):
+            got = (f"placements {t.placements} on a {t.device_mesh.ndim}-D mesh"
+                   if isinstance(t, DTensor) else type(t).__name__)
+            raise TypeError(f"{name}: without shard=, expected a DTensor sharded over its last dim "
+                            f"(Shard(-1)) on the 1-D mesh of sources[0], got {got}")
+    dim, world = xs[0].shape[-1], mesh.size()
+    chunk = -(-dim // world)  # DTensor's Shard splits like torch.chunk
+    shard = HiddenShard(tuple(max(0, min(chunk, dim - r * chunk)) for r in range(world)),
+                        mesh.get_group())
+    local = (lambda t: None if t is None else t.to_local())
+    res = depth_attention_tp(
+        [x.to_local() for x in xs] if isinstance(sources, (list, tuple)) else xs[0].to_local(),
+        query.to_local(), local(norm_weight), shard=shard, out_norm_weight=local(out_norm_weight),
+        **options)
+    res = res if isinstance(res, tuple) else (res,)
+    shape = xs[0].shape if isinstance(sources, (list, tuple)) else xs[0].shape[1:]
+    wrapped = [DTensor.from_local(r, mesh, [Shard(r.dim() - 1)], run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+               for r in res[: 1 + (out_norm_weight is not None)]]
+    wrapped += [DTensor.from_local(r, mesh, [Replicate()], run_check=False) for r in res[len(wrapped):]]
+    return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+
 def depth_attention_tp(sources: Sources, query: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
-                       *, shard: HiddenShard, eps: float = 1e-6, scale: float = 1.0,
+                       *, shard: Optional[HiddenShard] = None, eps: float = 1e-6, scale: float = 1.0,
                        num_heads: int = 1, activation: str = "softmax", key_norm: bool = True,
                        return_lse: bool = False, counter: Optional[CommCounter] = None,
                        out_norm_weight: Optional[torch.Tensor] = None,
@@ -186,6 +222,9 @@ def depth_attention_tp(sources: Sources, query: torch.Tensor, norm_weight: Optio
       query: local slice `[D_r]` (pseudo-query) or `[..., D_r]` (per-token query).
       norm_weight: local slice `[D_r]` of the key-norm gain, or None.
       shard: the layout (`HiddenShard.even(D, group)`); D = shard.dim must divide by num_heads.
+        None: every tensor is a DTensor sharded over its last dim D (`Shard(-1)`) on one 1-D mesh;
+        the layout is the DTensor's, and the results are DTensors (out, out_normed `Shard(-1)`,
+        lse `Replicate()`): the all-reduce form, where DTensor itself would all-gather D.
       eps, scale, num_heads, activation, key_norm: spec options (same meaning as
         `attnres_torch.depth_attention` on the full tensors).
       counter: optional `CommCounter` (categories "tp.forward", "tp.backward").
@@ -196,6 +235,10 @@ def depth_attention_tp(sources: Sources, query: torch.Tensor, norm_weight: Optio
     `(out, out_normed?, lse?)`: out_normed `[..., D_r]` (sources' dtype) with out_norm_weight,
     the replicated lse `[...]` (`[..., H]` if H > 1; compute dtype) with return_lse.
     """
+    if shard is None:
+        return _from_dtensors(sources, query, norm_weight, out_norm_weight, eps=eps, scale=scale,
+                              num_heads=num_heads, activation=activation, key_norm=key_norm,
+                              return_lse=return_lse, counter=counter, out_norm_eps=out_norm_eps)
     xs, stacked, shapes, dtypes = split_sources(sources)
     query = require_tensor("query", query)
     norm_weight = optional_tensor("norm_weight", norm_weight)

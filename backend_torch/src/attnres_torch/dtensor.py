@@ -1,0 +1,154 @@
+"""DTensor sharding strategies of the attnres custom ops (`library.py`; docs/distributed.md,
+"DTensor").  Registered on `import attnres_torch` where `torch.distributed` is available.
+
+Every op reduces over the hidden dim D only, token by token (C1-C12, C17).  So for sources
+sharded over a token dim `d` (any dim of `[..., D]` but the last) each rank runs the op on its own
+tokens, with no communication.  Per mesh dim, the strategies are:
+
+- inputs: the sources, a per-token query, `out`, `lse` and the cotangents Shard(d); a `[D]`
+  query, the gains `[D]` (and `[S, D]`) and `out_norm_weight` Replicate;
+- outputs: `out`, `out_normed`, `lse` Shard(d); behind a leading dim (weights `[N, ...]`, phase
+  1's `[S, ..., D]` and `[S, ...]`) Shard(d + 1); the backward ops' gradients of the sources and
+  of a per-token query Shard(d), of a `[D]` query and of the gains Partial (a sum over tokens);
+- and all Replicate in, all Replicate out.
+
+D-sharded inputs have no local strategy (the logits and the key norm sum over D): DTensor
+redistributes them to one of these (its cost model picks; with 2 ranks on the CPU, Replicate: an
+all-gather).  The all-reduce form, 2 N scalars per token, is
+`attnres_torch.distributed.depth_attention_tp` on the local shards.
+
+`torch.distributed.tensor.experimental.register_sharding` is not used: it counts a `Tensor[]`
+return as one output (the backward ops return N + 2 gradients) and keeps the non-int arguments
+out of the cache key (`with_weights` changes an output's shape).  The strategies go to DTensor's
+propagator the way that function does it, with those two fixed.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import library  # noqa: F401  (defines the ops registered below)
+
+#: The op names registered here (namespace `attnres`), in `library.py`'s order.
+OPS = ("depth_attention", "depth_attention_weights", "depth_attention_backward",
+       "depth_attention_multi", "depth_attention_out_norm", "depth_attention_out_norm_backward")
+
+
+def _placements(op: str, args: dict, d):
+    """(outputs, inputs) placements of one strategy for token dim `d` of the sources (None: all
+    replicated); inputs list the tensor arguments in the op's order, the sources flattened."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    rep = Replicate()
+    tok = rep if d is None else Shard(d)  # token-sharded like the sources
+    lead = rep if d is None else Shard(d + 1)  # behind a leading N or S dim
+    red = rep if d is None else Partial()  # a sum over the tokens ([D] gradients)
+    n = len(args["sources"])
+    gains = [rep] * sum(args[k] is not None for k in ("norm_weight", "norm_weights") if k in args)
+    if op == "depth_attention_multi":
+        return [lead, lead], [tok] * n + [rep] + gains
+    per_token = args["query"].ndim > 1  # C4: [D] or the sources' shape
+    query = tok if per_token else rep
+    inputs = [tok] * n + [query] + gains
+    if op == "depth_attention":
+        return [tok, tok], inputs
+    if op == "depth_attention_weights":
+        return [tok, tok, lead], inputs
+    if op == "depth_attention_out_norm":
+        return [tok, tok, tok, lead if args["with_weights"] else rep], inputs + [rep]
+    d_query = tok if per_token else red
+    if op == "depth_attention_backward":  # + out, lse, d_out, d_lse?
+        cot = 3 + (args["d_lse"] is not None)
+        return [tok] * n + [d_query, red], inputs + [tok] * cot
+    # depth_attention_out_norm_backward: + out_norm_weight, out, lse, d_out, d_out_normed, d_lse?
+    cot = 4 + (args["d_lse"] is not None)
+    return [tok] * n + [d_query, red, red], inputs + [rep] + [tok] * cot
+
+
+def _tensors(entry) -> list:
+    """The sources argument as a list (DTensor's propagator hands a `TupleStrategy`)."""
+    return list(getattr(entry, "children", entry))
+
+
+def _strategy(op_schema):
+    """DTensor's strategy function of every attnres op: the placements above for each token dim
+    and for all-replicated, expanded over the mesh dims."""
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    op = op_schema.op._schema.name.split("::")[1]
+    names = [a.name for a in op_schema.op._schema.arguments]
+    args = dict(zip(names, op_schema.args_schema))
+    args.update(op_schema.kwargs_schema)
+    args["sources"] = _tensors(args["sources"])
+    ndim = args["sources"][0].ndim
+    strategies, num_out = [], None
+    for d in [None, *range(ndim - 1)]:
+        outputs, inputs = _placements(op, args, d)
+        strategies.append(outputs + inputs)
+        num_out = len(outputs)
+    return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, strategies,
+                                           input_index=num_out)
+
+
+#: The cotangent arguments of the backward ops (optional ones may be None).
+_COTANGENTS = {"depth_attention_backward": ("d_out", "d_lse"),
+               "depth_attention_out_norm_backward": ("d_out", "d_out_normed", "d_lse")}
+
+
+def _replicate_plain_cotangents(cls, func, types, args, kwargs):
+    """torch_dispatch rule of DTensor on the backward ops: a plain tensor with the global shape
+    in a cotangent slot (autograd materializes the cotangent of an output nobody used, such as
+    lse, as plain zeros) becomes a replicated DTensor on out's mesh; then DTensor's own
+    dispatch runs the strategies above (NotImplemented falls through to it)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    schema = func._schema
+    names = [a.name for a in schema.arguments]
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    out = values["out"]
+    if not isinstance(out, DTensor):
+        return NotImplemented
+    changed = False
+    for name in _COTANGENTS[schema.name.split("::")[1]]:
+        t = values.get(name)
+        if (isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+                and tuple(t.shape) == tuple(out.shape[: t.dim()]) and t.dim() <= out.dim()):
+            mesh = out.device_mesh
+            values[name] = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            changed = True
+    if not changed:
+        return NotImplemented
+    return func(*[values[n] for n in names])
+
+
+def register() -> bool:
+    """Register the strategies of `OPS` with DTensor (idempotent).  False, with a warning, where
+    this torch lacks the DTensor internals used here; False where torch.distributed is absent."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+        from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy  # noqa: F401
+    except ImportError as err:  # private modules: a later torch may move them
+        warnings.warn(f"attnres_torch: no DTensor sharding strategies registered ({err})", stacklevel=2)
+        return False
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in OPS:
+        op = getattr(torch.ops.attnres, name).default
+        arguments = op._schema.arguments
+        # Every non-tensor argument from the first on (eps, ..., with_weights) keys the cache.
+        static = next(i for i, a in enumerate(arguments) if a.name == "eps")
+        propagator.register_op_strategy(op, _strategy, RuntimeSchemaInfo(static, needs_pytree=True))
+        if name in _COTANGENTS and not _registered:
+            torch.library.register_torch_dispatch(op, DTensor, _replicate_plain_cotangents)
+    _registered.append(True)
+    return True
+
+
+_registered: list = []
+REGISTERED = register()

@@ -20,7 +20,9 @@ all-gather).  The all-reduce form, 2 N scalars per token, is
 `torch.distributed.tensor.experimental.register_sharding` is not used: it counts a `Tensor[]`
 return as one output (the backward ops return N + 2 gradients) and keeps the non-int arguments
 out of the cache key (`with_weights` changes an output's shape).  The strategies go to DTensor's
-propagator the way that function does it, with those two fixed.
+propagator the way that function does it, with those two fixed.  Autograd hands the backward
+ops a plain zero tensor for the cotangent of an unused output (lse, usually); a torch_dispatch
+rule of DTensor on those ops makes it a replicated DTensor.
 """
 
 from __future__ import annotations

@@ -16,11 +16,15 @@ fp32):
   backward's working set;
 * the step time: median of `--reps` steps after the warm-up.
 
+`--model hf-llama` runs the same rows on a Hugging Face `LlamaForCausalLM` (transformers,
+random weights; d = --dim, L / 2 decoder layers) converted with `attnres_torch.hf` (standard:
+the unconverted model), with one more mode: HF's own `gradient_checkpointing_enable()`.
+
 Every number is divided by the tokens per step (batch x context); ratios are against the plain
 path of the same scheme and depth.  On a CPU the host is the device, so Offload's RSS cannot
 drop: its saved-bytes column is what would leave a GPU.
 
-Usage: python bench/bench_memory.py [--device cpu|cuda] [--depths 16,64] [--dim 256]
+Usage: python bench/bench_memory.py [--model attnres|hf-llama] [--device cpu|cuda] [--depths 16,64] [--dim 256]
        [--batch 4] [--context 128] [--block-size 4] [--window 2] [--reps 3] [--threads 1]
        [--out bench/results/memory.md]
 """
@@ -39,6 +43,23 @@ from pathlib import Path
 
 KINDS = ("standard", "full", "block")
 MODES = ("plain", "recompute", "offload")
+HF_MODES = MODES + ("hf-ckpt",)
+
+
+def _hf_llama(args, cfg):
+    """A `LlamaForCausalLM` with L / 2 decoder layers (random weights), converted to `cfg`
+    (the kind "standard": left as the PreNorm model it is); returns (model, sublayer modules)."""
+    from attnres_torch import hf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=args.dim, intermediate_size=4 * args.dim,
+                         num_hidden_layers=args.depth // 2, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, max_position_embeddings=args.context)
+    model = LlamaForCausalLM(config)
+    if cfg.kind == "standard":
+        return model, model.model.layers  # Recompute / Offload over the decoder layers
+    hf.convert(model, cfg)
+    return model, model
 
 
 def _status(field: str) -> int:
@@ -62,22 +83,31 @@ def child(args) -> dict:
     cfg = (ResidualConfig.variant("block", block_size=args.block_size) if args.kind == "block"
            else ResidualConfig.variant(args.kind))
     torch.manual_seed(0)
-    model = AttnResTransformer(256, args.dim, L // 2, args.heads, cfg).to(dev)
+    if args.model == "hf-llama":
+        model, subs = _hf_llama(args, cfg)
+        model = model.to(dev).train()
+        if args.mode == "hf-ckpt":
+            model.gradient_checkpointing_enable()
+        forward = lambda: model(tokens, use_cache=False).logits  # noqa: E731
+    else:
+        model = AttnResTransformer(256, args.dim, L // 2, args.heads, cfg).to(dev)
+        subs = model
+        forward = lambda: model(tokens)  # noqa: E731
     tokens = torch.randint(0, 256, (args.batch, args.context), device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def step(acct=None):
         model.zero_grad(set_to_none=False)
         off = None
-        if args.mode == "plain":
+        if args.mode in ("plain", "hf-ckpt"):
             with acct or SavedBytes():
-                loss = model(tokens).sum()
+                loss = forward().sum()
         elif args.mode == "recompute":
-            with acct or SavedBytes(), Recompute(model):
-                loss = model(tokens).sum()
+            with acct or SavedBytes(), Recompute(subs):
+                loss = forward().sum()
         else:
-            with Offload(model, window=args.window) as off:
-                loss = model(tokens).sum()
+            with Offload(subs, window=args.window) as off:
+                loss = forward().sum()
         loss.backward()
         del loss
         return off
@@ -129,7 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (0: default)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/memory.md"))
+    p.add_argument("--model", default="attnres", choices=("attnres", "hf-llama"),
+                   help="attnres: AttnResTransformer; hf-llama: a converted transformers Llama")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/memory[-hf-llama].md")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default="full", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
@@ -138,6 +170,9 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
+    if args.out is None:
+        suffix = "" if args.model == "attnres" else f"-{args.model}"
+        args.out = Path(f"bench/results/memory{suffix}.md")
     depths = [int(d) for d in args.depths.split(",")]
     if any(d < 2 or d % 2 for d in depths):
         raise SystemExit(f"--depths: expected even ints >= 2, got {args.depths!r}")
@@ -149,13 +184,14 @@ def main(argv=None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     common = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
-              ("device", "dim", "heads", "batch", "context", "block-size", "window", "reps", "threads")]
+              ("device", "dim", "heads", "batch", "context", "block-size", "window", "reps", "threads",
+               "model")]
     # a fixed glibc mmap threshold: freed tensors go back to the OS, so the peak RSS of the
     # measured step is not hidden by heap pages kept from the warm-up step
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     for depth in depths:
         for kind in KINDS:
-            for mode in MODES:
+            for mode in (HF_MODES if args.model == "hf-llama" else MODES):
                 cmd = [sys.executable, __file__, "--child", f"--kind={kind}", f"--mode={mode}",
                        f"--depth={depth}", *common]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -174,7 +210,10 @@ def main(argv=None) -> int:
         f"{'GPU ' + torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}, torch {torch.__version__}, "
         f"{args.threads or 'default'} thread(s); date {started}; load average {load:.1f} before, "
         f"{load_after:.1f} after.",
-        f"Model: `AttnResTransformer`, d = {args.dim}, {args.heads} heads, MLP 4d, vocab 256, fp32; "
+        ("Model: `AttnResTransformer`" if args.model == "attnres" else
+         "Model: transformers `LlamaForCausalLM` converted by `attnres_torch.hf` (standard: unconverted; "
+         "hf-ckpt: HF's gradient_checkpointing_enable())")
+        + f", d = {args.dim}, {args.heads} heads, MLP 4d, vocab 256, fp32; "
         f"batch {args.batch} x context {args.context} = {args.batch * args.context} tokens per step; "
         f"Block S = {args.block_size}; Offload window W = {args.window}.  One fresh process per "
         f"row; step = forward + backward; median of {args.reps} steps after a warm-up.",

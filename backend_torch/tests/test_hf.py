@@ -215,8 +215,8 @@ def test_hf_gradient_checkpointing_recomputes_the_sublayers_and_keeps_the_gradie
 
     bytes_plain, grads_plain = step(model)
     prenorm_plain, _ = step(plain)
-    model.gradient_checkpointing_enable()
-    plain.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()  # transformers 5.24's name of gradient_checkpointing_enable
+    plain.activation_checkpointing_enable()
     bytes_ckpt, grads_ckpt = step(model)
     prenorm_ckpt, _ = step(plain)
     assert grads_plain.keys() == grads_ckpt.keys()
@@ -224,8 +224,8 @@ def test_hf_gradient_checkpointing_recomputes_the_sublayers_and_keeps_the_gradie
     assert bytes_ckpt < 0.5 * bytes_plain, (bytes_ckpt, bytes_plain)
     # what stays beyond PreNorm's checkpointing: the sources and the boundary reads' outputs
     assert bytes_ckpt < prenorm_ckpt + (bytes_plain - prenorm_plain) + bytes_plain // 4
-    model.gradient_checkpointing_disable()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.activation_checkpointing_disable()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match="use_reentrant"):
         model(ids, labels=ids, use_cache=False)
 
@@ -464,3 +464,14 @@ def test_fsdp2_fully_shard_per_decoder_layer_equals_one_process():
     assert any("attnres" in n for n in grads)
     for name, p in model.named_parameters():
         np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+# -- the user page: its code blocks run unchanged and print what they say ---------------------------
+
+from pathlib import Path  # noqa: E402
+
+from attnres_conformance.doc_blocks import make_tests  # noqa: E402
+
+_PAGE = Path(__file__).resolve().parents[2] / "docs" / "hf-fsdp-autocast.md"
+test_hf_page_block_runs_and_prints_what_it_says, test_hf_page_has_blocks = make_tests(
+    _PAGE, "attnres_torch", min_blocks=5)

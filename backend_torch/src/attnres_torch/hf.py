@@ -52,16 +52,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from attnres_numpy.config import ResidualConfig
 from torch import nn
 
-from .convert import ROW_NAMES, DepthSite, PerLayerRouter, make_sites
+from .convert import PerLayerRouter, make_sites
 from .modules import DepthRouter
 
 __all__ = ["convert", "from_pretrained", "is_converted", "residual_inputs", "router",

@@ -2,9 +2,13 @@
 runs on.  `DepthRouter`, `stream()`, `DepthMonitor` and the sequence- and pipeline-parallel
 wiring all drive `ResidualStream` with this object; nothing in torch re-derives the schedule.
 
-Dtypes (C10): the stream keeps the embedding's dtype; the scheme's own parameters (alphas, gate,
-static depth weights, query projections) are cast to it; the depth-attention query and gain go
-to the ops as they are (the ops compute in float32, float64 for float64, and round once).
+Dtypes (C10): the stream keeps the embedding's dtype (M1a: `push` casts every v_l to it with
+`cast_like`, so under `torch.autocast` the sublayers' bfloat16 / float16 outputs join a float32
+stream, as PreNorm's `h + v` does; a bfloat16 model keeps a bfloat16 stream); the scheme's own
+parameters (alphas, gate, static depth weights, query projections) are cast to it, and its own
+products run in it with autocast off (`matmul`); the depth-attention query and gain go to the
+ops as they are (the ops compute in float32, float64 for float64, with autocast disabled, and
+round once).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch.nn.functional as F
 from attnres_numpy.schedule import ResidualOps, split_result
 
 from . import ops
-from ._args import compute_dtype
+from ._args import autocast_off, compute_dtype
 
 
 class TorchOps(ResidualOps):
@@ -22,6 +26,7 @@ class TorchOps(ResidualOps):
     "norm_weights" means a gainless key norm)."""
 
     def cast_like(self, x, like):
+        """x in like's dtype (x itself when it has it; the backward rounds the cotangent to x's)."""
         return x.to(like.dtype)
 
     def to_compute(self, x):
@@ -31,7 +36,10 @@ class TorchOps(ResidualOps):
         return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
     def matmul(self, x, w):
-        return x @ w
+        """`x @ w` in the operands' dtype, outside autocast (M1a: the scheme's own products, the
+        gate, the input-dependent query and M13's effective query, stay in the stream's dtype)."""
+        with autocast_off(x.device):
+            return x @ w
 
     def sigmoid(self, x):
         return torch.sigmoid(x)

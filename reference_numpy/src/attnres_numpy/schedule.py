@@ -44,9 +44,9 @@ class ResidualOps:
 
     Shapes: h, v, sources `[..., D]`; queries `[D]` (static) or `[..., D]` (input-dependent).
     Dtypes are the backend's business; the rule all shipped backends follow (C10): the stream
-    stays in the embedding's dtype, the scheme's own parameters are cast to it
-    (`param(..., like=h)`), the depth-attention ops compute in float32 (float64 for float64) and
-    round once.
+    stays in the embedding's dtype (M1a: `push` casts every v_l to it with `cast_like`), the
+    scheme's own parameters are cast to it (`param(..., like=h)`), the depth-attention ops
+    compute in float32 (float64 for float64) and round once.
     """
 
     def __init__(self, params: Optional[Mapping[str, Any]] = None):
@@ -63,7 +63,8 @@ class ResidualOps:
         return p if like is None else self.cast_like(p, like)
 
     def cast_like(self, x: Array, like: Array) -> Array:
-        """x in like's dtype (the NumPy / JAX / MLX spelling)."""
+        """x in like's dtype (the NumPy / JAX / MLX spelling); x itself, or a cast that costs
+        nothing, when it already has it (`push` calls it on every v_l)."""
         return x.astype(like.dtype)
 
     def add(self, a: Array, b: Array) -> Array:
@@ -192,6 +193,7 @@ class ResidualStream:
         self.two_phase = schedule == "two_phase"
         self.observer = observer
         self.layer = 1
+        self._embedding = embedding  # M1a: its dtype is the stream's
         self.h = embedding  # additive kinds: h_l
         stats = self._stats(embedding)
         self.values: List[Array] = [embedding]  # static / full / window: v_0..v_{l-1}
@@ -373,11 +375,13 @@ class ResidualStream:
         return self.ops.blend(self.standard, attended, self.mix)
 
     def push(self, v: Array) -> None:
-        """Record v_l `[..., D]`, the output of sublayer l."""
+        """Record v_l `[..., D]`, the output of sublayer l, in the stream's dtype (M1a: a v_l of
+        another dtype, e.g. bfloat16 under torch.autocast, is cast to the embedding's first)."""
         cfg, ops, l = self.config, self.ops, self.layer
         if l > self.num_layers:
             raise ValueError(f"push: all {self.num_layers} sublayers were already pushed")
         row = l - 1
+        v = ops.cast_like(v, self._embedding)  # M1a
         if self.observer is not None:
             self.observer.sublayer(l, self._last_input, v)
         if self.standard is not None:  # M10: the PreNorm state beside the scheme's own

@@ -104,6 +104,10 @@ class Tape(ResidualOps):
     def param(self, name: str, index, *, like=None) -> Var:
         return self.index(self.leaves[name], index)
 
+    def cast_like(self, x: Var, like: Var) -> Var:
+        """x itself: every value on the tape is float64 (M1a holds trivially)."""
+        return x
+
     def add(self, a: Var, b: Var) -> Var:
         sa, sb = a.value.shape, b.value.shape
         return self._op([a, b], [a.value + b.value],

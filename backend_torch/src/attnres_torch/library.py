@@ -20,7 +20,11 @@ Ops (namespace `attnres`):
 `impl` names the implementation `ops.py` chose (`dispatch.choose`); each op looks its object up
 once (`dispatch.kernel(impl)`) and calls its entry point.  The backward saves only references to
 the inputs, the output and the fp32 lse (no stacked or normalized copy of the sources); the
-kernels recompute the rms inverses.
+kernels recompute the rms inverses.  Every op body runs with autocast disabled (C3a, C10: the
+chunked kernel's fp32 matmuls must stay fp32 inside a `torch.autocast` region, in the forward, the
+backward and inside compiled graphs); mixed source dtypes are promoted before the ops, in
+`ops.py` (`torch.library.register_autocast` casts every input to one fixed dtype, which would
+round fp32 sources to bf16).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ import torch
 from torch import Tensor
 
 from . import dispatch
+from ._args import autocast_off
 
 
 @torch.library.custom_op("attnres::depth_attention", mutates_args=())
 def depth_attention_op(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
                        eps: float, scale: float, impl: str) -> tuple[Tensor, Tensor]:
-    return dispatch.kernel(impl).forward(list(sources), query, norm_weight, eps, scale)
+    with autocast_off(query.device):
+        return dispatch.kernel(impl).forward(list(sources), query, norm_weight, eps, scale)
 
 
 @depth_attention_op.register_fake
@@ -49,8 +55,9 @@ def _(sources, query, norm_weight, eps, scale, impl):
 def depth_attention_backward_op(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
                                 out: Tensor, lse: Tensor, d_out: Tensor, d_lse: Optional[Tensor],
                                 eps: float, scale: float, impl: str) -> List[Tensor]:
-    return dispatch.kernel(impl).backward(list(sources), query, norm_weight, out, lse, d_out, d_lse,
-                                          eps, scale)
+    with autocast_off(query.device):
+        return dispatch.kernel(impl).backward(list(sources), query, norm_weight, out, lse, d_out,
+                                              d_lse, eps, scale)
 
 
 @depth_attention_backward_op.register_fake
@@ -93,8 +100,9 @@ def depth_attention_weights_op(sources: List[Tensor], query: Tensor, norm_weight
                                eps: float, scale: float, impl: str) -> tuple[Tensor, Tensor, Tensor]:
     """`depth_attention` plus the softmax weights `[N, ...]` fp32 that the kernel's own pass
     produced with its lse (same logits, max and sum); the weights take no gradient (C11)."""
-    return dispatch.kernel(impl).forward(list(sources), query, norm_weight, eps, scale,
-                                         with_weights=True)
+    with autocast_off(query.device):
+        return dispatch.kernel(impl).forward(list(sources), query, norm_weight, eps, scale,
+                                             with_weights=True)
 
 
 @depth_attention_weights_op.register_fake
@@ -119,7 +127,8 @@ depth_attention_weights_op.register_autograd(_backward_weights, setup_context=_s
 @torch.library.custom_op("attnres::depth_attention_multi", mutates_args=())
 def depth_attention_multi_op(sources: List[Tensor], queries: Tensor, norm_weights: Optional[Tensor],
                              eps: float, scale: float, impl: str) -> tuple[Tensor, Tensor]:
-    return dispatch.kernel(impl).multi_forward(list(sources), queries, norm_weights, eps, scale)
+    with autocast_off(queries.device):
+        return dispatch.kernel(impl).multi_forward(list(sources), queries, norm_weights, eps, scale)
 
 
 @depth_attention_multi_op.register_fake
@@ -158,8 +167,10 @@ def depth_attention_out_norm_op(sources: List[Tensor], query: Tensor, norm_weigh
                                 with_weights: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`depth_attention` with the fused output norm (C17): out_normed comes from the kernel's
     own pass; weights `[N, ...]` (not differentiable, C11) with `with_weights`, else `[0]`."""
-    out, normed, lse, w = dispatch.kernel(impl).out_norm_forward(
-        list(sources), query, norm_weight, out_norm_weight, eps, scale, out_norm_eps, with_weights)
+    with autocast_off(query.device):
+        out, normed, lse, w = dispatch.kernel(impl).out_norm_forward(
+            list(sources), query, norm_weight, out_norm_weight, eps, scale, out_norm_eps,
+            with_weights)
     return out, normed, lse, lse.new_empty((0,)) if w is None else w
 
 
@@ -176,9 +187,10 @@ def depth_attention_out_norm_backward_op(
         sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor], out_norm_weight: Tensor,
         out: Tensor, lse: Tensor, d_out: Tensor, d_out_normed: Tensor, d_lse: Optional[Tensor],
         eps: float, scale: float, out_norm_eps: float, impl: str) -> List[Tensor]:
-    return dispatch.kernel(impl).out_norm_backward(
-        list(sources), query, norm_weight, out_norm_weight, out, lse, d_out, d_out_normed, d_lse,
-        eps, scale, out_norm_eps)
+    with autocast_off(query.device):
+        return dispatch.kernel(impl).out_norm_backward(
+            list(sources), query, norm_weight, out_norm_weight, out, lse, d_out, d_out_normed,
+            d_lse, eps, scale, out_norm_eps)
 
 
 @depth_attention_out_norm_backward_op.register_fake

@@ -6,6 +6,11 @@ Each call is validated with `attnres_numpy.validation` (same messages as every b
 the `torch.library` custom ops of `library.py`, explicit backward) or the differentiable
 composition (`composite.py`).  `merge_partial` without gradients calls the kernel's merge
 directly.  Inputs are never modified; nothing is capped (C16).
+
+Under `torch.autocast` (any device type) sources of different floating dtypes (`merge_partial`:
+out1 and partial) are first cast to the widest of them, as autocast does for `torch.cat`, and the
+call then computes with autocast disabled, so C10 holds as outside autocast (C3a).  Outside
+autocast sources of different dtypes raise the C3 `TypeError`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,16 @@ import torch
 from attnres_numpy import validation
 
 from . import composite, dispatch, library
-from ._args import Sources, check_same_device, dtype_name, optional_tensor, require_tensor, split_sources
+from ._args import (
+    Sources,
+    autocast_off,
+    autocast_promote,
+    check_same_device,
+    dtype_name,
+    optional_tensor,
+    require_tensor,
+    split_sources,
+)
 
 
 def _name(t):
@@ -60,6 +74,23 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
                       + [("query", query), ("norm_weight", norm_weight),
                          ("out_norm_weight", out_norm_weight)])
     eps, scale = float(eps), float(scale)
+    with autocast_off(xs[0].device):  # C3a: the kernels and the composition compute as C10 says
+        out, normed, lse, weights = _depth_attention(xs, query, norm_weight, out_norm_weight, tensors,
+                                                     geo, eps, scale, activation, key_norm,
+                                                     return_weights)
+    extra = [] if normed is None else [normed]
+    if return_lse:
+        extra.append(lse)
+    if return_weights:
+        weights = weights.detach()
+        extra.append(weights[..., 0] if geo.num_heads == 1 else weights)
+    return (out, *extra) if extra else out
+
+
+def _depth_attention(xs, query, norm_weight, out_norm_weight, tensors, geo, eps, scale, activation,
+                     key_norm, return_weights):
+    """The validated call on its implementation: (out, out_normed or None, lse, weights `[N, ...,
+    H]` or None)."""
     fused = out_norm_weight is not None  # C17
     impl = dispatch.choose(dispatch.Call("depth_attention", xs, query, norm_weight, tensors,
                                          num_heads=geo.num_heads, activation=activation,
@@ -89,13 +120,7 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
     else:
         out, lse = library.depth_attention_op(xs, query, norm_weight, eps, scale, impl.name)
         weights = None
-    extra = [] if normed is None else [normed]
-    if return_lse:
-        extra.append(lse)
-    if return_weights:
-        weights = weights.detach()
-        extra.append(weights[..., 0] if geo.num_heads == 1 else weights)
-    return (out, *extra) if extra else out
+    return out, normed, lse, weights
 
 
 def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=None, *,
@@ -116,18 +141,20 @@ def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=
                       + [("queries", queries), ("norm_weights", norm_weights)])
     tensors = xs + [queries] + ([] if norm_weights is None else [norm_weights])
     eps, scale = float(eps), float(scale)
-    impl = dispatch.choose(dispatch.Call("depth_attention_multi", xs, queries[0],
-                                         None if norm_weights is None else norm_weights[0], tensors))
-    if impl is not dispatch.COMPOSITE:
-        return library.depth_attention_multi_op(xs, queries, norm_weights, eps, scale, impl.name)
-    outs, lses = [], []
-    for s in range(queries.shape[0]):
-        out, lse, _ = composite.depth_attention(
-            xs, queries[s], None if norm_weights is None else norm_weights[s], eps=eps, scale=scale,
-            num_heads=1, activation="softmax", key_norm=True)
-        outs.append(out)
-        lses.append(lse[..., 0])
-    return torch.stack(outs), torch.stack(lses)
+    with autocast_off(xs[0].device):  # C3a
+        impl = dispatch.choose(dispatch.Call("depth_attention_multi", xs, queries[0],
+                                             None if norm_weights is None else norm_weights[0],
+                                             tensors))
+        if impl is not dispatch.COMPOSITE:
+            return library.depth_attention_multi_op(xs, queries, norm_weights, eps, scale, impl.name)
+        outs, lses = [], []
+        for s in range(queries.shape[0]):
+            out, lse, _ = composite.depth_attention(
+                xs, queries[s], None if norm_weights is None else norm_weights[s], eps=eps,
+                scale=scale, num_heads=1, activation="softmax", key_norm=True)
+            outs.append(out)
+            lses.append(lse[..., 0])
+        return torch.stack(outs), torch.stack(lses)
 
 
 def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
@@ -143,6 +170,7 @@ def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor,
     """
     names = ("out1", "lse1", "partial", "query")
     out1, lse1, partial, query = (require_tensor(n, t) for n, t in zip(names, (out1, lse1, partial, query)))
+    out1, partial = autocast_promote([out1, partial])  # C3a
     norm_weight = optional_tensor("norm_weight", norm_weight)
     validation.check_merge(tuple(out1.shape), dtype_name(out1), tuple(lse1.shape), dtype_name(lse1),
                            tuple(partial.shape), dtype_name(partial), tuple(query.shape),
@@ -152,12 +180,13 @@ def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor,
     eps, scale = float(eps), float(scale)
     tensors = [out1, lse1, partial, query] + ([] if norm_weight is None else [norm_weight])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    impl = dispatch.choose(dispatch.Call("merge_partial", [out1, partial], query, norm_weight, tensors,
-                                         needs_grad=needs_grad))
-    if impl is dispatch.COMPOSITE:
-        out, lse = composite.merge_partial(out1, lse1, partial, query, norm_weight, eps=eps,
-                                           scale=scale)
-    else:
-        out, lse = impl.merge(out1, lse1, partial, query, norm_weight, eps, scale)
+    with autocast_off(partial.device):  # C3a
+        impl = dispatch.choose(dispatch.Call("merge_partial", [out1, partial], query, norm_weight,
+                                             tensors, needs_grad=needs_grad))
+        if impl is dispatch.COMPOSITE:
+            out, lse = composite.merge_partial(out1, lse1, partial, query, norm_weight, eps=eps,
+                                               scale=scale)
+        else:
+            out, lse = impl.merge(out1, lse1, partial, query, norm_weight, eps, scale)
     return (out, lse) if return_lse else out
 

@@ -63,8 +63,8 @@ from torch import nn
 from .convert import PerLayerRouter, make_sites
 from .modules import DepthRouter
 
-__all__ = ["convert", "from_pretrained", "is_converted", "residual_inputs", "router",
-           "sublayer_modules", "TESTED_FAMILIES"]
+__all__ = ["convert", "decoder_layers", "from_pretrained", "is_converted", "residual_inputs",
+           "router", "sublayer_modules", "TESTED_FAMILIES"]
 
 #: `config.model_type`s whose models are converted and checked in CI (tiny configs, random
 #: weights); any decoder with the same layer structure converts too.
@@ -347,6 +347,14 @@ def router(model: nn.Module) -> DepthRouter:
     return state.router
 
 
+def decoder_layers(model: nn.Module) -> List[nn.Module]:
+    """The decoder layers of a converted model, in order."""
+    state = _state(model)
+    if state is None:
+        raise ValueError("model: not converted (call attnres_torch.hf.convert first)")
+    return list(state.layers)
+
+
 def sublayer_modules(model: nn.Module) -> List[nn.Module]:
     """The 2 x layers sublayer modules (attention, MLP, ...) of a converted model, in order."""
     state = _state(model)
@@ -411,6 +419,7 @@ def convert(model: nn.Module, config: ResidualConfig, *, per_layer: Optional[boo
         rt = DepthRouter(config, L, dim, schedule=schedule).to(param_dtype)
         owner.add_module("attnres_router", rt)
     state = _State(rt, owner, n)
+    state.layers = list(layers)
     state.sublayers = [m for layer in layers for m in (getattr(layer, fn1), getattr(layer, fn2))]
     for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(_LayerEnter(state, i), with_kwargs=True)

@@ -33,6 +33,7 @@ checkpoint holds outside autograd's saved tensors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Union
 
@@ -156,18 +157,43 @@ class Recompute:
     preserve_rng_state).  The module's parameters and state_dict are untouched; the sublayers'
     `forward` is patched on the instances while the block is active.
 
+    A Hugging Face model converted by `attnres_torch.hf` whose decoder layers are HF
+    `GradientCheckpointingLayer`s is recomputed per decoder layer instead, through HF's own
+    checkpointing switched on for the block (norms included; the conversion replays the
+    layer's residual stream), which keeps fewer bytes than per-sublayer checkpoints around the
+    layers' own norms.
+
     Args:
-      model: an `AttnResTransformer` (anything with `.sublayers`) or an iterable of the sublayer
-        modules that are passed to `DepthRouter.forward`.
+      model: an `AttnResTransformer` (anything with `.sublayers`), a converted HF model, or an
+        iterable of the sublayer modules that are passed to `DepthRouter.forward`.
       enabled: False makes the block a no-op (for a flag).
     """
 
     def __init__(self, model: ModelLike, *, enabled: bool = True, preserve_rng_state: bool = True):
+        from . import hf
+
         self.modules = sublayer_modules(model)
         self.enabled, self.preserve_rng_state = bool(enabled), preserve_rng_state
         self._patched: List[nn.Module] = []
+        self._layers: List[nn.Module] = []
+        if isinstance(model, nn.Module) and hf.is_converted(model):
+            layers = hf.decoder_layers(model)
+            if all(hasattr(layer, "_gradient_checkpointing_func") or hasattr(type(layer), "gradient_checkpointing")
+                   for layer in layers):
+                self._layers = layers
+        self._saved_layers: List[tuple] = []
 
     def __enter__(self) -> "Recompute":
+        if self.enabled and self._layers:
+            func = functools.partial(checkpoint, use_reentrant=False,
+                                     preserve_rng_state=self.preserve_rng_state)
+            for layer in self._layers:
+                self._saved_layers.append((layer, {k: layer.__dict__[k] for k in
+                                                   ("gradient_checkpointing", "_gradient_checkpointing_func")
+                                                   if k in layer.__dict__}))
+                layer.gradient_checkpointing = True
+                layer._gradient_checkpointing_func = func
+            return self
         if self.enabled:
             for m in self.modules:
                 if "forward" in m.__dict__:
@@ -182,6 +208,13 @@ class Recompute:
         for m in self._patched:
             del m.forward
         self._patched = []
+        for layer, saved in self._saved_layers:
+            for k in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+                if k in saved:
+                    setattr(layer, k, saved[k])
+                else:
+                    layer.__dict__.pop(k, None)
+        self._saved_layers = []
 
 
 class _Slot:

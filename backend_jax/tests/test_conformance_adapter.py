@@ -133,3 +133,17 @@ def test_compile_options(monkeypatch):
     monkeypatch.setenv("ATTNRES_CONFORMANCE_JAX_COMPILE", "O0")
     with pytest.raises(ValueError, match="ATTNRES_CONFORMANCE_JAX_COMPILE"):
         adapter_mod.JaxAdapter()
+
+
+def test_old_conformance_module_is_a_deprecated_alias_of_the_suite_adapter():
+    """`attnres_jax.conformance` (the adapter before it moved into the suite) still imports,
+    with a DeprecationWarning, and gives the suite's adapter under its old names."""
+    import importlib
+    import sys
+
+    from attnres_conformance.adapters.jax import backend as adapter
+
+    sys.modules.pop("attnres_jax.conformance", None)
+    with pytest.warns(DeprecationWarning, match="attnres_conformance.adapters.jax"):
+        old = importlib.import_module("attnres_jax.conformance")
+    assert old.backend is adapter and isinstance(old.backend, old.JaxBackend)

@@ -85,3 +85,15 @@ def test_native_dtypes_and_aliases(monkeypatch):
     monkeypatch.setattr(backend, "ops", SimpleNamespace(depth_attention=lambda s, q, g, **kw: s[0][:1]))
     res = backend.call_op(OpCall("depth_attention", {"sources": xs, "query": np.ones(4), "norm_weight": None}))
     assert res.aliases == ("out",)
+
+
+def test_old_module_is_a_deprecated_alias_of_the_suite_adapter():
+    """`attnres_torch.conformance` (the adapter before it moved into the suite) still imports,
+    with a DeprecationWarning, and gives the suite's adapter under its old names."""
+    import importlib
+    import sys
+
+    sys.modules.pop("attnres_torch.conformance", None)
+    with pytest.warns(DeprecationWarning, match="attnres_conformance.adapters.torch"):
+        old = importlib.import_module("attnres_torch.conformance")
+    assert old.backend is backend and isinstance(old.backend, old.TorchBackend)

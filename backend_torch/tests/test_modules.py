@@ -146,6 +146,14 @@ def test_depth_attention_module_init_and_call():
     torch.testing.assert_close(layer(xs), sum(xs) / 4)  # zero query: uniform weights
 
 
+def test_depth_attention_module_repr_shows_dim_and_changed_options():
+    assert repr(at.DepthAttention(64)) == "DepthAttention(64)"
+    layer = at.DepthAttention(16, num_heads=2, activation="sigmoid", fuse_out_norm=True, out_norm_eps=1e-5)
+    assert repr(layer) == "DepthAttention(16, num_heads=2, activation='sigmoid', fuse_out_norm=True, out_norm_eps=1e-05)"
+    assert at.DepthAttention(8, eps=1e-5, scale=0.5, key_norm=False).extra_repr() == \
+        "8, eps=1e-05, scale=0.5, key_norm=False"
+
+
 def test_depth_attention_module_returns_lse_and_weights():
     # return_lse / return_weights: keyword-only, as in depth_attention (conformance signatures.json)
     from attnres_numpy import ops

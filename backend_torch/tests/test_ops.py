@@ -270,6 +270,18 @@ def test_forcing_cpu_on_unsupported_call_raises():
             pass
 
 
+def test_use_impl_cpu_is_a_deprecated_alias_of_chunked():
+    """"cpu" was the chunked kernel's name until it became "chunked": one release of warning."""
+    x, q = torch.randn(4, 8), torch.randn(8)
+    with pytest.warns(DeprecationWarning, match='"cpu" is deprecated.*"chunked"'):
+        with at.use_impl("cpu"):
+            assert at.dispatch.forced() == "chunked"
+            at.depth_attention([x, x + 1], q)
+    assert at.last_impl() == "chunked"
+    with pytest.warns(DeprecationWarning, match='"cpu"'):
+        assert at.dispatch.kernel("cpu") is at.dispatch.CHUNKED
+
+
 def test_tolerances_are_tight_enough_to_fail():
     """The comparison (the suite's metric and float32 value row) rejects a result whose every
     element is off by 3 rtol relative (the check can fail)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -382,12 +383,25 @@ TRITON, CPU_C, CHUNKED, COMPOSITE = (TritonImpl(), CpuCImpl(), CpuKernelImpl("ch
                                      CompositeImpl())
 #: Every implementation by name, in the order of the automatic choice.
 IMPLS = {impl.name: impl for impl in (TRITON, CPU_C, CHUNKED, COMPOSITE)}
+#: Removed names, accepted with a DeprecationWarning for one release: "cpu" was the chunked
+#: kernel's name until the C kernel ("cpu_c") joined it.
+DEPRECATED_NAMES = {"cpu": "chunked"}
+
+
+def _current_name(name, stacklevel: int):
+    """`name`, or the name it was renamed to (with a DeprecationWarning)."""
+    new = DEPRECATED_NAMES.get(name) if isinstance(name, str) else None
+    if new is None:
+        return name
+    warnings.warn(f'impl "{name}" is deprecated and will be removed in the next release: use "{new}"',
+                  DeprecationWarning, stacklevel=stacklevel + 1)
+    return new
 
 
 def kernel(name: str) -> Impl:
     """The kernel implementation a custom op's `impl` argument names ("triton", "cpu_c" or
     "chunked")."""
-    impl = IMPLS.get(name)
+    impl = IMPLS.get(_current_name(name, 2))
     if impl is None or impl is COMPOSITE:
         raise ValueError(f"impl: expected one of {tuple(n for n in IMPLS if n != 'composite')} "
                          f"for a custom op, got {name!r}")
@@ -402,7 +416,9 @@ _forced: contextvars.ContextVar = contextvars.ContextVar("attnres_torch_impl", d
 @contextlib.contextmanager
 def use_impl(name: str) -> Iterator[None]:
     """Force every op call inside the block (in this thread / task) to use implementation `name`
-    (one of IMPLS; tests, and the Triton tests on CPU tensors under TRITON_INTERPRET=1)."""
+    (one of IMPLS; tests, and the Triton tests on CPU tensors under TRITON_INTERPRET=1; a
+    `DEPRECATED_NAMES` entry warns and forces its new name)."""
+    name = _current_name(name, 3)  # the caller's `with` line: contextmanager's __enter__ between
     if name not in IMPLS:
         raise ValueError(f"impl: expected one of {tuple(IMPLS)}, got {name!r}")
     token = _forced.set(name)

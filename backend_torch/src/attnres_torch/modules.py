@@ -18,6 +18,7 @@ Parameters are named and shaped as `ResidualConfig.param_shapes(L, D)` ("queries
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable, Optional, Sequence
 
@@ -54,6 +55,13 @@ class DepthAttention(nn.Module):
                             key_norm=key_norm)
         if fuse_out_norm:
             self.options["out_norm_eps"] = out_norm_eps
+
+    def extra_repr(self) -> str:
+        """`dim` and every option that differs from its default, e.g. `64, num_heads=2`."""
+        given = dict(self.options, fuse_out_norm=self.out_norm is not None)
+        defaults = inspect.signature(DepthAttention.__init__).parameters
+        changed = [f"{k}={given[k]!r}" for k in defaults if k in given and given[k] != defaults[k].default]
+        return ", ".join([str(self.query.shape[0])] + changed)
 
     def forward(self, sources, *, return_lse: bool = False, return_weights: bool = False):
         return depth_attention(sources, self.query, self.norm_weight, return_lse=return_lse,

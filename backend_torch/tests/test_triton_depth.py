@@ -352,6 +352,31 @@ def test_out_norm_huge_values_and_bits_repeat(kernels):
     assert all(torch.equal(a, b) for a, b in zip([o1, n1, l1, q1, w1, *s1], [o2, n2, l2, q2, w2, *s2]))
 
 
+@pytest.mark.parametrize("kernels", ["one_tile", "row_blocks"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_out_norm_single_source_gradients_are_exact(kernels, dtype, per_token):
+    """C6 with the output norm: at N = 1 the weight is 1 whatever the query, so d_query and
+    d_norm_weight are exactly 0 and d_sources is the folded cotangent d_out + d_y, as the
+    composition gives it (its delta is <go, x_0> itself, not the algebraic <d_y, y>)."""
+    gen = torch.Generator().manual_seed(33)
+    shape = (5, 12)
+    xs = _sources(gen, 1, shape, dtype, "contiguous")
+    q = rand(gen, shape if per_token else (12,), torch.float32)
+    g, w = rand(gen, (12,), torch.float32) + 1.0, rand(gen, (12,), torch.float32) + 1.0
+    out, lse, _, normed = td.forward(xs, q, g, EPS, SCALE, out_norm=(w, ON_EPS))
+    assert torch.equal(out, xs[0])
+    d_out, d_normed = rand(gen, shape, dtype), rand(gen, shape, dtype)
+    d_src, d_q, d_g, d_w = td.backward(xs, q, g, out, lse, d_out, None, EPS, SCALE,
+                                       out_norm=(w, ON_EPS, d_normed))
+    assert torch.count_nonzero(d_q) == 0 and torch.count_nonzero(d_g) == 0, (d_q.abs().max(), d_g.abs().max())
+    x = f64(xs)[0]
+    v = ops.depth_attention_vjp([x], f64(q), f64(g), f64(d_out), d_out_normed=f64(d_normed), eps=EPS,
+                                scale=SCALE, out_norm_weight=f64(w), out_norm_eps=ON_EPS)
+    assert_close(d_src, v["sources"], str(dtype).replace("torch.", ""), "d_sources", grad=True)
+    assert_close(d_w, v["out_norm_weight"], "float32", "d_out_norm_weight", grad=True)
+
+
 @pytest.mark.parametrize("kernels", ["d_tiles"], indirect=True)
 def test_out_norm_needs_one_tile(kernels):
     """Rows wider than one backward tile: not supported, so the dispatch refuses a forced call

@@ -337,6 +337,12 @@ def _depth_bwd_kernel(
                 go = go + tl.where(big[:, None], (dy * 8.271806125530277e-25) * f[:, None],
                                    dy * f[:, None])
                 delta += c * (D - tl.sum(yh * yh, axis=1))       # <d_y, y> = <a, yh> - c <yh, yh>
+                if N == 1:  # C6: p_0 = 1, so dz_0 = d_lse exactly; the algebraic <d_y, y>
+                    # above misses <go, x_0> by its rounding (d_query ~1e-6, not 0): take the very
+                    # sum the loop below forms (Triton specializes N == 1: free for N > 1)
+                    base, stride = _source(src_ptrs, src_strides, 0, ELT, VEC, ALIGNED)
+                    x = tl.load(base + row2 * stride + col2, mask=mask2, other=0.0).to(tl.float32)
+                    delta = tl.sum(x * go, axis=1)
             elif DELTA_FROM_OUT:
                 o = tl.load(out_ptr + row2 * out_stride + col2, mask=mask2, other=0.0).to(tl.float32)
                 delta = tl.sum(go * o, axis=1)                              # [BLOCK_T]

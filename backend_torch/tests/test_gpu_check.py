@@ -1,4 +1,4 @@
-"""bench/gpu_check.py and its peer adapters (bench/peers), on the CPU (issue 13, item 3).
+"""bench/gpu_check.py and its peer adapters (bench/peers), on the CPU (issues 13 and 29).
 
 - Fake-peer tests (always run): each adapter is given a stand-in module that records the call
   and computes, in float64, what the peer's documented signature means (read from the peers'
@@ -7,17 +7,25 @@
   float64 reference on the upcast inputs, and the gradient of the adapter's leaves with a random
   cotangent.  They do not run the peers' kernels: that is what the real-peer tests below and the
   GPU run do.
+- The harness in process: caps (SIGALRM) that no `except Exception` swallows, a sticky device
+  error ending a child, autotune trimming, the report's atomic files, the watchdog; every
+  section of `Bench` in the order of `plan` (the parent fills what a dead child left from it).
 - Real-peer tests (skip when the peer is not importable, e.g. in CI; `bench/fetch_peers.sh` puts
   them in bench/.peers/site): FLA's mapping through FLA's own pure-torch `naive_attnres`, Liger's
   Triton kernel under TRITON_INTERPRET=1 (subprocess).
-- The dry run: the whole gpu_check script on the CPU at tiny shapes (interpreted kernels), in a
-  subprocess, under 90 s; no row may fail (a failure is a bug in the script, not a skip).
+- The dry runs: the whole gpu_check script on the CPU at tiny shapes (interpreted kernels), in a
+  subprocess; no row may fail (a failure is a bug in the script, not a skip).  Then the failure
+  paths with the fake peers of `gpu_check_fake_peers.py`, each in its own child: one that
+  corrupts its process (a CUDA-like error and `os._exit`), one that hangs where its own caps
+  cannot fire, one that raises; and a budget that runs out mid-section.  Each leaves a report
+  with every row measured before it and a reason for every row after.
 """
 
 import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +39,8 @@ from attnres_numpy import ops
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+import gpu_check  # noqa: E402
+import gpu_check_fake_peers  # noqa: E402
 import peers  # noqa: E402
 
 N, T, D, EPS, SCALE = 3, 5, 16, 1e-6, 0.7
@@ -259,33 +269,199 @@ def test_environment_is_set_only_around_the_calls():
     assert os.environ.get("FLA_ATTNRES_GLUON") == before
 
 
-def test_peer_cap_interrupts_a_slow_peer_and_keeps_it_out():
-    import gpu_check
-    caps = gpu_check.Caps(section_cap=60.0, peer_cap=0.3, total=60.0)
-    caps.start_section("forward")
+
+# ---------------------------------------------------------------- the harness, in process
+
+def _bench(*argv, td=None, torch_module=torch, total=60.0):
+    """A Bench on the CPU at the quick shapes whose messages land in the returned list."""
+    args = gpu_check.parse_args(["--device", "cpu", "--quick", "--max-iters", "1",
+                                 "--latency-calls", "1", "--target-ms", "1", *argv])
+    msgs = []
+    bench = gpu_check.Bench(args, torch_module, td, peers,
+                            lambda kind, **f: msgs.append(dict(f, t=kind)),
+                            gpu_check.Caps(total, "test child"), copy_gbs=1.0)
+    return bench, msgs
+
+
+def _rows(msgs):
+    return [m for m in msgs if m["t"] == "row"]
+
+
+def test_caps_interrupt_python_code_and_say_which_cap():
+    caps = gpu_check.Caps(60.0, "slow peer")
     t0 = time.perf_counter()
-    with pytest.raises(gpu_check.Timeout, match="slow peer: over its 0 s cap"):
-        with caps.guard("slow peer"):
+    with pytest.raises(gpu_check.Timeout, match="slow peer: first call over its warm-up cap"):
+        with caps.guard(0.3, "slow peer: first call over its warm-up cap"):
             time.sleep(5)                      # stands in for an autotuning loop
     assert time.perf_counter() - t0 < 2
-    with pytest.raises(gpu_check.Timeout, match="slow peer"):
-        with caps.guard("slow peer"):          # its cap is spent: refused at once
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), "the alarm is disarmed"
+    caps.end = time.monotonic() - 1            # the child's total spent: refused at once
+    with pytest.raises(gpu_check.Timeout, match="slow peer: over its 60 s cap"):
+        with caps.guard(10.0, "a warm-up cap that is not the one that binds"):
             pass
-    with caps.guard("other peer"):             # the others keep theirs
+
+
+def test_a_cap_is_not_swallowed_by_except_exception():
+    """A cap that fires inside code catching Exception (a capture fallback, a peer's retry
+    loop) still ends the call: a 0.5 s cap once let such a call run 1.56 s, timed as "ok"."""
+    caps, swallowed = gpu_check.Caps(60.0, "peer"), []
+    t0 = time.perf_counter()
+    with pytest.raises(gpu_check.Timeout):
+        with caps.guard(0.5, "peer: warm-up cap"):
+            for _ in range(40):
+                try:
+                    time.sleep(0.05)
+                except Exception as e:  # noqa: BLE001 - what a peer's own code may do
+                    swallowed.append(e)
+    assert not swallowed and time.perf_counter() - t0 < 1.2
+
+
+def test_bench_warmup_cap_ends_the_peer_and_says_so_in_its_later_rows():
+    bench, msgs = _bench("--warmup-cap", "0.3")
+
+    def autotuning():                          # catches what it can, as autotuners do
+        for _ in range(100):
+            try:
+                time.sleep(0.05)
+            except Exception:  # noqa: BLE001, S110
+                pass
+        return (lambda: None), ""
+    t0 = time.perf_counter()
+    bench.time("forward", "c", "slow peer", autotuning, 1)
+    bench.time("merge", "c", "slow peer", lambda: ((lambda: None), ""), 1)
+    assert time.perf_counter() - t0 < 2
+    first, second = _rows(msgs)
+    assert first["status"] == "timeout" and "0 s warm-up cap" in first["note"], first
+    assert second["status"] == "skipped" and "warm-up cap" in second["note"], second
+    assert [m["t"] for m in msgs] == ["start", "row", "row"], "no start for a row not attempted"
+
+
+class _LostCuda:
+    """`torch.cuda` after a sticky error: synchronize (or empty_cache) raises, as every later
+    call in a process whose CUDA context is broken does."""
+
+    def __init__(self, where):
+        self.where = where
+
+    def synchronize(self):
+        if self.where == "synchronize":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def empty_cache(self):
+        if self.where == "empty_cache":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize("where", ["synchronize", "empty_cache"])
+def test_bench_sticky_device_error_ends_the_child_after_its_row(where):
+    bench, msgs = _bench(torch_module=types.SimpleNamespace(cuda=_LostCuda(where)))
+    bench.dev = "cuda"
+
+    def launch():
+        raise RuntimeError("fake peer: an illegal memory access")
+    with pytest.raises(gpu_check.DeviceLost, match="illegal memory access"):
+        bench.time("forward", "c", "bad peer", launch, 1)
+    (row,) = _rows(msgs)
+    assert row["status"] == "failed" and "fake peer" in row["note"]
+    if where == "synchronize":
+        assert "device state lost" in row["note"]
+    # a failure that leaves the device usable is the row's alone
+    bench, msgs = _bench(torch_module=types.SimpleNamespace(cuda=_LostCuda(None)))
+    bench.dev = "cuda"
+    bench.time("forward", "c", "bad peer", launch, 1)
+    assert _rows(msgs)[0]["status"] == "failed"
+
+
+def test_spread_keeps_the_first_and_last_and_spaces_the_rest():
+    assert gpu_check.spread(range(24), 3) == [0, 12, 23]
+    assert gpu_check.spread(range(6), 4) == [0, 2, 3, 5]
+    assert gpu_check.spread(range(5), 1) == [2]
+    assert gpu_check.spread(range(2), 3) == [0, 1]
+    assert gpu_check.spread(range(5), 0) == [0, 1, 2, 3, 4]
+
+
+def test_autotune_trim_keeps_k_configs_on_first_run_and_reports_them():
+    def attnres_fwd_kernel():
         pass
-    caps.start_section("merge")
-    caps.section_end = time.perf_counter() - 1
-    with pytest.raises(gpu_check.Timeout, match="section 'merge'"):
-        with caps.guard(None):
-            pass
+
+    class Tuner:                               # the Autotuner attributes AutotuneTrim touches
+        def __init__(self, n):
+            self.configs, self.cache, self.base_fn = [f"cfg{i}" for i in range(n)], {"k": 1}, \
+                attnres_fwd_kernel
+
+        def run(self, *args, **kwargs):
+            return list(self.configs)
+    run, msgs = Tuner.run, []
+    big, small = Tuner(24), Tuner(2)
+    with gpu_check.AutotuneTrim(3, lambda kind, **f: msgs.append(dict(f, t=kind)), "peer",
+                                cls=Tuner):
+        assert big.run() == ["cfg0", "cfg12", "cfg23"] and big.cache == {}
+        big.configs.append("cfg24")            # trimmed once, on the first run only
+        assert big.run() == ["cfg0", "cfg12", "cfg23", "cfg24"]
+        assert small.run() == ["cfg0", "cfg1"]
+    assert Tuner.run is run
+    assert msgs == [dict(t="autotune", impl="peer", kernel="attnres_fwd_kernel", before=24,
+                         kept=["cfg0", "cfg12", "cfg23"])]
+    triton = pytest.importorskip("triton")
+    autotuner = triton.runtime.autotuner.Autotuner
+    real = autotuner.run
+    with gpu_check.AutotuneTrim(3, lambda kind, **f: None, "peer"):
+        assert autotuner.run is not real       # Triton's own class by default
+    with gpu_check.AutotuneTrim(0, lambda kind, **f: None, "peer"):
+        assert autotuner.run is real           # 0: the full lists
+    assert autotuner.run is real
+
+
+def _report(tmp_path):
+    return gpu_check.Report(tmp_path, dict(date="2026-12-01"), ({("forward", "c"): 0}, {"ours": 0}))
+
+
+def test_report_files_rewritten_atomically_after_each_row(tmp_path):
+    rep = _report(tmp_path)
+    rep.add_row("ours", dict(section="forward", case="c", impl="ours", status="ok", kernel_ms=2.0,
+                             call_ms=2.5, bytes=8e9, method="CUDA graph replay"))
+    rep.copy_gbs = 8000.0
+    rep.add_row("peer", dict(section="forward", case="c", impl="peer", status="failed", note="x|y"))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["log.txt", "report.json", "report.md", "rows.jsonl"], files
+    js = json.loads((tmp_path / "report.json").read_text())
+    assert [r["impl"] for r in js["rows"]] == ["ours", "peer"]
+    assert js["rows"][0]["gbs"] == pytest.approx(4000.0) and js["rows"][0]["frac_copy"] == 0.5
+    lines = [json.loads(ln) for ln in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["impl"] for r in lines] == ["ours", "peer"]
+    md = (tmp_path / "report.md").read_text()
+    assert "| forward | c | ours | 2 | 2.5 | 4000 | 0.50 | CUDA graph replay |" in md
+    assert "**failed**: x/y |" in md, "a note's '|' would break the table"
+
+
+def test_watchdog_writes_the_partial_report_and_kills_the_running_child(tmp_path):
+    rep = _report(tmp_path)
+    rep.add_row("peer", dict(section="forward", case="c", impl="peer", status="ok", kernel_ms=1.0,
+                             call_ms=1.0, bytes=10, method="m"))
+    rep.current = "peer: backward only, c, peer"
+    children, codes = gpu_check.Children(), []
+    proc = children.start([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    dog = gpu_check.Watchdog(rep, children, time.monotonic() + 0.3, 0.3, grace=0.3,
+                             exit=codes.append)
+    dog.start()                                # the main thread never finishes: no dog.stop()
+    assert proc.wait(timeout=20) == -signal.SIGKILL
+    dog.join(timeout=20)
+    assert codes == [3], "the process is ended when the main thread does not finish"
+    js = json.loads((tmp_path / "report.json").read_text())
+    assert js["partial"] == "the run's 0 s budget ran out during peer: backward only, c, peer"
+    assert [r["status"] for r in js["rows"]] == ["ok"]
+    assert "PARTIAL REPORT" in (tmp_path / "report.md").read_text()
+    assert "the main thread did not finish" in js["notes"][-1]
 
 
 class _FakeCuda:
     """The `torch.cuda` calls gpu_check's Timer makes, on the host clock: lets the CPU run the CUDA
     branch of `Timer.measure` (graph capture, its fallback, events) that the dry run cannot."""
 
-    def __init__(self, capture_fails):
+    def __init__(self, capture_fails, capture_error=None):
         self.capture_fails, self.captures, self.syncs = capture_fails, 0, 0
+        self.capture_error = capture_error or RuntimeError(
+            "operation not permitted when stream is capturing")
         cuda = self
 
         class Event:
@@ -324,14 +500,13 @@ class _FakeCuda:
     def graph(self, g):
         self.captures += 1
         if self.capture_fails:
-            raise RuntimeError("operation not permitted when stream is capturing")
+            raise self.capture_error
         yield
         g.fn = self.last_fn                     # replay re-runs the captured call
 
 
 @pytest.mark.parametrize("capture_fails", [False, True])
 def test_timer_cuda_branch_graph_replay_and_fallback(capture_fails):
-    import gpu_check
     cuda = _FakeCuda(capture_fails)
     calls = []
 
@@ -352,6 +527,20 @@ def test_timer_cuda_branch_graph_replay_and_fallback(capture_fails):
     assert m["method"] == "back-to-back" and cuda.captures == 1
 
 
+
+
+def test_timer_does_not_swallow_a_cap_fired_in_graph_capture():
+    """The capture's fallback (`except Exception`: time back-to-back) lets a cap through."""
+    cuda = _FakeCuda(True, gpu_check.Timeout("peer: over its 75 s cap"))
+
+    def fn():
+        cuda.last_fn = fn
+    timer = gpu_check.Timer(types.SimpleNamespace(cuda=cuda), "cuda", target_ms=5.0, max_iters=7,
+                            latency_calls=3)
+    with pytest.raises(gpu_check.Timeout, match="75 s cap"):
+        timer.measure(fn, graph=True)
+
+
 def _fake_td():
     """Our kernels' host API (`triton_depth`) stood in for by the composites, so Bench's sections
     run on the CPU without the interpreter."""
@@ -368,34 +557,34 @@ def _fake_td():
         merge_forward=peers.naive_merge)
 
 
-def test_bench_sections_with_every_peer_present(monkeypatch):
-    """Every timing section of Bench with every peer "installed" (the fake modules above; their
-    CUDA-only checks lifted): no row fails, each peer is timed where it can express the call and
-    skipped with its reason where not (flash-attn-res at D = 48)."""
-    import gpu_check
+
+def test_bench_sections_in_plan_order_with_every_peer_present():
+    """Every timing section of Bench, ours and each peer "installed" (the fake modules above;
+    their CUDA-only checks lifted): no row fails, each peer is timed where it can express the
+    call and skipped with its reason where not (flash-attn-res at D = 48), and the rows come in
+    the order of `plan` (from which the parent fills in what a child that died left)."""
     fakes = {peers.FLA: fake_fla, peers.Liger: fake_liger, peers.FastAttnRes: fake_fast,
              peers.FlashAttnRes: fake_far}
-
-    def adapters():
-        out = []
-        for cls in (peers.Eager, peers.FLA, peers.Liger, peers.FastAttnRes, peers.FlashAttnRes):
-            ad = cls()
-            ad.cuda_only = False
-            if cls in fakes:
-                ad.mod = fakes[cls]([])
-            out.append(ad)
-        return out
-    monkeypatch.setattr(peers, "all_adapters", adapters)
-    args = gpu_check.parse_args(["--device", "cpu", "--quick", "--skip-jax", "--skip-compile",
-                                 "--max-iters", "1", "--latency-calls", "1", "--target-ms", "1"])
-    bench = gpu_check.Bench(args, torch, _fake_td(), peers, timing_budget=120.0)
-    bench.run()
-    rows = bench.rows
+    adapters = []
+    for cls in (peers.Eager, peers.FLA, peers.Liger, peers.FastAttnRes, peers.FlashAttnRes):
+        ad = cls()
+        ad.cuda_only = False
+        if cls in fakes:
+            ad.mod = fakes[cls]([])
+        adapters.append(ad)
+    bench, msgs = _bench(td=_fake_td(), total=120.0)
+    bench.run_ours()
+    for ad in adapters:
+        bench.run_peer(ad)
+    rows = _rows(msgs)
+    assert [(r["section"], r["case"], r["impl"]) for r in rows] == gpu_check.plan(True) + [
+        key for ad in adapters for key in gpu_check.plan(True, peers, ad)]
     assert not [r for r in rows if r["status"] == "failed"], [r for r in rows if r["status"] == "failed"]
     ok = {(r["section"], r["case"], r["impl"]) for r in rows if r["status"] == "ok"}
     for name in ("fla fused_attnres", "liger attn_res", "fast-attnres", "flash-attn-res"):
-        for sec in ("forward", "backward only", "forward+backward"):
-            assert (sec, "N=3 T=8 D=64 bf16", name) in ok, (sec, name)
+        for sec, case in (("forward", "N=3 T=8 D=64 bf16"), ("backward only", "N=4 T=8 D=64 bf16"),
+                          ("forward+backward", "N=4 T=8 D=64 bf16")):
+            assert (sec, case, name) in ok, (sec, name)
     for sec in ("phase 1", "merge"):
         assert (sec, "3 blocks x 4 queries, T=8 D=64 bf16", "flash-attn-res") in ok
         (skip,) = [r for r in rows if r["section"] == sec and r["impl"] == "flash-attn-res"
@@ -475,43 +664,135 @@ def test_liger_kernel_interpreted_against_float64_reference():
     assert proc.returncode == 0 and "liger ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
-# ---------------------------------------------------------------- the dry run
 
-@pytest.mark.triton
-@pytest.mark.skipif(not _importable("triton"), reason="Triton is not installed")
-def test_gpu_check_dry_run(tmp_path):
-    """The whole script on the CPU at tiny shapes: correctness (interpreted kernels), distributed
-    smoke on gloo, every timing section; JSON and markdown written; no row failed."""
-    # as on the GPU machine, none of our packages is installed: the editable installs' src
-    # folders are taken off sys.path before the script runs (it must find them in the tree)
+# ---------------------------------------------------------------- the dry runs
+
+FAKE_PEERS = str(Path(__file__).with_name("gpu_check_fake_peers.py"))
+
+
+def _dry_run(tmp_path, *argv, env=None, timeout=240):
+    """gpu_check --dry-run in a subprocess, as on the GPU machine: none of our packages is
+    installed (the editable installs' src folders are taken off sys.path first: the script
+    must find them in the tree) -> (process, report.json, rows.jsonl rows, report.md)."""
     script = str(ROOT / "bench" / "gpu_check.py")
     wrapper = ("import runpy, sys; from pathlib import Path; "
                f"root = Path({str(ROOT)!r}); "
                "sys.path[:] = [p for p in sys.path if not (Path(p).name == 'src' and "
                "root in Path(p).parents)]; "
-               f"sys.argv = [{script!r}, '--dry-run', '--out-dir', {str(tmp_path)!r}]; "
+               f"sys.argv = [{script!r}, '--dry-run', '--out-dir', {str(tmp_path)!r}, *{list(argv)!r}]; "
                f"runpy.run_path({script!r}, run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True,
-                          timeout=150)
+                          timeout=timeout, env=dict(os.environ, **(env or {})))
+    report = json.loads((tmp_path / "report.json").read_text())
+    lines = [json.loads(ln) for ln in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    return proc, report, lines, (tmp_path / "report.md").read_text()
+
+
+def _by_key(rows):
+    keyed = {}
+    for r in rows:
+        key = (r["section"], r["case"], r["impl"])
+        assert key not in keyed, f"two rows for {key}"
+        keyed[key] = r
+    return keyed
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not _importable("triton"), reason="Triton is not installed")
+def test_gpu_check_dry_run(tmp_path):
+    """The whole script on the CPU at tiny shapes: correctness (interpreted kernels), ours,
+    the distributed smoke on gloo, every peer that imports, JAX; the files written; no row
+    failed; our rows first."""
+    proc, report, lines, md = _dry_run(tmp_path)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert (tmp_path / "report.md").read_text().startswith("### Depth attention on CPU")
-    assert report["correctness"]["passed"] > 100 and not report["correctness"]["failures"]
-    assert report["distributed"] == "PASS"
+    assert md.startswith("### Depth attention on CPU") and "PARTIAL" not in md
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "report.json", "report.md",
+                                                          "rows.jsonl"]
+    c = report["correctness"]
+    assert c["complete"] and c["run"] == c["cases"] and c["passed"] > 100 and not c["failures"]
+    assert report["distributed"] == "PASS" and report["partial"] is None
     rows = report["rows"]
-    failed = [r for r in rows if r["status"] == "failed"]
+    assert sorted(map(json.dumps, rows)) == sorted(map(json.dumps, lines)), "rows.jsonl = report.json"
+    keyed = _by_key(rows)
+    failed = [r for r in rows if r["status"] not in ("ok", "skipped")]
     assert not failed, f"rows failed in the dry run (a bug in the script): {failed}"
-    sections = {r["section"] for r in rows}
-    torch_sections = {"forward", "backward only", "forward+backward", "phase 1", "merge", "block"}
-    assert torch_sections <= sections, sections
-    # the JAX section runs in a child (this interpreter: rows, or one row saying jax is absent)
-    assert sections - torch_sections <= {"jax", "jax forward", "jax forward+backward"}, sections
+    assert set(gpu_check.plan(True)) | set(gpu_check.jax_plan(True)) <= set(keyed)
     for r in rows:
         if r["status"] == "ok":
             assert r["kernel_ms"] > 0 and r["call_ms"] > 0 and r["gbs"] > 0, r
         else:
-            assert r["status"] == "skipped" and r["note"], r
-    ours = [r for r in rows if r["impl"] == "attnres triton kernels"]
+            assert r["note"], r
+    ours = [r for r in rows if r["impl"] == gpu_check.OURS]
     assert len(ours) == 8 and all(r["status"] == "ok" for r in ours), ours
-    assert report["total_s"] < 90, f"dry run took {report['total_s']:.0f} s (budget 90 s)"
+    phases = [p["name"] for p in report["phases"]]
+    assert phases[:3] == ["correctness", "ours", "distributed smoke"] and phases[-1] == "jax"
+    assert {"eager composite", "torch.compile composite"} <= set(phases)
+    assert lines[0]["impl"] in (gpu_check.OURS, gpu_check.OP), "our rows first"
+    assert report["total_s"] < 240, f"dry run took {report['total_s']:.0f} s"
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not _importable("triton"), reason="Triton is not installed")
+def test_gpu_check_dry_run_failing_peers_end_one_child_each(tmp_path):
+    """A peer that breaks its process (a CUDA-like error and `os._exit(134)`), one that hangs
+    where its own caps cannot fire (killed 3 s past its 8 s cap), one that raises: each keeps the
+    rows it measured, says what ended it at the row it was measuring and marks the rest "not
+    run"; the peers after it still run."""
+    proc, report, lines, md = _dry_run(
+        tmp_path, "--skip-correctness", "--skip-distributed", "--skip-jax", "--skip-ours",
+        "--peers-module", FAKE_PEERS, "--peer-cap", "8",
+        env={"GPU_CHECK_FAKE_PEERS": "corrupt,hang,raises"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = _by_key(report["rows"])
+    assert sorted(map(json.dumps, report["rows"])) == sorted(map(json.dumps, lines))
+    fwd, train = "N=3 T=8 D=64 bf16", "N=4 T=8 D=64 bf16"
+    phases = {p["name"]: p for p in report["phases"]}
+    for mode, status, why in (("corrupt", "failed", "exited with status 134: RuntimeError: CUDA "
+                                                    "error: an illegal memory access"),
+                              ("hang", "killed", "no answer 8 s after its start-up, killed")):
+        name = f"fake {mode}"
+        planned = gpu_check.plan(True, peers, gpu_check_fake_peers.make(mode))
+        assert rows[("forward", fwd, name)]["status"] == "ok", "the row measured before"
+        assert rows[("forward", fwd, name)]["kernel_ms"] > 0
+        cut = rows[("backward only", train, name)]
+        assert cut["status"] == status and why in cut["note"], cut
+        for key in planned[2:]:
+            assert rows[key]["status"] == "not run" and why in rows[key]["note"], rows[key]
+        assert phases[name]["status"] == status and why in phases[name]["note"]
+        assert f"**{status}**: " in md
+    assert 8 <= phases["fake hang"]["seconds"] < 60
+    raises = "fake raises"
+    assert rows[("forward", fwd, raises)]["status"] == "failed"
+    assert "fake peer: kernel launch failed" in rows[("forward", fwd, raises)]["note"]
+    p1 = [r for (sec, _, impl), r in rows.items() if impl == raises and sec in ("phase 1", "merge")]
+    assert len(p1) == 4 and all(r["status"] == "ok" for r in p1), "the run went on after both"
+    assert report["partial"] is None and phases[raises]["status"] == "ok"
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not _importable("triton"), reason="Triton is not installed")
+def test_gpu_check_dry_run_budget_runs_out_mid_section(tmp_path):
+    """The budget runs out while a peer hangs in its second section: the watchdog kills it and
+    writes the partial report (exit 3), with the row measured before, the row it cut and every
+    later row, the peers not started included, "not run"."""
+    proc, report, lines, md = _dry_run(
+        tmp_path, "--skip-correctness", "--skip-distributed", "--skip-ours", "--budget", "20",
+        "--peers-module", FAKE_PEERS, "--peer-cap", "100",
+        env={"GPU_CHECK_FAKE_PEERS": "hang,raises"})
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-4000:]
+    assert report["partial"] == ("the run's 20 s budget ran out during fake hang: backward only, "
+                                 "N=4 T=8 D=64 bf16, fake hang")
+    assert md.startswith("### ") and "**PARTIAL REPORT: the run's 20 s budget ran out" in md
+    rows = _by_key(report["rows"])
+    assert sorted(map(json.dumps, report["rows"])) == sorted(map(json.dumps, lines))
+    hang = gpu_check.plan(True, peers, gpu_check_fake_peers.make("hang"))
+    assert rows[hang[0]]["status"] == "ok" and rows[hang[0]]["kernel_ms"] > 0
+    assert rows[hang[1]]["status"] == "killed" and "budget ran out" in rows[hang[1]]["note"]
+    assert all(rows[k]["status"] == "not run" for k in hang[2:])
+    later = gpu_check.plan(True, peers, gpu_check_fake_peers.make("raises")) + \
+        gpu_check.jax_plan(True)
+    assert all(rows[k]["status"] == "not run" and "budget" in rows[k]["note"] for k in later)
+    assert [(p["name"], p["status"]) for p in report["phases"]] == [
+        ("fake hang", "killed"), ("fake raises", "not run"), ("jax", "not run")]
+    assert report["total_s"] < 20 + gpu_check.WATCHDOG_GRACE

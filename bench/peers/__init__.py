@@ -116,6 +116,7 @@ class Adapter:
     env: Dict[str, str] = {}            # environment the harness sets around every call
     notes = ""                          # semantic differences the report states
     cuda_only = False
+    cost = 3                            # run order in gpu_check, cheapest first (compile work)
 
     def __init__(self):
         self.mod = None
@@ -172,6 +173,7 @@ def _check_shared_query(inp: Inputs):
 class Eager(Adapter):
     """`naive`: the composite from eager PyTorch ops (stack inside, as a user would write it)."""
     name = "eager composite"
+    cost = 0                            # nothing to compile
 
     def check(self, inp):
         pass
@@ -200,6 +202,7 @@ class Eager(Adapter):
 class Compiled(Eager):
     """`torch.compile(naive, dynamic=False)` (one compiled function per shape)."""
     name = "torch.compile composite"
+    cost = 2                            # an inductor compile per shape, no autotuning
 
     def __init__(self):
         super().__init__()
@@ -284,6 +287,7 @@ class Liger(Adapter):
     name = "liger attn_res"
     module = "liger_kernel.transformers.functional"
     dist = "liger-kernel"
+    cost = 1                            # one Triton compile per shape, no autotuning
 
     def check(self, inp):
         _check_shared_query(inp)
@@ -342,6 +346,7 @@ class FlashAttnRes(Adapter):
     name = "flash-attn-res"
     module = "flash_attn_res"
     dist = "flash-attn-res"
+    cost = 4                            # autotuned configs that spill, ~30 s each to compile on sm_90
 
     def check(self, inp):
         import torch
@@ -389,5 +394,6 @@ class FlashAttnRes(Adapter):
 
 
 def all_adapters() -> List[Adapter]:
-    """Every peer, in report order (the composites first)."""
+    """Every peer (the composites first); gpu_check runs them in `cost` order.  FLA (24 + 24 +
+    10 autotuned configs) and fast-attnres (48 + 48) keep the default cost 3."""
     return [Eager(), Compiled(), FLA(), FLAGluon(), Liger(), FastAttnRes(), FlashAttnRes()]

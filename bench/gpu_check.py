@@ -248,7 +248,12 @@ class Caps:
     """A child's wall-clock caps, on SIGALRM (Python code, a compile or autotune loop, is
     interrupted; one long C call finishes first, and the parent kills a child that does not come
     back).  `total` seconds from now in all; `guard(seconds, reason)` raises Timeout(reason) after
-    min(seconds, what is left of the total), or the total's reason when that is less."""
+    min(seconds, what is left of the total), or the total's reason when that is less.  A cap that
+    fired stays fired: it raises again every `REARM_S` seconds, and once more when the block
+    ends, however the block's own code handled the first (an `except BaseException`, an error
+    raised while unwinding that replaced it)."""
+
+    REARM_S = 1.0
 
     def __init__(self, total, name):
         self.total, self.name, self.end = total, name, time.monotonic() + total
@@ -263,13 +268,25 @@ class Caps:
             limit, why = seconds, reason
         if limit <= 0:
             raise Timeout(why)
+        fired = []
 
         def alarm(signum, frame):
+            fired.append(True)
+            signal.setitimer(signal.ITIMER_REAL, self.REARM_S)
             raise Timeout(why)
         old = signal.signal(signal.SIGALRM, alarm)
         signal.setitimer(signal.ITIMER_REAL, limit)
         try:
             yield
+        except Timeout:
+            raise
+        except BaseException as e:
+            if fired:
+                raise Timeout(why) from e
+            raise
+        else:
+            if fired:
+                raise Timeout(why)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)

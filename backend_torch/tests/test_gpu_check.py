@@ -316,6 +316,26 @@ def test_a_cap_is_not_swallowed_by_except_exception():
     assert not swallowed and time.perf_counter() - t0 < 1.2
 
 
+@pytest.mark.parametrize("handler", ["swallow", "replace"])
+def test_a_cap_that_fired_stays_fired(handler):
+    """Code that swallows even BaseException, or raises another error while unwinding (as a
+    CUDA-graph capture's exit can): the cap fires again every REARM_S seconds and once more when
+    the block ends, so the call is still reported as over its cap."""
+    caps, seen = gpu_check.Caps(60.0, "peer"), []
+    t0 = time.perf_counter()
+    with pytest.raises(gpu_check.Timeout, match="warm-up cap"):
+        with caps.guard(0.2, "peer: warm-up cap"):
+            for _ in range(8):
+                try:
+                    time.sleep(0.05)
+                except BaseException as e:  # noqa: BLE001
+                    seen.append(type(e).__name__)
+                    if handler == "replace":
+                        raise RuntimeError("capture invalidated") from None
+    assert seen == ["Timeout"] and time.perf_counter() - t0 < 1.0
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
 def test_bench_warmup_cap_ends_the_peer_and_says_so_in_its_later_rows():
     bench, msgs = _bench("--warmup-cap", "0.3")
 

@@ -7,7 +7,7 @@ import attnres_numpy.ops as ref
 import mlx.core as mx
 import numpy as np
 import pytest
-from attnres_mlx import metal, ops
+from attnres_mlx import compiled, metal, ops
 from helpers import DTYPES, MX, assert_close, rand, to_mx, to_np
 
 BATCH, D, N = (2, 3), 8, 3
@@ -62,10 +62,22 @@ def _run(sources, query, gain, opts, dtype, stacked, cot_out, cot_lse, query_dty
     return outs, grads
 
 
+@pytest.fixture(params=["vectorized", "streamed"])
+def forward_layout(request, monkeypatch):
+    """Both forward layouts of the compiled implementation: these small calls take the
+    vectorized one; a threshold of 0 sends them source by source, as large calls go."""
+    if request.param == "streamed":
+        monkeypatch.setattr(compiled, "VECTOR_MAX_ELEMENTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,forward_layout",  # the streamed layout: float32/64 (CI time)
+                         [(d, "vectorized") for d in DTYPES]
+                         + [(d, "streamed") for d in ("float32", "float64")],
+                         indirect=["forward_layout"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_depth_attention_forward_and_vjp(case, dtype, stacked):
+def test_depth_attention_forward_and_vjp(case, dtype, stacked, forward_layout):
     rng = np.random.default_rng(abs(hash((case, dtype))) % 2**32)
     sources, query, gain, opts = _attention_case(rng, dtype, case)
     heads = opts.get("num_heads", 1)
@@ -198,13 +210,18 @@ def test_two_phase_ops_equal_direct():
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
-@pytest.mark.parametrize("cached", [(True, True, False), (True, False, True)],
-                         ids=["leading", "mixed"])
+@pytest.mark.parametrize("cached", [(True, True, False), (True, False, True), "one_array"],
+                         ids=["leading", "mixed", "one_array"])
 @pytest.mark.parametrize("num_heads", [1, 2])
-def test_cached_inverse_rms_equals_direct(num_heads, cached, stacked):
+def test_cached_inverse_rms_equals_direct(num_heads, cached, stacked, forward_layout):
     """depth_attention(..., inv_rms=[r, None, ...]) equals the op and the reference, including
     the gradient that flows into the sources through the cached r (lists and stacked sources,
-    cached r on any subset of them)."""
+    cached r on any subset of them; stacked sources also with one stacked `[N, ..., H]` r)."""
+    if cached == "one_array" and not stacked:
+        with pytest.raises(ValueError, match="inv_rms: one stacked array"):
+            xs = [mx.zeros(BATCH + (D,)) for _ in range(N)]
+            A.depth_attention(xs, mx.zeros((D,)), inv_rms=mx.ones((N,) + BATCH + (1,)))
+        return
     rng = np.random.default_rng(6)
     sources = [rand(rng, BATCH + (D,), "float64") for _ in range(N)]
     query, gain = rand(rng, (D,), "float64"), rand(rng, (D,), "float64")
@@ -212,8 +229,11 @@ def test_cached_inverse_rms_equals_direct(num_heads, cached, stacked):
 
     def f(*xs):
         x = xs[0] if stacked else list(xs)
-        rms = [A.inverse_rms(x[i], num_heads=num_heads) if c else None
-               for i, c in enumerate(cached)]
+        if cached == "one_array":
+            rms = A.inverse_rms(x, num_heads=num_heads)
+        else:
+            rms = [A.inverse_rms(x[i], num_heads=num_heads) if c else None
+                   for i, c in enumerate(cached)]
         return [A.depth_attention(x, to_mx(query, "float64"), to_mx(gain, "float64"),
                                   num_heads=num_heads, inv_rms=rms)]
 

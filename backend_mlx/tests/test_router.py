@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from attnres_conformance.numerics import round_to
 from attnres_conformance.tolerances import compare, flash_rule
-from attnres_mlx import ops, probe
+from attnres_mlx import compiled, ops, probe
 from attnres_mlx.router import MlxOps
 from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 from helpers import assert_close, rand, to_mx, to_np
@@ -48,6 +48,25 @@ def test_probe_forward_and_vjp(variant, dtype):
     grads = probe.probe_vjp(cfg, mparams, to_mx(emb, dtype), to_mx(w, dtype), to_mx(cot, dtype))
     expect = ref_model.probe_vjp(cfg, params, emb, w, cot)
     assert set(grads) == set(expect)
+    for name in expect:
+        assert_close(f"d {name}", grads[name], expect[name], grad=True, override="probe")
+
+
+@pytest.mark.parametrize("variant", ["full", "block", "multihead", "fused_out_norm"])
+def test_probe_streamed_reads_forward_and_vjp(variant, monkeypatch):
+    """Reads above `compiled.VECTOR_MAX_ELEMENTS` (forced here) take the list of sources with
+    per-source inverse RMS and the streamed forward: values and every gradient vs float64."""
+    monkeypatch.setattr(compiled, "VECTOR_MAX_ELEMENTS", 0)
+    cfg = ResidualConfig.variant(variant)
+    rng, params, emb, w = _probe_inputs(cfg, "float64")
+    cot = rand(rng, BATCH + (D,), "float64")
+    mparams = {k: to_mx(v, "float64") for k, v in params.items()}
+    out = probe.probe_forward(cfg, mparams, to_mx(emb, "float64"), to_mx(w, "float64"))
+    assert_close("out", out, ref_model.probe_forward(cfg, params, emb, w), grad=False,
+                 override="probe")
+    grads = probe.probe_vjp(cfg, mparams, to_mx(emb, "float64"), to_mx(w, "float64"),
+                            to_mx(cot, "float64"))
+    expect = ref_model.probe_vjp(cfg, params, emb, w, cot)
     for name in expect:
         assert_close(f"d {name}", grads[name], expect[name], grad=True, override="probe")
 
@@ -96,8 +115,11 @@ def test_zero_init_equals_prenorm_after_final_norm(kind):
     assert np.abs(to_np(out) - to_np(out_std)).max() > 1e-3  # not trivially the same stream
 
 
-def test_block_inverse_rms_computed_once_per_block(monkeypatch):
-    """Each sealed block's inverse RMS is computed once and reused by every later read."""
+@pytest.mark.parametrize("stacked", [False, True], ids=["streamed", "stacked"])
+def test_block_inverse_rms_computed_once_per_block(monkeypatch, stacked):
+    """Each sealed block's inverse RMS is computed once and reused by every later read.  Small
+    reads (stacked) also take the running partial sum's inverse RMS, once per read that has
+    one (sublayers 2, 4, 6 of the direct schedule); large reads norm it inside the op."""
     cfg = ResidualConfig.variant("block", block_size=2)
     num_layers = 6
     _, params, emb, w = _probe_inputs(cfg, "float64", 3, num_layers)
@@ -109,12 +131,16 @@ def test_block_inverse_rms_computed_once_per_block(monkeypatch):
         return real(x, **kw)
 
     monkeypatch.setattr(ops, "inverse_rms", spy)
+    if not stacked:
+        monkeypatch.setattr(compiled, "VECTOR_MAX_ELEMENTS", 0)
     mparams = {k: to_mx(v, "float64") for k, v in params.items()}
     for schedule in ("direct", "two_phase"):
         calls.clear()
         out = probe.probe_forward(cfg, mparams, to_mx(emb, "float64"), to_mx(w, "float64"),
                                   schedule=schedule)
-        assert len(calls) == 1 + num_layers // 2  # b_0 and the three sealed blocks
+        partial_reads = 3 if stacked and schedule == "direct" else 0
+        # b_0 and the three sealed blocks
+        assert len(calls) == 1 + num_layers // 2 + partial_reads
         np.testing.assert_allclose(to_np(out), ref_model.probe_forward(cfg, params, emb, w),
                                    rtol=1e-12, atol=1e-12)
 

@@ -70,3 +70,33 @@ def test_full_forward_and_grad_run_for_every_kind():
         grads = mx.grad(loss)(model.trainable_parameters())
         router_grads = grads["router"]
         assert all(float(mx.abs(g).max()) > 0 for g in router_grads.values()), name
+
+
+@pytest.mark.parametrize("variant,schedule", [("full", "direct"), ("block", "direct"),
+                                              ("block", "two_phase"), ("standard", "direct")])
+def test_fixed_cache_and_compiled_step_match_reference(variant, schedule):
+    """make_cache + offset= (eager and under compile_step): prefill then single-token decode
+    give the float64 reference's logits; the compiled step is traced once for every T = 1
+    position (the offset is an array) and equals the eager fixed-cache step."""
+    cfg = ResidualConfig.variant(variant)
+    model = _model(cfg)
+    tokens = mx.array(np.random.default_rng(1).integers(0, V, size=(2, T)))
+    expect = _reference_logits(model, cfg, tokens)
+    traces = []
+    step = model.compile_step(schedule=schedule)
+    traced = mx.compile(lambda t, c, o: (traces.append(1), model(t, c, offset=o,
+                                                                 schedule=schedule))[1],
+                        inputs=model.state)
+    for run in (step, traced, None):
+        cache = model.make_cache(2, T + 2)
+        steps = []
+        for t0, t1 in [(0, 3)] + [(t, t + 1) for t in range(3, T)]:
+            chunk, off = tokens[:, t0:t1], mx.array(t0)
+            logits, cache = (run(chunk, cache, off) if run is not None
+                             else model(chunk, cache, offset=off, schedule=schedule))
+            steps.append(logits)
+        assert_close("logits", mx.concatenate(steps, axis=1), expect, grad=False,
+                     override="probe")
+    assert len(traces) == 2  # T = 3 prefill, then one trace for every T = 1 step
+    with pytest.raises(ValueError, match="cache: offset= needs a fixed-size"):
+        model(tokens[:, :1], None, offset=0)

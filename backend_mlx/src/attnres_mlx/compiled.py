@@ -12,7 +12,14 @@ take arrays already in the compute dtype (float32, or float64 for float64 source
 * `qg = query * norm_weight` broadcastable against a source (`[H, Dh]`, `[..., H, Dh]`, or for
   the two-phase op `[S, 1.., H, Dh]` against sources `[1, ..., H, Dh]`);
 * `rs`: per source either None (the inverse RMS is computed here) or a cached inverse RMS
-  `[..., H]` (the router's sealed blocks).
+  `[..., H]` (the router's sealed blocks); or, for stacked sources, one stacked array
+  `[N, ..., H]` holding every source's cached inverse RMS.
+
+Two forward layouts, chosen per call (`ops.py`, `Static.vectorized`): small calls (at most
+`VECTOR_MAX_ELEMENTS` source elements, e.g. single-token decode) reduce over all sources at once
+on one stacked `[N, ..., H, Dh]` array (a list is stacked inside the compiled function), a
+handful of graph nodes whatever N; larger calls stream source by source (no `[N, ..., D]`
+temporaries).  Either layout gives the same bits for a list and a stacked array.
 
 Math (spec 2.1/2.3): r_i = 1/sqrt(mean(x_i^2) + eps), s_i = <qg, x_i>, z_i = scale r_i s_i,
 p = softmax_i(z) or sigmoid(z), out = sum_i p_i x_i, lse = logsumexp_i z; with the fused output
@@ -38,6 +45,11 @@ from .common import compute_dtype, query_grads, sum_to
 Sources = Union[mx.array, List[mx.array]]
 
 _E = 2.718281828459045
+
+#: Calls whose sources hold at most this many elements in all take the vectorized forward (one
+#: reduction over the stacked sources instead of a few graph nodes per source): there the time
+#: is per-node overhead, not memory traffic, and the `[N, ..., D]` temporaries are small.
+VECTOR_MAX_ELEMENTS = 1 << 17
 
 
 def exp(x: mx.array) -> mx.array:
@@ -160,12 +172,31 @@ def _weights_lse(z: mx.array, activation: str):
     return e / den, m + mx.log(den)
 
 
-def attend_forward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]], *,
-                   eps: float, scale: float, activation: str, key_norm: bool):
-    """Returns out `[..., H, Dh]`, p `[N, ..., H]`, lse `[..., H]` (None for sigmoid)."""
-    _, _, z = _logits(xs, qg, rs, eps=eps, scale=scale, key_norm=key_norm)
+def _stacked_rms(X: mx.array, rs, eps: float) -> mx.array:
+    """`[N, ..., H]` inverse RMS of stacked sources X: rs itself when it is one stacked array,
+    else per source the cached r or the one computed here."""
+    if isinstance(rs, mx.array):
+        return rs
+    if all(r is None for r in rs):
+        return inverse_rms(X, eps)
+    return mx.stack([inverse_rms(X[i], eps) if r is None else r for i, r in enumerate(rs)])
+
+
+def attend_forward(xs: Sources, qg: mx.array, rs, *, eps: float, scale: float,
+                   activation: str, key_norm: bool, vectorized: bool = False):
+    """Returns out `[..., H, Dh]`, p `[N, ..., H]`, lse `[..., H]` (None for sigmoid).
+
+    vectorized: reduce over all sources at once on the stacked `[N, ..., H, Dh]` (a list is
+    stacked first); else source by source."""
+    if not vectorized:
+        _, _, z = _logits(xs, qg, rs, eps=eps, scale=scale, key_norm=key_norm)
+        p, lse = _weights_lse(z, activation)
+        return _combine(p, xs), p, lse
+    X = xs if isinstance(xs, mx.array) else mx.stack(xs)
+    s = mx.sum(qg * X, axis=-1)  # [N, ..., H]
+    z = scale * _stacked_rms(X, rs, eps) * s if key_norm else scale * s
     p, lse = _weights_lse(z, activation)
-    return _combine(p, xs), p, lse
+    return mx.sum(p[..., None] * X, axis=0), p, lse
 
 
 def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
@@ -178,8 +209,8 @@ def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
 
     Returns (dxs: per source, broadcast-shaped `[..., H, Dh]` (a list for a list, one
     `[N, ..., H, Dh]` array for stacked sources), dqg (broadcast shape), drs: per source
-    d r `[..., H]` for a cached r, else None, and the per-token terms of d w `[..., D]` (None
-    without out_norm)).
+    d r `[..., H]` for a cached r, else None (one `[N, ..., H]` array for a stacked rs), and
+    the per-token terms of d w `[..., D]` (None without out_norm)).
     """
     r, s, z = _logits(xs, qg, rs, eps=eps, scale=scale, key_norm=key_norm)
     p, _ = _weights_lse(z, activation)
@@ -200,7 +231,8 @@ def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
     else:
         dp = mx.stack([mx.sum(g_out * xs[i], axis=-1) for i in range(len(xs))])
         dz = dp * p * (1.0 - p)
-    rms_path = [cached is None for cached in rs]
+    rs_stacked = isinstance(rs, mx.array)  # every r cached, one `[N, ..., H]` array
+    rms_path = [False] * len(xs) if rs_stacked else [cached is None for cached in rs]
     if isinstance(xs, mx.array):
         if all(rms_path) or not any(rms_path):
             mask = all(rms_path)
@@ -212,7 +244,10 @@ def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
         dxs = [p[i][..., None] * g_out + dz[i][..., None] * _key_grad(
             x, qg, None if r is None else r[i], s[i], scale=scale, rms_path=rms_path[i])
             for i, x in enumerate(xs)]
-    drs = [None if cached is None else dz[i] * scale * s[i] for i, cached in enumerate(rs)]
+    if rs_stacked:
+        drs = dz * scale * s
+    else:
+        drs = [None if cached is None else dz[i] * scale * s[i] for i, cached in enumerate(rs)]
     dqg = _combine(dz * scale if r is None else dz * scale * r, xs)
     return dxs, dqg, drs, dw
 
@@ -250,8 +285,10 @@ def _broadcast(st, xs, q, g, rs):
     """The broadcast forms (module docstring) of one call, in the compute dtype.
 
     xs: list of N `[..., D]` or stacked `[N, ..., D]`; q `[D]`, `[..., D]` or (multi) `[S, D]`;
-    g like q's last axes; rs: the cached inverse RMS given, `[..., H]`, in source order.
-    Returns (xb, qg, rb) with rb: per source None or its cached r.
+    g like q's last axes; rs: the cached inverse RMS given, `[..., H]`, in source order (with
+    `st.stacked_rms`: [one `[N, ..., H]` array]).
+    Returns (xb, qg, rb) with rb: per source None or its cached r (the stacked array itself
+    with `st.stacked_rms`).
     """
     stacked = isinstance(xs, mx.array)
     c = compute_dtype(xs.dtype if stacked else xs[0].dtype)
@@ -266,6 +303,8 @@ def _broadcast(st, xs, q, g, rs):
         H = st.num_heads
         xb = heads(xs.astype(c), H) if stacked else [heads(x.astype(c), H) for x in xs]
         qg = heads(q.astype(c), H) * heads(g.astype(c), H)
+        if st.stacked_rms:  # one `[N, ..., H]` array: every source's cached r
+            return xb, qg, rs[0].astype(c)
         given = iter(r.astype(c) for r in rs)
     return xb, qg, [next(given) if cached else None for cached in st.cached]
 
@@ -282,7 +321,8 @@ def _attend_forward(st, xs, q, g, rs, ws):
     the compute dtype; H? is absent with one head."""
     xb, qg, rb = _broadcast(st, xs, q, g, rs)
     out, p, lse = attend_forward(xb, qg, rb, eps=st.eps, scale=st.scale,
-                                 activation=st.activation, key_norm=st.key_norm)
+                                 activation=st.activation, key_norm=st.key_norm,
+                                 vectorized=st.vectorized)
     source = xs[0]  # a view for stacked sources: only its shape and dtype are read
     shape = source.shape if st.mode == "single" else (q.shape[0], *source.shape)
     out = out.reshape(shape)
@@ -318,9 +358,12 @@ def _attend_backward(st, xs, q, g, rs, ws, d_out, d_normed, d_lse):
     # `[..., H, Dh]` -> `[..., D]` (no -1: MLX cannot infer it for an empty token axis)
     dq, dg = query_grads(dqg.reshape(*dqg.shape[:-2], dqg.shape[-2] * dqg.shape[-1]), q, g,
                          multi=st.mode == "multi")
-    d_rs = [sum_to(dr, r.shape).reshape(given.shape).astype(given.dtype)
-            for dr, r, given in zip((d for d in drs if d is not None),
-                                    (r for r in rb if r is not None), rs)]
+    if st.stacked_rms:
+        d_rs = [sum_to(drs, rb.shape).reshape(rs[0].shape).astype(rs[0].dtype)]
+    else:
+        d_rs = [sum_to(dr, r.shape).reshape(given.shape).astype(given.dtype)
+                for dr, r, given in zip((d for d in drs if d is not None),
+                                        (r for r in rb if r is not None), rs)]
     d_ws = [sum_to(dw, ws[0].shape).astype(ws[0].dtype)] if ws else []  # C17, sum over tokens
     return d_sources, dq, dg, d_rs, d_ws
 

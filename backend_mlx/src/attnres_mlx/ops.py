@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Protocol, Sequence, Tuple, Union
 
@@ -79,6 +80,9 @@ class Static:
     stacked: sources are one `[N, ..., D]` array (else a list of N `[..., D]`).
     cached: per source, whether its inverse RMS is passed in (router reuse of sealed blocks).
     out_norm_eps: the fused output norm's epsilon (C17), or None when it is off.
+    vectorized: the compiled forward reduces over all sources at once (a small call, see
+      `compiled.VECTOR_MAX_ELEMENTS`) instead of source by source.
+    stacked_rms: the cached inverse RMS is one stacked `[N, ..., H]` array (every source's).
     """
 
     mode: str
@@ -91,6 +95,8 @@ class Static:
     key_norm: bool
     cached: Tuple[bool, ...]
     out_norm_eps: Optional[float] = None
+    vectorized: bool = False
+    stacked_rms: bool = False
 
 
 class Implementation(Protocol):
@@ -194,9 +200,23 @@ def _gain(norm_weight, dim: int, dtype) -> mx.array:
     return mx.ones((dim,), dtype=dtype) if norm_weight is None else norm_weight
 
 
-def _check_inv_rms(inv_rms, num_sources: int, batch, num_heads: int, key_norm: bool):
+def _check_inv_rms(inv_rms, num_sources: int, batch, num_heads: int, key_norm: bool,
+                   stacked: bool):
+    """(cached per source, the given arrays, whether they are one stacked array)."""
     if inv_rms is None:
-        return (False,) * num_sources, []
+        return (False,) * num_sources, [], False
+    if isinstance(inv_rms, mx.array):
+        expect = (num_sources,) + tuple(batch) + (num_heads,)
+        if not stacked:
+            raise ValueError(f"inv_rms: one stacked array {expect} needs stacked sources "
+                             f"[N, ..., D]; pass a list with one entry per listed source")
+        if not key_norm:
+            raise ValueError("inv_rms: cached inverse RMS needs key_norm=True")
+        dt = dtype_name(inv_rms.dtype)
+        if tuple(inv_rms.shape) != expect or dt not in validation.FLOATING_DTYPES:
+            raise ValueError(f"inv_rms: expected a floating array of shape {expect}, got {dt} "
+                             f"shape {tuple(inv_rms.shape)}")
+        return (True,) * num_sources, [inv_rms], True
     if not isinstance(inv_rms, (list, tuple)) or len(inv_rms) != num_sources:
         raise ValueError(f"inv_rms: expected a list of {num_sources} entries (array or None), "
                          f"got {type(inv_rms).__name__}")
@@ -211,7 +231,7 @@ def _check_inv_rms(inv_rms, num_sources: int, batch, num_heads: int, key_norm: b
                 raise ValueError(f"inv_rms[{i}]: expected a floating array of shape {expect}, "
                                  f"got {dt} shape {shape}")
             given.append(r)
-    return tuple(r is not None for r in inv_rms), given
+    return tuple(r is not None for r in inv_rms), given, False
 
 
 def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.array] = None, *,
@@ -232,7 +252,8 @@ def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.
         from out in the compute dtype in the same pass (C17, the next sublayer's pre-norm);
         out_norm_eps: its epsilon (None: eps).
       inv_rms: optional list with one entry per source, None or that source's inverse RMS
-        `[..., H]` (from `inverse_rms`) to reuse instead of recomputing it (key_norm only).
+        `[..., H]` (from `inverse_rms`) to reuse instead of recomputing it (key_norm only); for
+        stacked sources also one stacked array `[N, ..., H]`, every source's inverse RMS.
     Returns out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)`.
     """
     shapes, dtypes, stacked = _source_meta(sources)
@@ -244,12 +265,16 @@ def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.
         scale=scale, num_heads=num_heads, activation=activation, key_norm=key_norm,
         return_lse=return_lse, out_norm_weight_shape=w_shape, out_norm_weight_dtype=w_dtype,
         out_norm_eps=out_norm_eps)
-    cached, given = _check_inv_rms(inv_rms, geo.num_sources, geo.batch_shape, geo.num_heads,
-                                   key_norm)
+    cached, given, stacked_rms = _check_inv_rms(inv_rms, geo.num_sources, geo.batch_shape,
+                                                geo.num_heads, key_norm, stacked)
     normed = out_norm_weight is not None
-    st = Static("single", geo.num_sources, stacked, geo.num_heads, float(eps), float(scale),
-                activation, key_norm, cached, geo.out_norm_eps)
     impl = implementation_for(_source_dtype(sources, stacked))
+    if stacked_rms and impl is not compiled.IMPLEMENTATION:  # the kernels take one r per source
+        given, stacked_rms = [given[0][i] for i in range(geo.num_sources)], False
+    elements = geo.num_sources * math.prod(geo.batch_shape) * geo.dim
+    st = Static("single", geo.num_sources, stacked, geo.num_heads, float(eps), float(scale),
+                activation, key_norm, cached, geo.out_norm_eps,
+                vectorized=elements <= compiled.VECTOR_MAX_ELEMENTS, stacked_rms=stacked_rms)
     outs = _attend_fn(st, impl)(sources if stacked else list(sources), query,
                                 _gain(norm_weight, geo.dim, query.dtype), given,
                                 [out_norm_weight] if normed else [])
@@ -275,7 +300,11 @@ def depth_attention_multi(sources: Sources, queries: mx.array,
     g_shape, g_dtype = _meta("norm_weights", norm_weights)
     geo = validation.check_multi(shapes, dtypes, q_shape, q_dtype, g_shape, g_dtype,
                                  stacked=stacked, eps=eps, scale=scale)
-    cached, given = _check_inv_rms(inv_rms, geo.num_sources, geo.batch_shape, 1, True)
+    if isinstance(inv_rms, mx.array):
+        raise ValueError("inv_rms: depth_attention_multi takes a list with one entry per source "
+                         "(None or `[..., 1]`), not one stacked array")
+    cached, given, _ = _check_inv_rms(inv_rms, geo.num_sources, geo.batch_shape, 1, True,
+                                      stacked)
     st = Static("multi", geo.num_sources, stacked, 1, float(eps), float(scale), "softmax", True,
                 cached)
     gains = mx.ones(queries.shape, dtype=queries.dtype) if norm_weights is None else norm_weights
@@ -322,5 +351,14 @@ def inverse_rms(x: mx.array, *, eps: float = 1e-6, num_heads: int = 1) -> mx.arr
     Differentiable (plain MLX autodiff); pass it to `depth_attention(..., inv_rms=...)`.
     """
     x = _require_array("x", x)
-    c = compute_dtype(x.dtype)
-    return compiled.inverse_rms(compiled.heads(x.astype(c), num_heads), eps)
+    return _inverse_rms_fn(float(eps), int(num_heads))(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _inverse_rms_fn(eps: float, num_heads: int):
+    """`inverse_rms` of one (eps, heads) as one compiled function (a few fused graph nodes
+    instead of a dozen eager ones: the router calls it on every sealed source)."""
+    def f(x):
+        return compiled.inverse_rms(compiled.heads(x.astype(compute_dtype(x.dtype)), num_heads),
+                                    eps)
+    return mx.compile(f)

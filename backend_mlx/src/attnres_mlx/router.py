@@ -9,7 +9,10 @@ The schedule is the shared `attnres_numpy.schedule.ResidualStream` on `MlxOps`. 
 depth-attention source has its inverse RMS computed once, when it is produced (for Block AttnRes:
 once per sealed block), and reused by every later read through
 `ops.depth_attention(..., inv_rms=...)`; only the running intra-block partial sum is normed
-inside the op.
+inside the op.  Small reads (single-token decode: at most `compiled.VECTOR_MAX_ELEMENTS` source
+elements) go to the op as one stacked array with one stacked inverse RMS, grown by one row per
+sealed source and reused by every read of the pass, so a read costs a few graph nodes whatever
+the number of sources.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import mlx.nn as nn
 from attnres_numpy.config import ResidualConfig
 from attnres_numpy.schedule import ResidualOps, ResidualStream, ScheduleObserver, split_result
 
-from . import ops
+from . import compiled, ops
 
 Sublayer = Callable[[mx.array], mx.array]
 
@@ -46,7 +49,43 @@ class MlxOps(ResidualOps):
     RMS once (`source_stats`), reused by every later read (`inv_rms=`); only the running partial
     sum is normed inside the op.  Small projections (input queries, gates) stay in the compute
     dtype (C10); `mul` returns the value's dtype, so the stream keeps the embedding's dtype.
+    Small reads take the stacked form (`_stacked`).
     """
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        # The sealed sources stacked so far in this pass: (their list, X `[n, ..., D]`,
+        # R `[n, ..., H]`); the list holds them, so identity comparison is safe.
+        self._stack = ([], None, None)
+
+    def _stacked(self, sources, stats, config):
+        """(X `[N, ..., D]`, R `[N, ..., H]`) of a small key-normed read, else None.  The
+        sealed sources (every one but a trailing partial sum) extend the pass's stack when they
+        extend its list; a partial sum gets its inverse RMS here and one more row."""
+        x0 = sources[0]
+        if (not config.key_norm
+                or len(sources) * x0.size > compiled.VECTOR_MAX_ELEMENTS
+                or any(r is None for r in stats[:-1])):
+            return None
+        k = len(sources) - (stats[-1] is None)
+        sealed = sources[:k]
+        known, X, R = self._stack
+        m = len(known)
+        if m > k or any(a is not b for a, b in zip(known, sealed)):
+            m, X, R = 0, None, None
+        if m < k:
+            new_x = mx.stack(sealed[m:])
+            new_r = mx.stack(stats[m:k])
+            X = new_x if X is None else mx.concatenate([X, new_x])
+            R = new_r if R is None else mx.concatenate([R, new_r])
+            self._stack = (list(sealed), X, R)
+        if k == len(sources):
+            return X, R
+        partial = sources[-1]
+        r = self.source_stats(partial, config)
+        if X is None:
+            return partial[None], r[None]
+        return mx.concatenate([X, partial[None]]), mx.concatenate([R, r[None]])
 
     def mul(self, a, b):
         c = ops.compute_dtype(b.dtype)
@@ -79,11 +118,15 @@ class MlxOps(ResidualOps):
         if return_weights:
             raise ValueError("observer: the MLX depth-attention ops do not return depth weights; "
                              "observe with wants_weights=False")
-        result = ops.depth_attention(list(sources), query, norm_weight, eps=config.eps,
+        stacked = self._stacked(sources, stats, config)
+        if stacked is None:
+            xs, rs = list(sources), list(stats) if config.key_norm else None
+        else:
+            xs, rs = stacked
+        result = ops.depth_attention(xs, query, norm_weight, eps=config.eps,
                                      scale=config.scale, num_heads=config.num_heads,
                                      activation=config.activation, key_norm=config.key_norm,
-                                     inv_rms=list(stats) if config.key_norm else None,
-                                     out_norm_weight=out_norm_weight)
+                                     inv_rms=rs, out_norm_weight=out_norm_weight)
         return split_result(result, out_norm_weight, False)
 
     def depth_attention_multi(self, sources, stats, queries, norm_weights, config):

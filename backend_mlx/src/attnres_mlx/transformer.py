@@ -5,7 +5,10 @@ output goes through a final RMSNorm and the LM head.
 `__call__(tokens, cache=None, schedule=...)` returns `(logits [B, T, V], cache)`; passing the
 returned cache back with the next tokens (e.g. T = 1) continues the sequence: single-token
 decode, with `schedule="two_phase"` for Block AttnRes (phase 1 over the cached block
-representations of this step, phase 2 merges).
+representations of this step, phase 2 merges).  That cache grows by concatenation, so every
+step has new shapes.  `make_cache(batch, max_len)` gives fixed-size buffers instead: with
+`offset=` (a 0-d int32 array) every step has the same shapes, and `compile_step()` runs it as
+one `mx.compile`d program whatever the position (no Python per read after the first trace).
 """
 
 from __future__ import annotations
@@ -33,14 +36,19 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = nn.Linear(dim, dim, bias=False)
         self.rope = nn.RoPE(dim // num_heads)
 
-    def __call__(self, x: mx.array, cache=None):
-        """x `[B, T, D]`; cache (k, v) of the previous positions or None."""
+    def __call__(self, x: mx.array, cache=None, offset=None):
+        """x `[B, T, D]`; cache (k, v) of the previous positions or None.  With `offset` (an int
+        or a 0-d integer array): cache is a fixed-size (k, v) `[B, H, S_max, Dh]`
+        (`Transformer.make_cache`); positions offset..offset+T-1 are written into it and the
+        keys after them are masked, so the shapes do not depend on the position."""
         B, T, D = x.shape
         H = self.num_heads
 
         def split(a):
             return a.reshape(B, T, H, D // H).transpose(0, 2, 1, 3)
 
+        if offset is not None:
+            return self._fixed(split, x, cache, offset)
         offset = 0 if cache is None else cache[0].shape[2]
         q = self.rope(split(self.q_proj(x)), offset=offset)
         k = self.rope(split(self.k_proj(x)), offset=offset)
@@ -49,6 +57,23 @@ class CausalSelfAttention(nn.Module):
             k, v = mx.concatenate([cache[0], k], axis=2), mx.concatenate([cache[1], v], axis=2)
         # Query i (absolute position offset + i) sees keys j <= offset + i.
         allowed = mx.arange(k.shape[2])[None, :] <= (offset + mx.arange(T))[:, None]
+        y = mx.fast.scaled_dot_product_attention(q, k, v, scale=(D // H) ** -0.5, mask=allowed)
+        return self.o_proj(y.transpose(0, 2, 1, 3).reshape(B, T, D)), (k, v)
+
+    def _fixed(self, split, x, cache, offset):
+        B, T, D = x.shape
+        H = self.num_heads
+        if cache is None or cache[0].ndim != 4 or cache[0].shape[2] < T:
+            raise ValueError(f"cache: offset= needs a fixed-size (k, v) [B, {H}, S_max, "
+                             f"{D // H}] from Transformer.make_cache with S_max >= T = {T}")
+        off = (offset if isinstance(offset, mx.array) else mx.array(offset)).astype(mx.int32)
+        q = self.rope(split(self.q_proj(x)), offset=off)
+        k = self.rope(split(self.k_proj(x)), offset=off)
+        start = off.reshape(1)
+        k = mx.slice_update(cache[0], k.astype(cache[0].dtype), start, axes=(2,))
+        v = mx.slice_update(cache[1], split(self.v_proj(x)).astype(cache[1].dtype), start,
+                            axes=(2,))
+        allowed = mx.arange(k.shape[2])[None, :] <= (off + mx.arange(T))[:, None]
         y = mx.fast.scaled_dot_product_attention(q, k, v, scale=(D // H) ** -0.5, mask=allowed)
         return self.o_proj(y.transpose(0, 2, 1, 3).reshape(B, T, D)), (k, v)
 
@@ -82,23 +107,41 @@ class Transformer(nn.Module):
         self.norm = nn.Identity() if fused else nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
-    def sublayers(self, cache: Optional[KVCache], new_cache: KVCache):
-        """The 2 x num_blocks router sublayers; attention ones read `cache` and fill `new_cache`."""
+    def sublayers(self, cache: Optional[KVCache], new_cache: KVCache, offset=None):
+        """The 2 x num_blocks router sublayers; attention ones read `cache` and fill `new_cache`
+        (offset: see `CausalSelfAttention`)."""
         layers = []
         for i in range(len(self.attns)):
             def attn(h, i=i):
                 y, new_cache[i] = self.attns[i](self.attn_norms[i](h),
-                                                None if cache is None else cache[i])
+                                                None if cache is None else cache[i], offset)
                 return y
 
             layers += [attn, lambda h, i=i: self.mlps[i](self.mlp_norms[i](h))]
         return layers
 
-    def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, *,
+    def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, *, offset=None,
                  schedule: str = "direct", mix=None, scale=None):
         """tokens `[B, T]` -> (logits `[B, T, V]`, cache for the next call).  mix, scale: the
-        router's M10 per-call inputs."""
+        router's M10 per-call inputs.  offset: None (cache grown by concatenation), or the
+        position of tokens[:, 0] (an int or a 0-d integer array) in a fixed-size cache from
+        `make_cache`, which the returned cache updates in place of."""
         new_cache: KVCache = [None] * len(self.attns)
-        out = self.router(self.embed(tokens), self.sublayers(cache, new_cache), schedule=schedule,
-                          mix=mix, scale=scale)
+        out = self.router(self.embed(tokens), self.sublayers(cache, new_cache, offset),
+                          schedule=schedule, mix=mix, scale=scale)
         return self.head(self.norm(out)), new_cache
+
+    def make_cache(self, batch: int, max_len: int, dtype: mx.Dtype = mx.float32) -> KVCache:
+        """A fixed-size cache: per attention sublayer zero (k, v) `[batch, H, max_len, Dh]`,
+        filled by calls with `offset=`."""
+        attn = self.attns[0]
+        shape = (batch, attn.num_heads, max_len, self.router.dim // attn.num_heads)
+        return [(mx.zeros(shape, dtype), mx.zeros(shape, dtype)) for _ in self.attns]
+
+    def compile_step(self, **kwargs):
+        """`step(tokens [B, T], cache, offset) -> (logits, cache)`: `self(tokens, cache,
+        offset=offset, **kwargs)` under `mx.compile` with the model's parameters as inputs.
+        With a `make_cache` cache and a 0-d int32 offset, one trace serves every position of a
+        given T (`mx.compile` retraces only when the shapes change)."""
+        return mx.compile(lambda tokens, cache, offset: self(tokens, cache, offset=offset,
+                                                             **kwargs), inputs=self.state)

@@ -1049,8 +1049,9 @@ def correctness_child(args, emit):
                                               f"{len(cases) - run} of {len(cases)} cases not run")
                     return 4
     except Timeout as e:
+        where = f"in '{cases[run][0]}'" if run < len(cases) else "after the last case"
         emit("incomplete", reason=f"{e}: {len(cases) - run} of {len(cases)} cases not run "
-                                  f"(the cap fired in '{cases[run][0]}')")
+                                  f"(the cap fired {where})")
         return 3
     emit("note", text=checker.graph_note)
     emit("done")
@@ -1085,8 +1086,8 @@ def timing_child(args, emit):
     except DeviceLost as e:
         emit("lost", reason=str(e))
         return 4
-    except Timeout as e:                               # outside a row: the copy measurement
-        emit("note", text=f"{e}, while measuring the copy bandwidth")
+    except Timeout as e:                               # outside a row (the copy measurement)
+        emit("note", text=f"{e} (outside a row)")
         return 3
     emit("done")
     return 0
@@ -1175,12 +1176,21 @@ def jax_child(args, emit):
 
 
 def child_main(args):
+    """A child's whole life; it ends with `os._exit` (no interpreter teardown, which a broken
+    CUDA context can hang) once its output is flushed."""
     emit = Channel(args.msg_fd)
-    if args.child == "jax":
-        return jax_child(args, emit)
-    if args.child == "correctness":
-        return correctness_child(args, emit)
-    return timing_child(args, emit)
+    run = {"jax": jax_child, "correctness": correctness_child}.get(args.child, timing_child)
+    try:
+        rc = run(args, emit)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - printed for the parent's log, then the exit status
+        import traceback
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 # ---------------------------------------------------------------- the parent: report
@@ -1458,7 +1468,7 @@ class Run:
         proc = self.children.start(cmd, env, pass_fds=(w,) if w is not None else ())
         if w is not None:
             os.close(w)
-        tail = collections.deque(maxlen=40)
+        tail, flagged = collections.deque(maxlen=40), collections.deque(maxlen=20)
 
         def read_msgs():
             with os.fdopen(r) as f:
@@ -1472,6 +1482,8 @@ class Run:
                         state["ready_at"] = time.monotonic()
                     elif kind == "done":
                         state["done"] = True
+                    elif kind == "lost":
+                        state["lost"] = m["reason"]
                     elif kind == "start":
                         state["start"] = (m["section"], m["case"], m["impl"])
                         with self.report.lock:
@@ -1487,6 +1499,8 @@ class Run:
             for line in proc.stdout:
                 line = line.rstrip("\n")
                 tail.append(line)
+                if "FAIL" in line or "Error" in line or "error:" in line:
+                    flagged.append(line.strip())
                 self.report.log(f"[{phase}] {line}")
 
         threads = [threading.Thread(target=read_out, daemon=True)]
@@ -1518,8 +1532,9 @@ class Run:
             t.join(timeout=10)
         if self.stopped() and not state["done"]:
             killed = "budget"
-        return dict(rc=rc, killed=killed, done=state["done"], tail=list(tail),
-                    last_start=state["start"], seconds=time.monotonic() - t0)
+        return dict(rc=rc, killed=killed, done=state["done"], lost=state.get("lost"), tail=list(tail),
+                    flagged=list(flagged), last_start=state["start"],
+                    seconds=time.monotonic() - t0)
 
     @staticmethod
     def why_ended(end, cap):
@@ -1530,8 +1545,9 @@ class Run:
             return f"no answer {cap:.0f} s after its start-up, killed (a hang its own caps could not stop)"
         if end["killed"] == "start-up":
             return f"not ready {STARTUP_CAP:.0f} s after its start, killed"
-        errors = [ln for ln in end["tail"] if "Error" in ln or "error" in ln]
-        last = (errors or [ln for ln in end["tail"] if ln.strip()] or [""])[-1].strip()
+        if end.get("lost"):
+            return f"the device state was lost ({end['lost']})"
+        last = (end["flagged"] or [ln for ln in end["tail"] if ln.strip()] or [""])[-1].strip()
         return f"the child exited with status {end['rc']}: {last[:300]}"
 
     def phase(self, name, status, t0=None, note=""):
@@ -1680,7 +1696,8 @@ class Run:
                     else self.why_ended(end, cap))
         else:
             verdict = {0: "PASS", 2: "SKIPPED"}.get(end["rc"], "FAIL")
-            note = "" if verdict == "PASS" else " | ".join(end["tail"][-3:])[:300]
+            fails = [ln for ln in end["flagged"] if "FAIL" in ln] or end["flagged"] or end["tail"][-1:]
+            note = "" if verdict == "PASS" else " | ".join(ln[:150] for ln in fails[:3])
         with rep.lock:
             rep.distributed = verdict
             rep.notes.append(f"distributed smoke (torch.distributed world of 1, "

@@ -1,8 +1,11 @@
-"""GPU check of the Triton depth-attention kernels against the peers: the one prepared script for
-an H200 session.  Every row reaches `--out-dir` as soon as it is measured, whatever fails later.
+"""GPU check of the Triton depth-attention kernels against the peers, for one H200 session.
 
-The command a session runs (the device tool; the peers' wheels from `bench/fetch_peers.sh` are
-git-ignored, so they are carried; `$OUT` is the folder that comes back):
+The one prepared script for a lent device: every row reaches `--out-dir` as soon as it is
+measured, whatever fails later.
+
+The command a session runs (the device tool; the peers' wheels, put in `bench/.peers` by
+`bench/fetch_peers.sh` here first, are git-ignored, so they are carried; `$OUT` is the folder
+that comes back, at most 8 files: this script writes 4):
 
     run(command="PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out-dir $OUT",
         carry=["bench/.peers"], timeout_s=600)
@@ -1548,7 +1551,7 @@ class Run:
         if end.get("lost"):
             return f"the device state was lost ({end['lost']})"
         last = (end["flagged"] or [ln for ln in end["tail"] if ln.strip()] or [""])[-1].strip()
-        return f"the child exited with status {end['rc']}: {last[:300]}"
+        return f"the child exited with status {end['rc']}" + (f": {last[:300]}" if last else "")
 
     def phase(self, name, status, t0=None, note=""):
         with self.report.lock:

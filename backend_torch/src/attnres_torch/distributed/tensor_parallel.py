@@ -17,11 +17,12 @@ all-reduce of one scalar per token each way (the sum of squares of out, and the 
 Convention: `out` and every gradient of a sharded input are sharded like the inputs; `lse` is
 replicated (every rank holds the same value) and so is its cotangent: d_lse is added once,
 after the reduction.  Numerics follow C10 (compute in float32, float64 for float64 sources,
-one final cast).
+one final cast), with autocast disabled inside, as in the ops (C3a).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,6 +32,7 @@ from attnres_numpy import validation
 
 from .._args import (
     Sources,
+    autocast_off,
     check_same_device,
     compute_dtype,
     dtype_name,
@@ -88,11 +90,26 @@ class HiddenShard:
         return (heads.unsqueeze(1) == torch.arange(num_heads, device=device)).to(dtype)
 
 
+def _autocast_off(method):
+    """An autograd Function's forward or backward, run with autocast disabled on the device of its
+    first tensor argument (C10: its float32 products stay float32 inside `torch.autocast`, as in
+    the ops, C3a)."""
+
+    @functools.wraps(method)
+    def run(ctx, *args):
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        with autocast_off(device):
+            return method(ctx, *args)
+
+    return run
+
+
 class _ShardedDepthAttention(torch.autograd.Function):
     """Inputs: (opts, query, norm_weight, *sources); outputs (out `[..., D_r]` in the compute
     dtype, unrounded: the caller casts it, and the fused output norm reads it; lse `[..., H]`)."""
 
     @staticmethod
+    @_autocast_off
     def forward(ctx, opts, query, norm_weight, *xs):
         shard, eps, scale, h, activation, key_norm, counter = opts
         cd = compute_dtype(xs[0].dtype)
@@ -116,6 +133,7 @@ class _ShardedDepthAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_autocast_off
     def backward(ctx, d_out, d_lse):
         shard, eps, scale, h, activation, key_norm, counter = ctx.opts
         query, norm_weight, x, qg, m, s, r, p, out = ctx.saved_tensors
@@ -150,6 +168,7 @@ class _ShardedOutNorm(torch.autograd.Function):
     `rmsnorm(out) * weight` over all D channels, `[..., D_r]` in opts' dtype."""
 
     @staticmethod
+    @_autocast_off
     def forward(ctx, opts, out, weight):
         shard, eps, counter, dtype = opts
         ss = all_reduce_sum(out.square().sum(-1, keepdim=True).contiguous(), shard.group, counter,
@@ -161,6 +180,7 @@ class _ShardedOutNorm(torch.autograd.Function):
         return (out * r * w).to(dtype)
 
     @staticmethod
+    @_autocast_off
     def backward(ctx, d_normed):
         shard, eps, counter, dtype = ctx.opts
         out, r, w = ctx.saved_tensors

@@ -49,14 +49,14 @@ def emulated(emulator):
 @pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
 @pytest.mark.parametrize("case", sorted(test_ops.CASES))
 def test_attend_kernels(emulated, case, stacked):
-    test_ops.test_depth_attention_forward_and_vjp(case, "float32", stacked)
+    test_ops.test_depth_attention_forward_and_vjp(case, "float32", stacked, "vectorized")
     assert emulated.calls["attnres_attend_fwd"] >= 1
     assert emulated.calls["attnres_attend_bwd"] >= 1
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_attend_kernels_low_precision_storage(emulated, dtype):
-    test_ops.test_depth_attention_forward_and_vjp("heads", dtype, False)
+    test_ops.test_depth_attention_forward_and_vjp("heads", dtype, False, "vectorized")
     assert emulated.calls["attnres_attend_bwd"] >= 1
 
 
@@ -141,17 +141,23 @@ def test_two_phase_probe_through_kernels(emulated):
     assert emulated.calls["attnres_merge_fwd"] >= 1 and emulated.calls["attnres_attend_fwd"] >= 1
 
 
-def test_cached_inverse_rms_kernels(emulated):
-    """Cached r through the kernels (float32 here: the emulator has no float64)."""
+@pytest.mark.parametrize("one_array", [False, True], ids=["list", "one_stacked_array"])
+def test_cached_inverse_rms_kernels(emulated, one_array):
+    """Cached r through the kernels (float32 here: the emulator has no float64); one stacked
+    `[N, ..., H]` r for stacked sources reaches the kernels as one r per source."""
     rng = np.random.default_rng(7)
     sources = [test_ops.rand(rng, (2, 3, 8), "float32") for _ in range(3)]
     query, gain = test_ops.rand(rng, (8,), "float32"), test_ops.rand(rng, (8,), "float32")
     cot = test_ops.rand(rng, (2, 3, 8), "float32")
-    xs = [test_ops.to_mx(s, "float32") for s in sources]
+    xs = ([test_ops.to_mx(np.stack(sources), "float32")] if one_array
+          else [test_ops.to_mx(s, "float32") for s in sources])
 
     def f(*xs):
-        rms = [ops.inverse_rms(x, num_heads=2) for x in xs[:-1]] + [None]
-        return [ops.depth_attention(list(xs), test_ops.to_mx(query, "float32"),
+        if one_array:
+            x, rms = xs[0], ops.inverse_rms(xs[0], num_heads=2)
+        else:
+            x, rms = list(xs), [ops.inverse_rms(x, num_heads=2) for x in xs[:-1]] + [None]
+        return [ops.depth_attention(x, test_ops.to_mx(query, "float32"),
                                     test_ops.to_mx(gain, "float32"), num_heads=2, inv_rms=rms)]
 
     outs, grads = mx.vjp(f, xs, [test_ops.to_mx(cot, "float32")])
@@ -159,7 +165,9 @@ def test_cached_inverse_rms_kernels(emulated):
         sources, query, gain, num_heads=2), grad=False)
     g = test_ops.ref.depth_attention_vjp(sources, query, gain, cot, num_heads=2)
     for i in range(3):
-        test_ops.assert_close(f"d sources[{i}]", grads[i], g["sources"][i], grad=True)
+        test_ops.assert_close(f"d sources[{i}]", grads[0][i] if one_array else grads[i],
+                              g["sources"][i], grad=True)
+    assert emulated.calls["attnres_attend_fwd"] >= 1
 
 
 @pytest.mark.parametrize("variant", ["multihead", "input_query", "sigmoid"])

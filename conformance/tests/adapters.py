@@ -555,7 +555,7 @@ class MergeUncheckedNormWeight(ReferenceBackend):
 
     def call_op(self, call):
         g = call.inputs.get("norm_weight")
-        if call.op == "merge_partial" and g is not None:
+        if call.op == "merge_partial" and g is not None and call.inputs.get("partial") is not None:
             dim = np.shape(call.inputs["partial"])[-1]
             inputs = dict(call.inputs, norm_weight=g if np.shape(g) == (dim,) else None)
             dtypes = {k: v for k, v in call.input_dtypes.items() if k != "norm_weight"}
@@ -607,6 +607,214 @@ class IgnoresOutNormedCotangent(ReferenceBackend):
         return result
 
 
+# -- round 3 (issue 33): each adapter carries one defect the grid did not see -----------------------
+class MultipliesCallScale(ReferenceBackend):
+    """M10: the per-call scale multiplies config.scale instead of replacing it (equal when the
+    config's scale is 1)."""
+
+    name = "multiplies_call_scale"
+
+    def call_probe(self, call):
+        if call.scale is None:
+            return super().call_probe(call)
+        return super().call_probe(dataclasses.replace(call, scale=call.scale * call.config.get("scale", 1.0)))
+
+
+class _TwoPhaseScale(ReferenceBackend):
+    """The two-phase ops (phase 1 and every merge) of the probe run at `scale(call)` instead of
+    the call's effective scale; the direct calls (the output aggregation) keep it."""
+
+    def scale(self, call):
+        raise NotImplementedError
+
+    def call_probe(self, call):
+        if call.schedule != "two_phase":
+            return super().call_probe(call)
+        wrong = self.scale(call)
+        multi, merge = Tape.depth_attention_multi, Tape.merge_partial
+
+        def multi_at(tape, sources, stats, queries, norm_weights, config):
+            return multi(tape, sources, stats, queries, norm_weights, dataclasses.replace(config, scale=wrong))
+
+        def merge_at(tape, out1, lse1, partial, query, norm_weight, config):
+            return merge(tape, out1, lse1, partial, query, norm_weight, dataclasses.replace(config, scale=wrong))
+
+        with mock.patch.object(Tape, "depth_attention_multi", multi_at), \
+                mock.patch.object(Tape, "merge_partial", merge_at):
+            return super().call_probe(call)
+
+
+class TwoPhaseAtScaleOne(_TwoPhaseScale):
+    """Phase 1 and the merges run at scale 1 whatever the config or the call says."""
+
+    name = "two_phase_at_scale_one"
+
+    def scale(self, call):
+        return 1.0
+
+
+class TwoPhaseIgnoresCallScale(_TwoPhaseScale):
+    """Phase 1 and the merges keep config.scale: the per-call scale reaches the direct calls only."""
+
+    name = "two_phase_ignores_call_scale"
+
+    def scale(self, call):
+        return call.config.get("scale", 1.0)
+
+
+class TwoPhaseLowRankWithoutGains(ReferenceBackend):
+    """M13 under two-phase: the stream forms the effective query without the row gains,
+    q_r @ P^T instead of (q_r g_r) @ P^T (the gains left at their init, ones)."""
+
+    name = "two_phase_low_rank_without_gains"
+
+    def call_probe(self, call):
+        if call.schedule != "two_phase" or call.config.get("key_rank") is None:
+            return super().call_probe(call)
+        params = dict(call.params, norm_weights=np.ones(np.shape(call.params["norm_weights"])))
+        return super().call_probe(dataclasses.replace(call, params=params))
+
+
+class WeightsPerTile40(ReferenceBackend):
+    """return_weights normalized within tiles of 40 sources (each tile's softmax on its own),
+    not over all N: exact up to 40 sources; out and lse right."""
+
+    name = "weights_per_tile_40"
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        w = result.outputs.get("weights")
+        if w is not None and w.shape[0] > 40 and call.attrs.get("activation", "softmax") == "softmax":
+            w = np.array(w)
+            for start in range(0, w.shape[0], 40):
+                tile = w[start:start + 40]
+                w[start:start + 40] = tile / np.sum(tile, axis=0, keepdims=True)
+            result.outputs["weights"] = w
+        return result
+
+
+class OutNormSingleTokenWithoutGain(ReferenceBackend):
+    """C17: a single-token path (T = 1 or no token axes, as in decode) returns rmsnorm(out)
+    without the out_norm_weight gain; gradients right."""
+
+    name = "out_norm_single_token_without_gain"
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        if result.outputs.get("out_normed") is not None and _token_count(call) == 1:
+            result.outputs["out_normed"] = result.outputs["out_normed"] / np.asarray(call.inputs["out_norm_weight"])
+        return result
+
+
+class OutNormFromRoundedOut(Rounding):
+    """An honest low-precision port except that out_normed is computed from out after its
+    rounding to the sources' dtype (C17: from out in kappa): two roundings, and in fp16 the
+    subnormal out of small outputs keeps only a few bits."""
+
+    def __init__(self):
+        super().__init__(ReferenceBackend(), name="out_norm_from_rounded_out")
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        normed = result.outputs.get("out_normed")
+        if normed is not None:
+            y = np.asarray(result.outputs["out"], np.float64)  # already rounded to the dtype
+            eps = call.attrs.get("out_norm_eps") or call.attrs.get("eps", 1e-6)
+            w = round_to(np.asarray(call.inputs["out_norm_weight"], np.float64), "float32" if call.dtype != "float64"
+                         else "float64")
+            result.outputs["out_normed"] = round_to(y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps) * w,
+                                                    call.dtype)
+        return result
+
+
+class MergeOneMinusW1(Rounding):
+    """An honest low-precision port except that merge_partial forms w2 = 1 - w1 in kappa (C10.7:
+    its own logistic): a tiny partial weight and every gradient through it are lost."""
+
+    def __init__(self):
+        super().__init__(ReferenceBackend(), name="merge_one_minus_w1")
+
+    def call_op(self, call):
+        kappa = np.float64 if call.dtype == "float64" else np.float32
+        real = ops._merge_prepare
+
+        def prepare(*args):
+            geo, o1, x, q, g, r, qg, s, z2, l1, w1, w2 = real(*args)
+            w1k = w1.astype(kappa)
+            return geo, o1, x, q, g, r, qg, s, z2, l1, w1k.astype(np.float64), (1 - w1k).astype(np.float64)
+
+        with mock.patch.object(ops, "_merge_prepare", prepare):
+            return super().call_op(call)
+
+
+class BrokenForwardOnly(ReferenceBackend):
+    """Declares `forward_in_gradient_call` (its forward-only program runs the forward of its
+    gradient program) but its forward-only calls are off by 1e-3 relative: a separate,
+    differently compiled forward program that the declaration hides."""
+
+    name = "broken_forward_only"
+    forward_in_gradient_call = True
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        if call.cotangents is None:
+            result.outputs = {k: None if v is None else v * (1 + 1e-3) for k, v in result.outputs.items()}
+        return result
+
+    def call_probe(self, call):
+        result = super().call_probe(call)
+        if call.cotangent is None:
+            result.out = result.out * (1 + 1e-3)
+        return result
+
+
+class BrokenForwardOnlyOutNorm(BrokenForwardOnly):
+    """As `BrokenForwardOnly`, but only out_normed (C17) of a forward-only call is off: no
+    invariant or two-phase probe reads that output from a forward-only call."""
+
+    name = "broken_forward_only_out_norm"
+
+    def call_op(self, call):
+        result = ReferenceBackend.call_op(self, call)
+        if call.cotangents is None and result.outputs.get("out_normed") is not None:
+            result.outputs["out_normed"] = result.outputs["out_normed"] * (1 + 1e-3)
+        return result
+
+    def call_probe(self, call):
+        return ReferenceBackend.call_probe(self, call)
+
+
+class NondeterministicPast(Rounding):
+    """An honest port whose d_query / d_queries changes run to run past `tokens` token positions
+    in the ops `ops` (a reduction split over threads only at large sizes)."""
+
+    def __init__(self, name, tokens, ops_):
+        super().__init__(ReferenceBackend(), name=name)
+        self.tokens, self.ops = tokens, ops_
+
+    def call_op(self, call):
+        result = super().call_op(call)
+        if call.op in self.ops and _token_count(call) > self.tokens:
+            for key in ("query", "queries"):
+                g = result.grads.get(key)
+                if g is not None:
+                    noise = 1.0 + 1e-6 * np.random.default_rng().standard_normal(np.shape(g))
+                    result.grads[key] = round_to(g * noise, call.input_dtypes.get(key, call.dtype))
+        return result
+
+
+class QueryNoneAccepted(ReferenceBackend):
+    """Reads a missing query (None) as a zero query (uniform weights) instead of raising."""
+
+    name = "query_none_accepted"
+
+    def call_op(self, call):
+        if call.inputs.get("query", 0) is None:
+            dim = np.shape(call.inputs["sources"][0])[-1]
+            call = dataclasses.replace(call, inputs=dict(call.inputs, query=np.zeros(dim)))
+        return super().call_op(call)
+
+
 reference = ReferenceBackend()
 rounding = Rounding(ReferenceBackend())
 broken_eps = BrokenEps()
@@ -643,3 +851,20 @@ key_norm_overflow = KeyNormOverflow()
 rounding_out_norm_per_head = Rounding(OutNormPerHead(), name="rounding_out_norm_per_head")
 drops_out_norm_weight_grad = DropsOutNormWeightGrad()
 ignores_out_normed_cotangent = IgnoresOutNormedCotangent()
+multiplies_call_scale = MultipliesCallScale()
+two_phase_at_scale_one = TwoPhaseAtScaleOne()
+two_phase_ignores_call_scale = TwoPhaseIgnoresCallScale()
+two_phase_low_rank_without_gains = TwoPhaseLowRankWithoutGains()
+weights_per_tile_40 = WeightsPerTile40()
+out_norm_single_token_without_gain = OutNormSingleTokenWithoutGain()
+out_norm_from_rounded_out = OutNormFromRoundedOut()
+merge_one_minus_w1 = MergeOneMinusW1()
+broken_forward_only = BrokenForwardOnly()
+broken_forward_only_out_norm = BrokenForwardOnlyOutNorm()
+nondeterministic_past_4096 = NondeterministicPast("nondeterministic_past_4096", 4096,
+                                                  ("depth_attention", "depth_attention_multi", "merge_partial"))
+nondeterministic_two_phase_at_large_t = NondeterministicPast("nondeterministic_two_phase_at_large_t", 4095,
+                                                             ("depth_attention_multi", "merge_partial"))
+query_none_accepted = QueryNoneAccepted()
+rounding_two_phase_low_rank_without_gains = Rounding(TwoPhaseLowRankWithoutGains(),
+                                                     name="rounding_two_phase_low_rank_without_gains")

@@ -101,7 +101,10 @@ def test_weights_from_a_separate_pass_c6():
 
 def test_merge_partial_ignores_eps_and_scale():
     report = run(adapters.merge_ignores_eps_scale, dtypes=("float64",))
-    assert failing(report) == both(f"{ME}/eps_scale", ["float64"]) | {(f"errors/{ME}", "float64", "forward")}
+    assert failing(report) == both(f"{ME}/eps_scale", ["float64"]) | {(f"errors/{ME}", "float64", "forward"),
+                                                                     ("invariants/two_phase", "float64", "forward")}
+    assert {r.id for r in report.results if r.failed and r.row == "invariants/two_phase"} == {
+        "invariants/two_phase/N4-S2-T3-D16-eps1e-2-scale-1.5/float64"}  # its merges run at the defaults
     errors = {r.id for r in report.results if r.failed and r.row == f"errors/{ME}"}
     assert errors == {f"errors/{ME}/scale_nan/float64", f"errors/{ME}/eps_zero/float64"}
 
@@ -115,9 +118,11 @@ def test_merge_partial_norm_weight_unchecked():
 
 def test_silent_cap_past_256_sources_c16():
     report = run(adapters.rounding_drop_past_256, dtypes=("float32",))
-    assert failing(report) == both(f"{DA}/large", ["float32"]) | both(f"{MU}/large", ["float32"])
+    assert failing(report) == (both(f"{DA}/large", ["float32"]) | both(f"{MU}/large", ["float32"])
+                               | both(f"{DA}/weights", ["float32"]))
     assert {r.id for r in report.results if r.failed} == {f"{DA}/large/N300-T2-D8/float32",
-                                                          f"{MU}/large/N300-S2-T2-D8/float32"}
+                                                          f"{MU}/large/N300-S2-T2-D8/float32",
+                                                          f"{DA}/weights/N300-T2-D8/float32"}
 
 
 def test_key_norm_over_the_first_4096_channels_only():
@@ -139,7 +144,9 @@ def test_key_norm_overflowing_in_float32():
 def test_nondeterministic_only_at_large_token_counts_c15():
     report = run(adapters.nondeterministic_at_large_t, dtypes=("float32",))
     assert failing(report) == {("determinism", "float32", "gradient")}
-    assert [r.id for r in report.results if r.failed] == ["determinism/depth_attention-N5-T4096-D16-lse/float32"]
+    assert {r.id for r in report.results if r.failed} == {  # and the rows past 4096 (test_meta_round3)
+        "determinism/depth_attention-N5-T4096-D16-lse/float32", "determinism/depth_attention-N5-T8200-D16-lse/float32",
+        "determinism/depth_attention_multi-N5-S3-T8200-D16/float32", "determinism/merge_partial-T8200-D16/float32"}
 
 
 def test_empty_token_axis_rejected():

@@ -9,7 +9,12 @@ reference runs on exactly those values.  Op and probe cases are `GoldenCase`s of
 
 Beyond the option grid: non-finite inputs (C12), large logits (C10.4), sizes large in each
 axis (C16), empty token axes, tuple sources, a query dtype other than the sources' (C10.1);
-every op case also checks C10.3's result dtypes and C7a (no result aliases an input).
+every op case also checks C10.3's result dtypes and C7a (no result aliases an input).  Round 3
+(issue 33, `_round3_cases`): return_weights past 40 sources, the output norm at one token and at
+fp16-subnormal magnitudes, C10.6 in the two-phase ops, a merge whose partial weight is tiny at
+every token, `forward_only` rows (a call without cotangents, no gradient column, checked even
+where a backend declares `forward_in_gradient_call`), and the per-call scale next to a config
+scale other than 1, direct and two-phase.
 
 Kinds: "op" and "probe" (forward and gradient vs the reference), "mixed_dtype" (an op case with
 an input in its own dtype, `spec["input_dtypes"]`; never exported as a golden vector, which has
@@ -144,7 +149,7 @@ class Case:
             return False
         if self.kind == "golden":
             return "cotangent.out" in self.spec["vector"].arrays
-        return self.spec["kwargs"].get("schedule", "direct") == "direct"
+        return not self.spec.get("forward_only") and self.spec["kwargs"].get("schedule", "direct") == "direct"
 
     def golden(self):
         """The case's `GoldenCase` (op, probe, determinism and golden kinds)."""
@@ -258,9 +263,9 @@ def _tok(tokens) -> str:
 
 
 def _op_case(row, label, dtype, builder, quick=False, *, strided=False, check="tolerance",
-             override=None, input_dtypes=None, **kwargs) -> Case:
+             override=None, input_dtypes=None, forward_only=False, **kwargs) -> Case:
     spec = dict(builder=builder, kwargs=kwargs, strided=strided, check=check, override=override,
-                input_dtypes=dict(input_dtypes or {}))
+                input_dtypes=dict(input_dtypes or {}), forward_only=forward_only)
     kind = "probe" if builder == "probe" else "mixed_dtype" if input_dtypes else "op"
     return Case(f"{row}/{label}/{dtype}", kind, dtype, spec, quick)
 
@@ -466,6 +471,78 @@ def _hole_cases(dtypes) -> List[Case]:
     return cases
 
 
+#: Round 3 (issue 33).  A partial whose weight is e^-GAP at every token (lse1 = z2 + GAP): 1 - w1
+#: rounds it to 0 in float32 (w1 = 1 - 2e-9) and keeps 5e-8 of it in float64, so every gradient
+#: of the partial's weight is lost or off by far more than its tolerance (fp16 cannot show it:
+#: those gradients, ~e^-20, underflow there).
+SMALL_PARTIAL_GAP = 20.0
+#: An output of magnitude ~1e-6 (subnormal in fp16, normal elsewhere): out_normed, of order
+#: 1e-3, must come from out before its rounding (C17); from the rounded fp16 out it is ~3 % off.
+SMALL_OUT_MAGNITUDE = 1e-6
+#: Past 4096 token positions (two 4096-row tiles and a tail): where a port splits its reductions.
+DETERMINISM_T = 8200
+
+
+def _round3_cases(dtypes) -> List[Case]:
+    """The categories round 3 found unchecked: return_weights with N > 40, the output norm at a
+    single token (T = 1, no token axes) and at fp16-subnormal magnitudes, the overflow-safe key
+    norm of the two-phase ops (C10.6), a merge whose partial weight is tiny at every token
+    (C10.7), and the forward-only path of a port that fills forward cells from its gradient
+    call.  Rows whose defect does not depend on the dtype run in FORM_DTYPES (the full report's
+    time stays what it was)."""
+    da, mu, me = "depth_attention", "depth_attention_multi", "merge_partial"
+    on, small, gap = dict(out_norm=True), SMALL_OUT_MAGNITUDE, SMALL_PARTIAL_GAP
+    cases = []
+    for dtype in dtypes:
+        form = dtype in FORM_DTYPES
+        cases += [
+            # C17 at one token: T = 1, and no token axes at all (stacked, heads, weights).
+            _op_case(f"{da}/out_norm", "N5-T1-D16", dtype, "da", False, n=5, tokens=(1,), dim=16, lse=True, **on),
+            _op_case(f"{da}/out_norm", "N4-Tnone-D16-H2-weights-stacked", dtype, "da", False, n=4, tokens=(),
+                     dim=16, num_heads=2, weights=True, layout="stacked", **on),
+            # The forward-only path (a call without cotangents), checked on its own even where a
+            # backend fills forward cells from its gradient call (`forward_in_gradient_call`).
+            _op_case(f"{da}/forward_only", "N5-T3-D16-H2-lse-weights-outnorm", dtype, "da", False,
+                     forward_only=True, n=5, tokens=(3,), dim=16, num_heads=2, lse=True, weights=True, **on),
+        ]
+        if dtype != "float16":  # C10.7: the partial's weight e^-20 at every token (see SMALL_PARTIAL_GAP)
+            cases += [
+                _op_case(f"{me}/small_partial_weight", f"T3-D16-gap{gap:g}", dtype, "merge", False, tokens=(3,),
+                         dim=16, partial_gap=gap),
+                _op_case(f"{me}/small_partial_weight", f"T2x3-D16-tokq-gap{gap:g}", dtype, "merge", False,
+                         tokens=(2, 3), dim=16, token_query=True, partial_gap=gap),
+            ]
+        if dtype in ("float16", "float32"):  # C17 on outputs ~1e-6 (fp16: subnormal out)
+            cases += [
+                _op_case(f"{da}/out_norm", f"N5-T3-D16-x{small:g}", dtype, "da", False, n=5, tokens=(3,), dim=16,
+                         magnitude=small, lse=True, **on),
+                _op_case(f"{da}/out_norm", f"N4-T2x3-D16-tokq-x{small:g}", dtype, "da", False, n=4,
+                         tokens=(2, 3), dim=16, magnitude=small, token_query=True, **on),
+            ]
+        if form:
+            cases += [
+                # return_weights past 40 (and 128) sources: every weight of every source.
+                _op_case(f"{da}/weights", "N130-T3-D16-lse", dtype, "da", False, n=130, tokens=(3,), dim=16,
+                         lse=True, weights=True),
+                _op_case(f"{mu}/forward_only", "N4-S3-T3-D16", dtype, "multi", False, forward_only=True, n=4,
+                         s=3, tokens=(3,), dim=16),
+                _op_case(f"{me}/forward_only", "T3-D16", dtype, "merge", False, forward_only=True, tokens=(3,),
+                         dim=16),
+            ]
+        if dtype in LARGE_DTYPES:
+            cases.append(_op_case(f"{da}/weights", f"N{LARGE_N}-T2-D8", dtype, "da", False, n=LARGE_N, tokens=(2,),
+                                  dim=8, weights=True))
+    for dtype, magnitude, check in MAGNITUDES:  # C10.6 in the two-phase ops (their key norm, z2's r)
+        if dtype in dtypes and check == "tolerance" and magnitude == 1e20:
+            cases += [
+                _op_case(f"{mu}/large_magnitude", f"N5-S2-T3-D64-x{magnitude:g}", dtype, "multi", False, n=5, s=2,
+                         tokens=(3,), dim=64, magnitude=magnitude),
+                _op_case(f"{me}/large_magnitude", f"T3-D64-x{magnitude:g}", dtype, "merge", False, tokens=(3,),
+                         dim=64, magnitude=magnitude),
+            ]
+    return cases
+
+
 #: Probe runs: (row, label, variant, overrides, schedule, call inputs (M10)).  L = 5, D = 8,
 #: tokens 2x3.
 PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct", ()) for v in VARIANT_KINDS] + [
@@ -529,7 +606,27 @@ PROBES = [(f"probe/{v}", "L5-D8-T2x3", v, (), "direct", ()) for v in VARIANT_KIN
     ("probe/call_scale", "block-L5-D8-T2x3-scale1.7", "block", (), "direct", (("call_scale", 1.7),)),
     ("probe/call_scale", "full-L5-D8-T2x3-mix0.5-scale0.4", "full", (), "direct",
      (("mix", 0.5), ("call_scale", 0.4))),
+    # M10's scale *replaces* config.scale: rows where the config's is not 1 (where "replaces" and
+    # "multiplies" differ), direct and two-phase; and the two-phase ops with either scale alone.
+    ("probe/call_scale", "full-config_scale0.5-L5-D8-T2x3-scale1.7", "full", (("scale", 0.5),), "direct",
+     (("call_scale", 1.7),)),
+    ("probe/block_two_phase", "S2-config_scale0.5-L5-D8-T2x3", "block", (("block_size", 2), ("scale", 0.5)),
+     "two_phase", ()),
+    ("probe/block_two_phase", "S2-L5-D8-T2x3-scale1.7", "block", (("block_size", 2),), "two_phase",
+     (("call_scale", 1.7),)),
+    ("probe/block_two_phase", "S2-config_scale-1.5-L5-D8-T2x3-scale0.6", "block",
+     (("block_size", 2), ("scale", -1.5)), "two_phase", (("call_scale", 0.6),)),
+    # M13 under two-phase over three blocks, every merge reading the effective query (q_r g) P^T.
+    ("probe/low_rank_keys", "block-S2-r3-two_phase-L7-D8-T2x3", "low_rank_keys",
+     (("kind", "block"), ("block_size", 2), ("key_rank", 3)), "two_phase", ()),
+    ("probe/low_rank_keys", "block-S3-r5-two_phase-L7-D8-T2x3", "low_rank_keys",
+     (("kind", "block"), ("block_size", 3), ("key_rank", 5)), "two_phase", ()),
 ]
+
+
+#: Probe rows run in FORM_DTYPES only (their defect, a scale lost or multiplied, is dtype-free).
+FORM_ONLY_PROBES = {(row, label) for row, label, *_ in PROBES if "config_scale" in label
+                    or (row == "probe/block_two_phase" and label.endswith("-scale1.7"))}
 
 
 def _probe_cases(dtypes) -> List[Case]:
@@ -563,6 +660,8 @@ def _probe_cases(dtypes) -> List[Case]:
                 # the gradients by 14-131 %; the cell would pass on the adaptive bound and check
                 # nothing.  The static-query M14 rows keep their bf16 cells.
                 continue
+            if (row, label) in FORM_ONLY_PROBES and dtype not in FORM_DTYPES:
+                continue  # a scale replaced or multiplied is wrong in every dtype: f64/f32 show it
             num_layers = int(re.search(r"(?:^|-)L(\d+)-", label).group(1))
             cases.append(_op_case(row, label, dtype, "probe", True, override="probe", variant=variant,
                                   num_layers=num_layers, overrides=overrides, schedule=schedule,
@@ -605,7 +704,9 @@ def _error_specs(dtype: str) -> List[Tuple[str, str, dict, dict, dict, str, str]
         ("activation", D, da(), dict(activation="relu"), {}, "ValueError", "activation"),
         ("key_norm_int", D, da(), dict(key_norm=1), {}, "TypeError", "key_norm"),
         ("lse_sigmoid", D, da(), dict(activation="sigmoid", return_lse=True), {}, "ValueError", "return_lse"),
+        ("query_none", D, da(query=None), {}, {}, "TypeError", "query"),
         ("empty_sources", M, mu(sources=[]), {}, {}, "ValueError", "sources"),
+        ("queries_none", M, mu(queries=None), {}, {}, "TypeError", "queries"),
         ("queries_1d", M, mu(queries=np.ones(4)), {}, {}, "ValueError", "queries"),
         ("queries_int", M, mu(), {}, {"queries": "int32"}, "TypeError", "queries"),
         ("norm_weights_shape", M, mu(norm_weights=np.ones((2, 3))), {}, {}, "ValueError", "norm_weights"),
@@ -614,6 +715,7 @@ def _error_specs(dtype: str) -> List[Tuple[str, str, dict, dict, dict, str, str]
         ("lse1_shape", P, me(lse1=np.zeros(3)), {}, {}, "ValueError", "lse1"),
         ("out1_dtype", P, me(), {}, {"out1": other}, "TypeError", "out1"),
         ("partial_int", P, me(), {}, {"partial": "int32"}, "TypeError", "partial"),
+        ("partial_none", P, me(partial=None), {}, {}, "TypeError", "partial"),
         ("query_shape", P, me(query=np.ones(5)), {}, {}, "ValueError", "query"),
         ("norm_weight_shape", P, me(norm_weight=np.ones(3)), {}, {}, "ValueError", "norm_weight"),
         ("norm_weight_int", P, me(), {}, {"norm_weight": "int32"}, "TypeError", "norm_weight"),
@@ -693,9 +795,13 @@ def _determinism_cases(dtypes) -> List[Case]:
     ]
     # A reduction order that changes only at production token counts (split over threads).
     large_t = ("depth_attention-N5-T4096-D16-lse", "da", dict(n=5, tokens=(LARGE_T,), dim=16, lse=True), False)
+    t = DETERMINISM_T  # past 4096 positions, and the two-phase ops there too
+    large = [large_t, (f"depth_attention-N5-T{t}-D16-lse", "da", dict(n=5, tokens=(t,), dim=16, lse=True), False),
+             (f"depth_attention_multi-N5-S3-T{t}-D16", "multi", dict(n=5, s=3, tokens=(t,), dim=16), False),
+             (f"merge_partial-T{t}-D16", "merge", dict(tokens=(t,), dim=16), False)]
     cases = []
     for dtype in dtypes:
-        for label, builder, kwargs, quick in runs + [large_t] * (dtype in LARGE_DTYPES):
+        for label, builder, kwargs, quick in runs + large * (dtype in LARGE_DTYPES):
             spec = dict(builder=builder, kwargs=kwargs, deterministic=True, strided=False)
             cases.append(Case(f"determinism/{label}/{dtype}", "determinism", dtype, spec, quick))
     return cases
@@ -716,6 +822,8 @@ def _invariant_cases(dtypes) -> List[Case]:
         ("two_phase", "N4-S3-T3-D16", "multi", dict(n=4, s=3, tokens=(3,), dim=16), True),
         ("two_phase", "N33-S2-T2-D123-stacked", "multi", dict(n=33, s=2, tokens=(2,), dim=123,
                                                               layout="stacked"), False),
+        ("two_phase", "N4-S2-T3-D16-eps1e-2-scale-1.5", "multi", dict(n=4, s=2, tokens=(3,), dim=16, eps=1e-2,
+                                                                      scale=-1.5), False),
         ("weights_sum", "N33-T3-D16", "da", dict(n=33, tokens=(3,), dim=16, weights=True), True),
         ("weights_sum", "N5-T3-D16-H4", "da", dict(n=5, tokens=(3,), dim=16, num_heads=4, weights=True), False),
         ("weights_sum", f"N5-T3-D64-z{LARGE_LOGITS:g}", "da",
@@ -800,7 +908,7 @@ def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities]
     edges; vectors_dir: golden vectors (default: `attnres_numpy.vectors.default_vectors_dir()`)."""
     dtypes = tuple(dtypes)
     cases = (_depth_attention_cases(dtypes) + _multi_merge_cases(dtypes) + _hole_cases(dtypes)
-             + _probe_cases(dtypes)
+             + _round3_cases(dtypes) + _probe_cases(dtypes)
              + _error_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
              + (_limit_cases(caps, dtypes) if caps is not None else [])
              + _golden_cases(vectors_dir, dtypes) + (_sweep_cases(dtypes, quick) if sweep else []))

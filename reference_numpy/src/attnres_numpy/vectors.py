@@ -237,17 +237,17 @@ def depth_attention_case(n, dim, tokens=(5,), dtype="float32", layout="list", *,
 
 def multi_case(n, num_queries, dim, tokens=(4,), dtype="float32", layout="list", *, gain=True,
                eps=1e-6, scale=1.0, case_id=None, spread=2.0, query_dtype=None,
-               nonfinite=(), logit_max=None) -> GoldenCase:
+               nonfinite=(), logit_max=None, magnitude=1.0) -> GoldenCase:
     """A `depth_attention_multi` case: S = num_queries pseudo-queries over n sources.
 
-    spread, query_dtype (the queries' own dtype), nonfinite ("sources", "queries"), logit_max:
-    as in `depth_attention_case`."""
+    spread, query_dtype (the queries' own dtype), nonfinite ("sources", "queries"), logit_max,
+    magnitude: as in `depth_attention_case`."""
     tokens = tuple(tokens)
     case_id = case_id or (f"depth_attention_multi_N{n}_S{num_queries}_D{dim}_T{_tokens_tag(tokens)}_"
                f"{SHORT_DTYPE[dtype]}_{layout}" + "_nogain" * (not gain))
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)
-    x = _draw_sources(rng, n, tokens + (dim,), dtype)
+    x = _draw_sources(rng, n, tokens + (dim,), dtype, magnitude)
     qs = _draw_query(rng, (num_queries, dim), dim, query_dtype or dtype, spread)
     gs = _draw_gain(rng, (num_queries, dim), dtype) if gain else None
     if logit_max is not None:
@@ -271,25 +271,29 @@ def multi_case(n, num_queries, dim, tokens=(4,), dtype="float32", layout="list",
 
 
 def merge_case(dim, tokens=(5,), dtype="float32", *, token_query=False, gain=True, lse=True,
-               eps=1e-6, scale=1.0, case_id=None, spread=2.0, nonfinite=(), logit_max=None) -> GoldenCase:
+               eps=1e-6, scale=1.0, case_id=None, spread=2.0, nonfinite=(), logit_max=None,
+               magnitude=1.0, partial_gap=None) -> GoldenCase:
     """A `merge_partial` case: out1/lse1 are a real phase 1 over 3 sources (rounded), plus a partial.
 
-    spread: as in `depth_attention_case`; logit_max: the query rescaled so that the partial's
+    spread, magnitude: as in `depth_attention_case`; logit_max: the query rescaled so that the partial's
     logit of largest magnitude is this (so with a positive one the partial's weight is not
     negligible everywhere, and lse >= logit_max); nonfinite: `(name, index, value)` written into "out1",
-    "partial" or "query" before the merge's reference runs (C12)."""
+    "partial" or "query" before the merge's reference runs (C12); partial_gap: lse1 set to
+    z2 + partial_gap at every token (the partial's weight e^-gap everywhere, C10.7)."""
     tokens = tuple(tokens)
     case_id = case_id or (f"merge_partial_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
                + "_tokq" * token_query + "_nogain" * (not gain) + "_lse" * lse)
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)
     compute = compute_dtype_for(dtype)
-    x = _draw_sources(rng, 4, tokens + (dim,), dtype)  # 3 phase-1 sources and the partial
+    x = _draw_sources(rng, 4, tokens + (dim,), dtype, magnitude)  # 3 phase-1 sources and the partial
     q = _draw_query(rng, tokens + (dim,) if token_query else (dim,), dim, dtype, spread)
     g = _draw_gain(rng, (dim,), dtype) if gain else None
     if logit_max is not None:
         q = _logits_to(logit_max, q, x[3:], g, eps=eps, scale=scale, key_norm=True, dtype=dtype)
     o1, l1 = ops.depth_attention(list(x[:3]), q, g, eps=eps, scale=scale, return_lse=True)
+    if partial_gap is not None:  # lse1 = z2 + gap: z2 of the partial, the merge's own logit
+        l1 = ops.depth_attention([x[3]], q, g, eps=eps, scale=scale, return_lse=True)[1] + partial_gap
     o1, l1, partial = round_to_dtype(o1, dtype), round_to_dtype(l1, compute), x[3]
     o1, partial, q = _poison(dict(out1=o1, partial=partial, query=q), nonfinite)
     attrs = dict(eps=eps, scale=scale, return_lse=lse)

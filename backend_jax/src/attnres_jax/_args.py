@@ -26,7 +26,10 @@ def compute_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(compute_dtype_for(jnp.dtype(dtype).name))
 
 
-def as_array(x):
+def as_array(x, name: str = "argument"):
+    """x as a JAX array (`jnp.asarray`); a missing one (None) is a TypeError naming `name`."""
+    if x is None:
+        raise TypeError(f"{name}: expected an array, got None")
     return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
@@ -45,7 +48,7 @@ def canonical_sources(sources):
     Returns (sources, shapes, dtype names, stacked) for `validation.check_sources`.
     """
     if isinstance(sources, (list, tuple)):
-        arrays = type(sources)(as_array(s) for s in sources)
+        arrays = type(sources)(as_array(s, f"sources[{i}]") for i, s in enumerate(sources))
         return arrays, [a.shape for a in arrays], [dtype_name(a) for a in arrays], False
     if not hasattr(sources, "shape") or not hasattr(sources, "dtype"):
         raise TypeError(

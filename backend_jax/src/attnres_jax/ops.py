@@ -91,7 +91,7 @@ def depth_attention(
     order (out_normed `[..., D]` in the sources' dtype).
     """
     sources, shapes, dtypes, stacked = canonical_sources(sources)
-    query, norm_weight, out_norm_weight = as_array(query), optional(norm_weight), optional(out_norm_weight)
+    query, norm_weight, out_norm_weight = as_array(query, "query"), optional(norm_weight), optional(out_norm_weight)
     onw_shape, onw_dtype = meta(out_norm_weight)
     geo = validation.check_depth_attention(
         shapes, dtypes, query.shape, dtype_name(query), *meta(norm_weight), stacked=stacked,
@@ -124,7 +124,7 @@ def depth_attention_multi(sources: Sources, queries, norm_weights=None, *, eps: 
       row s equals `depth_attention(sources, queries[s], norm_weights[s], return_lse=True)`.
     """
     sources, shapes, dtypes, stacked = canonical_sources(sources)
-    queries, norm_weights = as_array(queries), optional(norm_weights)
+    queries, norm_weights = as_array(queries, "queries"), optional(norm_weights)
     validation.check_multi(shapes, dtypes, queries.shape, dtype_name(queries),
                            *meta(norm_weights), stacked=stacked, eps=eps, scale=scale)
     opts = Options(float(eps), float(scale), 1, "softmax", True, multi=True)
@@ -143,7 +143,8 @@ def merge_partial(out1, lse1, partial, query, norm_weight=None, *, eps: float = 
     Returns: out `[..., D]` in partial's dtype (and lse `[...]` in the compute dtype if
       return_lse), equal to `depth_attention(phase1_sources + [partial], query, norm_weight)`.
     """
-    out1, lse1, partial, query = (as_array(a) for a in (out1, lse1, partial, query))
+    out1, lse1, partial, query = (as_array(a, name) for a, name in zip((out1, lse1, partial, query),
+                                                                       ("out1", "lse1", "partial", "query")))
     norm_weight = optional(norm_weight)
     validation.check_merge(out1.shape, dtype_name(out1), lse1.shape, dtype_name(lse1), partial.shape,
                            dtype_name(partial), query.shape, dtype_name(query), *meta(norm_weight),

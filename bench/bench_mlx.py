@@ -3,6 +3,13 @@ the naive uncompiled composition of the same math, forward and forward+backward,
 machine's CPU (or Metal where available).
 
     python bench/bench_mlx.py [--reps 10] [--out bench/results/mlx.md]
+    python bench/bench_mlx.py --decode [--layers 16 32] [--reps 7]
+
+`--decode`: batch-1 single-token decode of `attnres_mlx.Transformer` (dim 128, 4 heads, a
+32-token prompt, 16 new tokens per rep) with PreNorm (kind standard), Full and Block (S = 8) at
+L sublayers, eager (cache grown by concatenation) and `compile_step` (fixed-size cache, one
+trace), and the two-phase schedule for Block; the models take turns token run by token run in
+one process, so each ratio to PreNorm is measured under the same load.
 
 Reported per shape: median wall time, achieved GB/s on the minimal bytes (read N sources, write
 out; backward also reads d_out and writes N source gradients), that as a fraction of the
@@ -69,11 +76,98 @@ def _fwd_bwd(fn):
     return lambda xs, q, g, cot: grad(xs, q, g, cot)
 
 
+def _decode_models(num_layers):
+    from attnres_numpy.config import ResidualConfig
+    configs = {"PreNorm": ResidualConfig.variant("standard"),
+               "Full": ResidualConfig.variant("full"),
+               "Block S=8": ResidualConfig.variant("block", block_size=8)}
+    models = {}
+    for name, cfg in configs.items():
+        mx.random.seed(0)
+        model = A.Transformer(cfg, vocab_size=256, dim=128, num_blocks=num_layers // 2,
+                              num_heads=4)
+        mx.eval(model.parameters())
+        models[name] = model
+    return models
+
+
+def _decode_runs(models, prompt=32, new=16):
+    """name -> function timing `new` decode steps (seconds per token) after a prefill."""
+    tokens = mx.array([[1] * prompt])
+    runs = {}
+
+    def eager(model, schedule):
+        def run():
+            logits, cache = model(tokens, schedule=schedule)
+            tok = mx.argmax(logits[:, -1:], axis=-1)
+            mx.eval(tok, cache)
+            t0 = time.perf_counter()
+            for _ in range(new):
+                logits, cache = model(tok, cache, schedule=schedule)
+                tok = mx.argmax(logits[:, -1:], axis=-1)
+                mx.eval(tok, cache)
+            return (time.perf_counter() - t0) / new
+        return run
+
+    def compiled(model, schedule):
+        step = model.compile_step(schedule=schedule)
+
+        def run():
+            cache = model.make_cache(1, prompt + new)
+            logits, cache = step(tokens, cache, mx.array(0))
+            tok = mx.argmax(logits[:, -1:], axis=-1)
+            mx.eval(tok, cache)
+            t0 = time.perf_counter()
+            for i in range(new):
+                logits, cache = step(tok, cache, mx.array(prompt + i))
+                tok = mx.argmax(logits[:, -1:], axis=-1)
+                mx.eval(tok, cache)
+            return (time.perf_counter() - t0) / new
+        return run
+
+    for name, model in models.items():
+        runs[name, "eager", "direct"] = eager(model, "direct")
+        runs[name, "compiled", "direct"] = compiled(model, "direct")
+        if name.startswith("Block"):
+            runs[name, "eager", "two_phase"] = eager(model, "two_phase")
+            runs[name, "compiled", "two_phase"] = compiled(model, "two_phase")
+    return runs
+
+
+def decode_main(args):
+    load_before = os.getloadavg()[0]
+    rows = []
+    for num_layers in args.layers:
+        runs = _decode_runs(_decode_models(num_layers))
+        for run in runs.values():  # traces, compiles
+            run()
+        times = {key: [] for key in runs}
+        for _ in range(args.reps):
+            for key, run in runs.items():
+                times[key].append(run())
+        for key in runs:
+            name, mode, schedule = key
+            med, best = statistics.median(times[key]), min(times[key])
+            base = times["PreNorm", mode, "direct"]
+            rows.append(f"| {num_layers} | {name} | {mode} | {schedule} | {med * 1e3:.2f} | "
+                        f"{med / statistics.median(base):.2f}x | {best / min(base):.2f}x |")
+            print(rows[-1], flush=True)
+    print(f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after; "
+          f"mlx {mx.__version__}; median and fastest of {args.reps} runs of 16 tokens")
+    print("| L | scheme | path | schedule | ms/token (median) | / PreNorm (median) | "
+          "/ PreNorm (fastest) |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mlx.md")
+    ap.add_argument("--decode", action="store_true", help="the decode benchmark (see above)")
+    ap.add_argument("--layers", type=int, nargs="+", default=[16],
+                    help="--decode: sublayer counts L (even)")
     args = ap.parse_args()
+    if args.decode:
+        return decode_main(args)
     load_before = os.getloadavg()[0]
     copy_bw = _copy_bandwidth(args.reps)
     device = "Metal GPU" if mx.metal.is_available() else f"CPU ({platform.processor() or platform.machine()})"

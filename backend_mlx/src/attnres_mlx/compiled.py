@@ -92,8 +92,15 @@ def _rms_factors(x: mx.array, eps: float, keepdims: bool = False):
 def inverse_rms(x: mx.array, eps: float) -> mx.array:
     """r = 1 / sqrt(mean(x^2) + eps) over the last axis: `[..., Dh]` -> `[...]`, overflow-safe
     (C10.6, `_rms_factors`): huge sources keep their weights instead of going uniform."""
-    pre, rr = _rms_factors(x, eps)
-    return pre * rr
+    # pre * rr of `_rms_factors` formed in one select (pre = 1 exactly on ordinary rows): the
+    # same bits in fewer graph nodes (the router calls this on every sealed source).
+    k = int(math.log2(mx.finfo(x.dtype).max)) // 2 + 16
+    lo, zero = mx.array(2.0 ** -k, dtype=x.dtype), mx.array(0.0, dtype=x.dtype)
+    ms = mx.mean(x * x, axis=-1, keepdims=True)
+    big = mx.isinf(ms)
+    y = x * mx.where(big, lo, zero)
+    ms_lo = mx.where(big, mx.mean(y * y, axis=-1, keepdims=True), 1.0)  # no rsqrt(0): its
+    return mx.where(big, lo * mx.rsqrt(ms_lo), mx.rsqrt(ms + eps))[..., 0]  # VJP would be NaN
 
 
 def out_norm_forward(y: mx.array, w: mx.array, eps: float) -> mx.array:
@@ -192,11 +199,18 @@ def attend_forward(xs: Sources, qg: mx.array, rs, *, eps: float, scale: float,
         _, _, z = _logits(xs, qg, rs, eps=eps, scale=scale, key_norm=key_norm)
         p, lse = _weights_lse(z, activation)
         return _combine(p, xs), p, lse
+    # Trailing unit axis kept throughout (z, p `[N, ..., H, 1]`): no squeeze/expand nodes.
     X = xs if isinstance(xs, mx.array) else mx.stack(xs)
-    s = mx.sum(qg * X, axis=-1)  # [N, ..., H]
-    z = scale * _stacked_rms(X, rs, eps) * s if key_norm else scale * s
-    p, lse = _weights_lse(z, activation)
-    return mx.sum(p[..., None] * X, axis=0), p, lse
+    s = mx.sum(qg * X, axis=-1, keepdims=True)
+    z = scale * _stacked_rms(X, rs, eps)[..., None] * s if key_norm else scale * s
+    if activation == "sigmoid":
+        p, lse = sigmoid(z), None
+    else:
+        m = mx.max(z, axis=0, keepdims=True)
+        e = exp(z - m)
+        den = mx.sum(e, axis=0, keepdims=True)
+        p, lse = e / den, (m + mx.log(den))[0, ..., 0]
+    return mx.sum(p * X, axis=0), p[..., 0], lse
 
 
 def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
@@ -317,8 +331,9 @@ def _squeeze_heads(st, a: mx.array) -> mx.array:
 def _attend_forward(st, xs, q, g, rs, ws):
     """The op's outputs: out `[..., D]` (`[S, ..., D]` for phase 1) and, with the fused output
     norm (ws = [w `[D]`], C17), out_normed `[..., D]`, both in the sources' dtype; lse
-    `[..., H?]` (`[S, ...]`; softmax only) and weights `[N, ..., H?]` (single-query op only) in
-    the compute dtype; H? is absent with one head."""
+    `[..., H?]` (`[S, ...]`; softmax, single-query op with `st.with_lse`) and weights
+    `[N, ..., H?]` (single-query op with `st.with_weights`) in the compute dtype; H? is absent
+    with one head."""
     xb, qg, rb = _broadcast(st, xs, q, g, rs)
     out, p, lse = attend_forward(xb, qg, rb, eps=st.eps, scale=st.scale,
                                  activation=st.activation, key_norm=st.key_norm,
@@ -330,9 +345,9 @@ def _attend_forward(st, xs, q, g, rs, ws):
     if ws:  # C17: from out in the compute dtype, before its final rounding; rounded once
         outs.append(out_norm_forward(out, ws[0].astype(out.dtype),
                                      st.out_norm_eps).astype(source.dtype))
-    if lse is not None:
+    if lse is not None and (st.mode == "multi" or st.with_lse):
         outs.append(_squeeze_heads(st, lse))
-    if st.mode == "single":
+    if st.mode == "single" and st.with_weights:
         outs.append(_squeeze_heads(st, p))
     return tuple(outs)
 

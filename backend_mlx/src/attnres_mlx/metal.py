@@ -389,8 +389,8 @@ def _groups(st, tokens: int) -> int:
 def attend_forward(st, xs, q, g, rs, ws):
     """Forward kernel; returns the op's outputs: out `[..., D]` (`[S, ..., D]` for phase 1) and,
     with ws = [w `[D]`] (C17), out_normed `[..., D]`, both in the sources' dtype, then lse
-    `[..., H?]` (`[S, ...]`; softmax only) and, for the single-query op, weights `[N, ..., H?]`,
-    both float32."""
+    `[..., H?]` (`[S, ...]`; softmax only; single-query op with `st.with_lse`) and, for the
+    single-query op with `st.with_weights`, weights `[N, ..., H?]`, both float32."""
     shape, dtype, tokens, nq, per_token = _geometry(st, xs, q)
     batch, D, H = shape[:-1], shape[-1], st.num_heads
     kernel = _attend_kernel(st, per_token, nq, D // H, False)
@@ -403,9 +403,10 @@ def attend_forward(st, xs, q, g, rs, ws):
     if st.mode == "multi":
         return out.reshape(nq, *shape), lse.reshape(nq, *batch)
     outs = [out.reshape(shape)] + [normed.reshape(shape) for normed in results[3:]]
-    if st.activation == "softmax":
+    if st.activation == "softmax" and st.with_lse:
         outs.append(lse.reshape(_heads_shape(st, batch)))
-    outs.append(p.reshape(st.num_sources, *_heads_shape(st, batch)))
+    if st.with_weights:
+        outs.append(p.reshape(st.num_sources, *_heads_shape(st, batch)))
     return tuple(outs)
 
 

@@ -83,6 +83,8 @@ class Static:
     vectorized: the compiled forward reduces over all sources at once (a small call, see
       `compiled.VECTOR_MAX_ELEMENTS`) instead of source by source.
     stacked_rms: the cached inverse RMS is one stacked `[N, ..., H]` array (every source's).
+    with_lse, with_weights: the single-query op also returns lse (softmax) / the weights (the
+      caller asked for them; phase 1 always returns lse).
     """
 
     mode: str
@@ -97,6 +99,8 @@ class Static:
     out_norm_eps: Optional[float] = None
     vectorized: bool = False
     stacked_rms: bool = False
+    with_lse: bool = True
+    with_weights: bool = True
 
 
 class Implementation(Protocol):
@@ -108,8 +112,8 @@ class Implementation(Protocol):
       cached inverse RMS given, `[..., H]` (`[..., 1]` for "multi"), in source order; ws the
       fused output norm's weight (C17): [w `[D]`] when `st.out_norm_eps` is set, else [].
       attend_forward -> (out `[..., D]` (`[S, ..., D]`), out_normed `[..., D]` (with ws),
-      lse `[..., H?]` (`[S, ...]`; softmax only), weights `[N, ..., H?]` ("single" only)); H?
-      is absent with one head.
+      lse `[..., H?]` (`[S, ...]`; softmax, and for "single" only with `st.with_lse`), weights
+      `[N, ..., H?]` ("single" with `st.with_weights` only)); H? is absent with one head.
       attend_backward(d_out like out, d_normed like out_normed or None, d_lse like lse or None)
       -> (d sources (a list or one stacked array, like xs), d query, d gain, [d r per cached
       r], [d w per w in ws]).
@@ -174,7 +178,7 @@ def implementation_for(dtype) -> Implementation:
 def _attend_fn(st: Static, impl: Implementation):
     """The custom-VJP function `f(sources, query, norm_weight, cached_rs, [out_norm_weight]) ->
     outputs` of `st`, forward and backward both on `impl` (the choice made for the call)."""
-    has_lse = st.activation == "softmax"
+    has_lse = st.activation == "softmax" and (st.mode == "multi" or st.with_lse)
     has_normed = st.out_norm_eps is not None
 
     @mx.custom_function
@@ -190,6 +194,11 @@ def _attend_fn(st: Static, impl: Implementation):
         return impl.attend_backward(st, *primals, cotangents[0], d_normed, d_lse)
 
     return f
+
+
+#: `validation.check_depth_attention` memoized on its (hashable) arguments: a decode step calls
+#: the op with the same few signatures on every token.
+_checked_depth_attention = functools.lru_cache(maxsize=4096)(validation.check_depth_attention)
 
 
 def _source_dtype(sources: Sources, stacked: bool):
@@ -260,11 +269,14 @@ def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.
     q_shape, q_dtype = _meta("query", query)
     g_shape, g_dtype = _meta("norm_weight", norm_weight)
     w_shape, w_dtype = _meta("out_norm_weight", out_norm_weight)
-    geo = validation.check_depth_attention(
-        shapes, dtypes, q_shape, q_dtype, g_shape, g_dtype, stacked=stacked, eps=eps,
-        scale=scale, num_heads=num_heads, activation=activation, key_norm=key_norm,
-        return_lse=return_lse, out_norm_weight_shape=w_shape, out_norm_weight_dtype=w_dtype,
-        out_norm_eps=out_norm_eps)
+    args = (tuple(shapes), tuple(dtypes), q_shape, q_dtype, g_shape, g_dtype)
+    kw = dict(stacked=stacked, eps=eps, scale=scale, num_heads=num_heads, activation=activation,
+              key_norm=key_norm, return_lse=return_lse, out_norm_weight_shape=w_shape,
+              out_norm_weight_dtype=w_dtype, out_norm_eps=out_norm_eps)
+    try:  # the checks are a pure function of shapes, dtypes and options: once per signature
+        geo = _checked_depth_attention(*args, **kw)
+    except TypeError:  # an unhashable option: check uncached (and raise its own error)
+        geo = validation.check_depth_attention(*args, **kw)
     cached, given, stacked_rms = _check_inv_rms(inv_rms, geo.num_sources, geo.batch_shape,
                                                 geo.num_heads, key_norm, stacked)
     normed = out_norm_weight is not None
@@ -274,7 +286,8 @@ def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.
     elements = geo.num_sources * math.prod(geo.batch_shape) * geo.dim
     st = Static("single", geo.num_sources, stacked, geo.num_heads, float(eps), float(scale),
                 activation, key_norm, cached, geo.out_norm_eps,
-                vectorized=elements <= compiled.VECTOR_MAX_ELEMENTS, stacked_rms=stacked_rms)
+                vectorized=elements <= compiled.VECTOR_MAX_ELEMENTS, stacked_rms=stacked_rms,
+                with_lse=return_lse, with_weights=return_weights)
     outs = _attend_fn(st, impl)(sources if stacked else list(sources), query,
                                 _gain(norm_weight, geo.dim, query.dtype), given,
                                 [out_norm_weight] if normed else [])

@@ -293,6 +293,15 @@ def forward(xs: list, qs: Query, opts: Options, ct):
     return out, lse, p, r, s
 
 
+def _dot_scale(r, rk):
+    """(1 / a `[..., 1]`, a * rk `[N, ..., K]`): a = 2^e per token, the power of two just above the
+    largest rms = 1 / r over its sources and heads, at least 1 and finite (`backward`, C10.6)."""
+    _, e = jnp.frexp(1.0 / jnp.min(r, axis=(0, r.ndim - 1)))
+    e = _trail(jnp.clip(e, 0, jnp.finfo(r.dtype).maxexp - 1))
+    one = jnp.ones((), r.dtype)
+    return jnp.ldexp(one, -e), _lead(jnp.ldexp(one, e)) * rk
+
+
 def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
     """VJP rule of `forward` (spec 2.3).  d_out `[S, ..., D]` (any dtype), d_lse `[..., K]` or
     None; p, s `[N, ..., K]`, r `[N, ..., H]`.  Returns the source gradients N x `[..., D]`
@@ -302,21 +311,28 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
     g = d_out.astype(ct)
     stacked = _stacked(xs)
     pairwise = low_precision(xs[0])
-    (dp,) = _per_source(lambda x: (_columns(g * _lead(x.astype(ct)), h, pairwise),), xs, stacked)  # [N, ..., K]
-    if opts.activation == "softmax":
-        dz = p * (dp - _lead(jnp.sum(p * dp, axis=0)))
-        if d_lse is not None:
-            dz = dz + p * _lead(d_lse)
-    else:
-        dz = dp * p * (1.0 - p)
-    c = opts.scale * dz  # dL/d(r_i s_i)
     rk = tile_sets(r, sets)
+    # C10.6: with the key norm dz_i is only used as dz_i r_i, while <d_out, x_i> ~ |x| sqrt(D)
+    # overflows for finite gradients (fp32 |x| ~ 3e37): the dots are taken of x / a, a = 2^e >=
+    # the largest rms of the token's sources (exact; 1 up to rms 1/2), and a r_i <= 1 scales back.
+    inv_a, ark = (None, rk) if not opts.key_norm else _dot_scale(r, rk)
+
+    def dot(x):
+        x = x.astype(ct)
+        return (_columns(g * _lead(x if inv_a is None else x * inv_a), h, pairwise),)
+
+    (dp,) = _per_source(dot, xs, stacked)  # [N, ..., K], <d_out, x_i> / a
+    if opts.activation == "softmax":
+        cr = opts.scale * (p * (dp - _lead(jnp.sum(p * dp, axis=0)))) * ark  # dL/d(s_i) = dz_i scale r_i
+        if d_lse is not None:
+            cr = cr + opts.scale * (p * _lead(d_lse)) * rk
+    else:
+        cr = opts.scale * (dp * p * (1.0 - p)) * ark
     tok = tuple(range(xs[0].ndim - 1))
 
-    def grads(x, p_i, c_i, rk_i, r_i, s_i):
+    def grads(x, p_i, cr, rk_i, r_i, s_i):
         # d z_i / d x_i = scale * (r_i qg - s_i r_i^3 x_i / Dh)  (key_norm)  or  scale * qg
         x = x.astype(ct)
-        cr = c_i * rk_i  # [..., K]
         dx = _sum_sets(_expand(p_i, sets, h, dim) * g)
         if qs.qm is not None:
             dx = dx + _times_columns(cr, qs.qm)
@@ -333,11 +349,11 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
     if stacked is None:
         d_sources, dqg = [], None
         for i, x in enumerate(xs):
-            dx, term = grads(x, _at(p, i), _at(c, i), _at(rk, i), _at(r, i), _at(s, i))
+            dx, term = grads(x, _at(p, i), _at(cr, i), _at(rk, i), _at(r, i), _at(s, i))
             d_sources.append(dx)
             dqg = term if dqg is None else dqg + term
     else:  # the terms of dqg summed over N in the same order
-        d_stacked, terms = jax.vmap(grads)(stacked, p, c, rk, r, s)
+        d_stacked, terms = jax.vmap(grads)(stacked, p, cr, rk, r, s)
         d_sources, dqg = [_at(d_stacked, i) for i in range(len(xs))], sum(_at(terms, i) for i in range(len(xs)))
     return d_sources, (dqg if qs.qm is None else block_diag_rows(dqg, sets, h))
 

@@ -445,7 +445,14 @@ def _fsdp_rank(rank, world):
     ids = _ids(batch=4)[2 * rank: 2 * rank + 2]
     loss = model(ids, labels=ids, use_cache=False).loss
     loss.backward()
-    return float(loss), {n: p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
+    grads = {n: p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
+    # HF checkpointing under FSDP2: the layer's hooks (FSDP2's and ours) stay outside the
+    # recomputation; the gradients are the plain step's, bitwise
+    model.zero_grad()
+    model.activation_checkpointing_enable()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    same = all(np.array_equal(grads[n], p.grad.full_tensor().numpy()) for n, p in model.named_parameters())
+    return float(loss), grads, same
 
 
 def test_fsdp2_fully_shard_per_decoder_layer_equals_one_process():
@@ -460,6 +467,7 @@ def test_fsdp2_fully_shard_per_decoder_layer_equals_one_process():
         (loss / 2).backward()
         losses.append(float(loss))
     assert [r[0] for r in results] == pytest.approx(losses, rel=1e-6)
+    assert all(r[2] for r in results)  # checkpointed == plain on every rank
     grads = results[0][1]
     assert grads.keys() == {n for n, _ in model.named_parameters()}
     assert any("attnres" in n for n in grads)

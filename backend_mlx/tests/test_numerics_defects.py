@@ -80,6 +80,29 @@ def test_huge_sources_forward_and_gradients(impl, magnitude, dtype):
     assert_close("d_norm_weight", grads[-1], r["norm_weight"], grad=True)
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+def test_sources_near_the_top_of_the_fp32_range_keep_finite_source_gradients(stacked):
+    """|x| ~ 1e37 at D = 4100 (compiled): <d_out, x_i - out> ~ |x| sqrt(D) overflows float32 while
+    d_sources is of order 1 (C10.6).  d_query and d_norm_weight sum terms of ~1e39, which the spec
+    lets overflow: not compared here."""
+    rng = np.random.default_rng(37)
+    xs = np.asarray(1e37 * np.clip(rng.standard_normal((5, 3, 4100)), -3, 3), np.float32)
+    q = np.asarray(rng.standard_normal(4100) * 2 / np.sqrt(4100), np.float32)
+    g = np.asarray(1.0 + 0.25 * rng.standard_normal(4100), np.float32)
+    d_out = np.asarray(rng.standard_normal((3, 4100)), np.float32)
+
+    def f(*src):
+        return ops.depth_attention(src[0] if stacked else list(src), mx.array(q), mx.array(g))
+
+    with ops.use_implementation("compiled"):
+        _, grads = mx.vjp(f, [mx.array(xs)] if stacked else [mx.array(x) for x in xs], [mx.array(d_out)])
+    got = grads[0] if stacked else mx.stack(grads)
+    assert np.all(np.isfinite(np.array(got)))
+    want = ref.depth_attention_vjp(list(xs.astype(np.float64)), q.astype(np.float64), g.astype(np.float64),
+                                   d_out.astype(np.float64))["sources"]
+    assert_close("d_sources", got, np.stack(want), grad=True)
+
+
 @pytest.mark.parametrize("magnitude", [1e13, 1e25])
 def test_huge_partial_merge(impl, magnitude):
     xs, q, g, d_out, d_lse = _huge_inputs(magnitude, "float32", n=3)

@@ -169,6 +169,28 @@ def _key_grad(x, qg, r, s, *, scale, rms_path):
     return scale * (r[..., None] * qg - rms)
 
 
+def _key_grad_of(dzr, x, qg, r, s, *, scale, rms_path):
+    """dz_i dz_i/dx_i (`_key_grad` times dz_i) from dzr = dz_i r_i (dz_i itself without key norm):
+    scale dzr (qg - ((s r) / Dh)(r x)), `[..., H, Dh]`, the r-path dropped for a cached r as
+    there.  dz_i alone, ~|x| sqrt(Dh), would overflow fp32 for |x| ~ 1e37 (C10.6)."""
+    dzr = dzr[..., None]
+    if r is None or rms_path is False:
+        return scale * dzr * qg
+    rms = ((s * r) / x.shape[-1])[..., None] * (r[..., None] * x)
+    if rms_path is not True:
+        rms = rms_path * rms
+    return scale * dzr * (qg - rms)
+
+
+def _dot_scale(r: mx.array):
+    """(1 / a, a) `[..., H]`: a = 2^e per token and head, a power of two at least the largest rms
+    = 1 / r over the sources, 1 below rms 1, finite (`attend_backward`, C10.6)."""
+    e = mx.clip(mx.ceil(mx.log2(1.0 / mx.min(r, axis=0))), 0, int(math.log2(mx.finfo(r.dtype).max)))
+    e = mx.where(mx.isnan(e), 0, e)  # NaN sources (C12): unscaled, the NaN propagates as before
+    two = mx.array(2.0, dtype=r.dtype)
+    return mx.power(two, -e), mx.power(two, e)
+
+
 def _weights_lse(z: mx.array, activation: str):
     """z `[N, ...]` -> (p `[N, ...]`, lse `[...]` or None).  C12: NaN/inf propagate."""
     if activation == "sigmoid":
@@ -239,12 +261,21 @@ def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
         # the two dots over D are large and nearly equal, and fp32 loses their difference
         # (conformance's out_norm N3-T2-D4100 float32 row: d norm_weight 2.8e-4 off, 1e-4
         # allowed; 4.2e-5 this way).
-        dz = p * mx.stack([mx.sum(g_out * (xs[i] - y), axis=-1) for i in range(len(xs))])
+        # C10.6: of (x_i - out) / a (a = 2^e >= the token's largest rms, exact), and dz_i kept as
+        # dzr = dz_i r_i, its only use with the key norm: <g, x_i - out> overflows fp32 for
+        # |x| ~ 1e37 (D = 4100) while every source gradient is of order 1.
+        inv_a, a = (None, None) if r is None else _dot_scale(r)
+        unit = (lambda v: v) if r is None else (lambda v: v * inv_a[..., None])
+        dza = p * mx.stack([mx.sum(g_out * unit(xs[i] - y), axis=-1) for i in range(len(xs))])
+        dzr = dza if r is None else dza * (a * r)
         if d_lse is not None:
-            dz = dz + p * d_lse
+            dzr = dzr + p * d_lse * (1.0 if r is None else r)
     else:
-        dp = mx.stack([mx.sum(g_out * xs[i], axis=-1) for i in range(len(xs))])
-        dz = dp * p * (1.0 - p)
+        inv_a, a = (None, None) if r is None else _dot_scale(r)
+        unit = (lambda v: v) if r is None else (lambda v: v * inv_a[..., None])
+        dp = mx.stack([mx.sum(g_out * unit(xs[i]), axis=-1) for i in range(len(xs))])
+        dzr = dp * p * (1.0 - p) * (1.0 if r is None else a * r)
+    dz = dzr if r is None else dzr / r  # dz_i itself: only the gradient of a cached r reads it
     rs_stacked = isinstance(rs, mx.array)  # every r cached, one `[N, ..., H]` array
     rms_path = [False] * len(xs) if rs_stacked else [cached is None for cached in rs]
     if isinstance(xs, mx.array):
@@ -252,17 +283,16 @@ def attend_backward(xs: Sources, qg: mx.array, rs: Sequence[Optional[mx.array]],
             mask = all(rms_path)
         else:
             mask = mx.array(rms_path, dtype=qg.dtype).reshape((len(rs),) + (1,) * (xs.ndim - 1))
-        dxs = p[..., None] * g_out + dz[..., None] * _key_grad(xs, qg, r, s, scale=scale,
-                                                               rms_path=mask)
+        dxs = p[..., None] * g_out + _key_grad_of(dzr, xs, qg, r, s, scale=scale, rms_path=mask)
     else:
-        dxs = [p[i][..., None] * g_out + dz[i][..., None] * _key_grad(
-            x, qg, None if r is None else r[i], s[i], scale=scale, rms_path=rms_path[i])
+        dxs = [p[i][..., None] * g_out + _key_grad_of(
+            dzr[i], x, qg, None if r is None else r[i], s[i], scale=scale, rms_path=rms_path[i])
             for i, x in enumerate(xs)]
     if rs_stacked:
         drs = dz * scale * s
     else:
         drs = [None if cached is None else dz[i] * scale * s[i] for i, cached in enumerate(rs)]
-    dqg = _combine(dz * scale if r is None else dz * scale * r, xs)
+    dqg = _combine(dzr * scale, xs)
     return dxs, dqg, drs, dw
 
 

@@ -277,7 +277,8 @@ def check_reference(backend, golden, device, *, strided=False, check="tolerance"
     A backend that declares `forward_in_gradient_call = True` (its forward-only program runs the
     same code as the forward of its gradient program; see `adapters.jax`) gets one call per
     gradient case: the forward cell reads that call's outputs.  If that call raises, the forward
-    runs on its own, so a broken backward never hides the forward's status."""
+    runs on its own, so a broken backward never hides the forward's status.  The forward-only
+    program is still checked: `forward_only` cases have no gradient (`gradient=False`)."""
     if override is None and golden.op == "probe":
         override = "probe"
     flash = (check == "tolerance" and golden.dtype in LOW_PRECISION

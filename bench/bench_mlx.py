@@ -5,11 +5,11 @@ machine's CPU (or Metal where available).
     python bench/bench_mlx.py [--reps 10] [--out bench/results/mlx.md]
     python bench/bench_mlx.py --decode [--layers 16 32] [--reps 7]
 
-`--decode`: batch-1 single-token decode of `attnres_mlx.Transformer` (dim 128, 4 heads, a
-32-token prompt, 16 new tokens per rep) with PreNorm (kind standard), Full and Block (S = 8) at
+`--decode`: batch-1 single-token decode of `attnres_mlx.Transformer` (`--dim`, default 128; 4 heads, a
+32-token prompt, 16 x reps new tokens) with PreNorm (kind standard), Full and Block (S = 8) at
 L sublayers, eager (cache grown by concatenation) and `compile_step` (fixed-size cache, one
-trace), and the two-phase schedule for Block; the models take turns token run by token run in
-one process, so each ratio to PreNorm is measured under the same load.
+trace), direct and (Block) two-phase; the models take turns token by token in one process, so
+each ratio to PreNorm is measured under the same load.
 
 Reported per shape: median wall time, achieved GB/s on the minimal bytes (read N sources, write
 out; backward also reads d_out and writes N source gradients), that as a fraction of the
@@ -76,7 +76,7 @@ def _fwd_bwd(fn):
     return lambda xs, q, g, cot: grad(xs, q, g, cot)
 
 
-def _decode_models(num_layers):
+def _decode_models(num_layers, dim):
     from attnres_numpy.config import ResidualConfig
     configs = {"PreNorm": ResidualConfig.variant("standard"),
                "Full": ResidualConfig.variant("full"),
@@ -84,78 +84,70 @@ def _decode_models(num_layers):
     models = {}
     for name, cfg in configs.items():
         mx.random.seed(0)
-        model = A.Transformer(cfg, vocab_size=256, dim=128, num_blocks=num_layers // 2,
+        model = A.Transformer(cfg, vocab_size=256, dim=dim, num_blocks=num_layers // 2,
                               num_heads=4)
         mx.eval(model.parameters())
         models[name] = model
     return models
 
 
-def _decode_runs(models, prompt=32, new=16):
-    """name -> function timing `new` decode steps (seconds per token) after a prefill."""
-    tokens = mx.array([[1] * prompt])
-    runs = {}
+class _Decoder:
+    """One model decoding one sequence step by step: `step()` times one token (seconds)."""
 
-    def eager(model, schedule):
-        def run():
-            logits, cache = model(tokens, schedule=schedule)
-            tok = mx.argmax(logits[:, -1:], axis=-1)
-            mx.eval(tok, cache)
-            t0 = time.perf_counter()
-            for _ in range(new):
-                logits, cache = model(tok, cache, schedule=schedule)
-                tok = mx.argmax(logits[:, -1:], axis=-1)
-                mx.eval(tok, cache)
-            return (time.perf_counter() - t0) / new
-        return run
+    def __init__(self, model, mode, schedule, prompt, max_len):
+        self.model, self.mode, self.schedule = model, mode, schedule
+        tokens = mx.array([[1] * prompt])
+        if mode == "compiled":
+            self.fn = model.compile_step(schedule=schedule)
+            logits, self.cache = self.fn(tokens, model.make_cache(1, max_len), mx.array(0))
+        else:
+            logits, self.cache = model(tokens, schedule=schedule)
+        self.pos = prompt
+        self.tok = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(self.tok, self.cache)
 
-    def compiled(model, schedule):
-        step = model.compile_step(schedule=schedule)
-
-        def run():
-            cache = model.make_cache(1, prompt + new)
-            logits, cache = step(tokens, cache, mx.array(0))
-            tok = mx.argmax(logits[:, -1:], axis=-1)
-            mx.eval(tok, cache)
-            t0 = time.perf_counter()
-            for i in range(new):
-                logits, cache = step(tok, cache, mx.array(prompt + i))
-                tok = mx.argmax(logits[:, -1:], axis=-1)
-                mx.eval(tok, cache)
-            return (time.perf_counter() - t0) / new
-        return run
-
-    for name, model in models.items():
-        runs[name, "eager", "direct"] = eager(model, "direct")
-        runs[name, "compiled", "direct"] = compiled(model, "direct")
-        if name.startswith("Block"):
-            runs[name, "eager", "two_phase"] = eager(model, "two_phase")
-            runs[name, "compiled", "two_phase"] = compiled(model, "two_phase")
-    return runs
+    def step(self):
+        t0 = time.perf_counter()
+        if self.mode == "compiled":
+            logits, self.cache = self.fn(self.tok, self.cache, mx.array(self.pos))
+        else:
+            logits, self.cache = self.model(self.tok, self.cache, schedule=self.schedule)
+        self.tok = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(self.tok, self.cache)
+        self.pos += 1
+        return time.perf_counter() - t0
 
 
 def decode_main(args):
     load_before = os.getloadavg()[0]
     rows = []
+    prompt, steps = 32, 16 * args.reps
     for num_layers in args.layers:
-        runs = _decode_runs(_decode_models(num_layers))
-        for run in runs.values():  # traces, compiles
-            run()
-        times = {key: [] for key in runs}
-        for _ in range(args.reps):
-            for key, run in runs.items():
-                times[key].append(run())
-        for key in runs:
+        models = _decode_models(num_layers, args.dim)
+        keys = [(name, mode, "direct") for name in models for mode in ("eager", "compiled")]
+        keys += [(name, mode, "two_phase") for name in models if name.startswith("Block")
+                 for mode in ("eager", "compiled")]
+        decoders = {k: _Decoder(models[k[0]], k[1], k[2], prompt, prompt + steps + 4)
+                    for k in keys}
+        for d in decoders.values():  # the T = 1 trace / compiles
+            d.step()
+        times = {k: [] for k in keys}
+        for _ in range(steps - 1):  # round robin, one token each: every ratio under one load
+            for k, d in decoders.items():
+                times[k].append(d.step())
+        for key in keys:
             name, mode, schedule = key
             med, best = statistics.median(times[key]), min(times[key])
             base = times["PreNorm", mode, "direct"]
-            rows.append(f"| {num_layers} | {name} | {mode} | {schedule} | {med * 1e3:.2f} | "
+            rows.append(f"| {num_layers} | {args.dim} | {name} | {mode} | {schedule} | "
+                        f"{med * 1e3:.2f} | "
                         f"{med / statistics.median(base):.2f}x | {best / min(base):.2f}x |")
             print(rows[-1], flush=True)
     print(f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after; "
-          f"mlx {mx.__version__}; median and fastest of {args.reps} runs of 16 tokens")
-    print("| L | scheme | path | schedule | ms/token (median) | / PreNorm (median) | "
-          "/ PreNorm (fastest) |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+          f"mlx {mx.__version__}; per-token median and fastest of {steps - 1} tokens, models "
+          "taking turns token by token")
+    print("| L | D | scheme | path | schedule | ms/token (median) | / PreNorm (median) | "
+          "/ PreNorm (fastest) |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
 def main():
@@ -165,6 +157,7 @@ def main():
     ap.add_argument("--decode", action="store_true", help="the decode benchmark (see above)")
     ap.add_argument("--layers", type=int, nargs="+", default=[16],
                     help="--decode: sublayer counts L (even)")
+    ap.add_argument("--dim", type=int, default=128, help="--decode: model width D")
     args = ap.parse_args()
     if args.decode:
         return decode_main(args)

@@ -102,7 +102,8 @@ def load_kimi_k3(model, router: DepthRouter) -> None:
 
 
 def kimi_k3_logits(model, router: DepthRouter, inputs: mx.array, cache=None) -> mx.array:
-    """K3's logits `[B, T, V]` with its residual stream run by `router` (direct schedule): the
+    """K3's logits `[B, T, V]` (model: K3's `Model` or `LanguageModel`; inputs `[B, T]`; cache:
+    `model.make_cache()` or None) with its residual stream run by `router` (direct schedule): the
     embedding, every decoder layer's attention and MLP (each behind its own RMSNorm, with K3's
     masks and `cache`), the final norm and head.  Single pipeline stage only."""
     from mlx_lm.models.base import create_attention_mask, create_ssm_mask
@@ -119,9 +120,10 @@ def kimi_k3_logits(model, router: DepthRouter, inputs: mx.array, cache=None) -> 
         sublayers += [lambda x, ly=layer, m=mask, c=c: ly.self_attn(ly.input_layernorm(x), m, c),
                       lambda x, ly=layer: ly.mlp(ly.post_attention_layernorm(x))]
     out = text.norm(router(h, sublayers))
-    head = model.language_model.lm_head if hasattr(model, "language_model") else getattr(
-        model, "lm_head", None)
-    return text.embed_tokens.as_linear(out) if head is None else head(out)
+    lm = getattr(model, "language_model", model)
+    if not hasattr(lm, "lm_head"):
+        raise TypeError("model: kimi_k3_logits needs the K3 Model or LanguageModel (the head)")
+    return text.embed_tokens.as_linear(out) if lm.lm_head is None else lm.lm_head(out)
 
 
 # -- PreNorm decoders converted in place ------------------------------------------------------

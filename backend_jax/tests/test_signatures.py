@@ -24,7 +24,8 @@ def test_a_changed_module_default_fails(monkeypatch):
     """Seen failing: the Flax DepthRouter.__call__'s `mix` default changed."""
     from attnres_jax import modules
 
-    def call(self, embedding, sublayers, *, schedule="direct", mix=1.0, scale=None):
+    def call(self, embedding, sublayers, *, schedule="direct", mix=1.0, scale=None, observer=None,
+             remat=None):
         pass
 
     monkeypatch.setattr(modules.DepthRouter, "__call__", call)

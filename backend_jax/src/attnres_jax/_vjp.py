@@ -47,24 +47,27 @@ def _like_primals(cotangents, primals):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attend(impl, opts: Options, sources, query, norm_weight, out_norm_weight=None):
+def attend(impl, opts: Options, sources, query, norm_weight, out_norm_weight=None, num_valid=None):
     """sources N x `[..., D]` or `[N, ..., D]`; query `[D]`, `[..., D]` or `[S, D]` (multi);
-    out_norm_weight `[D]` or None (C17: needs `opts.out_norm_eps`).
+    out_norm_weight `[D]` or None (C17: needs `opts.out_norm_eps`); num_valid: None or a 0-d
+    integer array, the sources attended (the others masked: XLA only, `_xla.forward`).
     Returns out `[S, ..., D]` (sources' dtype), out_normed `[S, ..., D]` (sources' dtype) or None,
     lse `[S, ..., H]` (compute dtype) or None, weights `[N, S, ..., H]` (compute dtype)."""
-    return _attend_fwd(impl, opts, sources, query, norm_weight, out_norm_weight)[0]
+    return _attend_fwd(impl, opts, sources, query, norm_weight, out_norm_weight, num_valid)[0]
 
 
-def _attend_fwd(impl, opts: Options, sources, query, norm_weight, out_norm_weight=None):
+def _attend_fwd(impl, opts: Options, sources, query, norm_weight, out_norm_weight=None, num_valid=None):
     xs = unstack(sources)
     ct = compute_dtype(xs[0].dtype)  # C10
     qs = _xla.query_side(query, norm_weight, opts, xs[0].shape[-1], ct)
     normed, saved = None, None
+    mask = {} if num_valid is None else {"num_valid": num_valid}  # masked rows: p = 0, no backward change
     if opts.out_norm_eps is None:
         run = impl.phase1 if opts.multi else impl.forward
-        out, lse, p, r, s = run(xs, qs, opts, ct)
+        out, lse, p, r, s = run(xs, qs, opts, ct, **mask)
     else:  # C17: out_normed from out in the compute dtype, in the same pass
-        out, lse, p, r, s, normed, saved = impl.forward_normed(xs, qs, opts, ct, out_norm_weight.astype(ct))
+        out, lse, p, r, s, normed, saved = impl.forward_normed(xs, qs, opts, ct, out_norm_weight.astype(ct),
+                                                               **mask)
         normed = normed.astype(xs[0].dtype)  # C10: its one final cast
     sets = qs.num_sets
     out = out.astype(xs[0].dtype)  # C10: the one final cast
@@ -94,7 +97,7 @@ def _attend_bwd(impl, opts: Options, res, cotangents):
     if norm_weight is not None:
         d_norm = sum_to(dqg * qs.q, qs.g.shape).reshape(norm_weight.shape).astype(norm_weight.dtype)
     return _like_primals((restack(d_sources, sources), d_query, d_norm, d_onw),
-                         (sources, query, norm_weight, out_norm_weight))
+                         (sources, query, norm_weight, out_norm_weight)) + (None,)
 
 
 attend.defvjp(_attend_fwd, _attend_bwd)

@@ -261,10 +261,11 @@ def _stacked(xs: list):
     return jnp.stack(xs) if len(xs) > UNROLL_MAX else None
 
 
-def forward(xs: list, qs: Query, opts: Options, ct):
+def forward(xs: list, qs: Query, opts: Options, ct, num_valid=None):
     """Forward over N sources `[..., D]` (spec 2.1, 3.1).  Returns out `[S, ..., D]` (compute
     dtype), lse `[..., K]` (None for sigmoid) and the residual statistics p, s `[N, ..., K]`,
-    r `[N, ..., H]`."""
+    r `[N, ..., H]`.  num_valid: None or a 0-d integer n: sources i >= n get the logit -inf, so
+    p_i = 0 exactly and `backward` gives them (and takes from them) exact zeros."""
     h, sets, dim = opts.num_heads, qs.num_sets, xs[0].shape[-1]
     stacked = _stacked(xs)
 
@@ -278,6 +279,8 @@ def forward(xs: list, qs: Query, opts: Options, ct):
 
     r, s = _per_source(stats, xs, stacked)
     z = opts.scale * tile_sets(r, sets) * s
+    if num_valid is not None:
+        z = jnp.where(jax.lax.broadcasted_iota(jnp.int32, z.shape, 0) < num_valid, z, -jnp.inf)
     if opts.activation == "softmax":
         m = jnp.max(z, axis=0)  # C10.4: subtract the maximum
         e = jnp.exp(z - _lead(m))
@@ -380,12 +383,12 @@ def out_norm_vjp(y, rho, w, d_out, d_normed):
     return g_total, sum_to(d_normed * y_hat, w.shape)
 
 
-def forward_normed(xs: list, qs: Query, opts: Options, ct, w):
+def forward_normed(xs: list, qs: Query, opts: Options, ct, w, num_valid=None):
     """`forward` and the fused output norm in the same program (C17), w `[D]` in `ct`: returns
     out, lse, p, r, s as `forward` does, out_normed `[1, ..., D]` (compute dtype) and the saved
     (y, rho) for `backward_normed`: y is out in the compute dtype (for float32/float64 sources
     the very array returned as out, so no extra memory; a float32 copy for 16-bit sources)."""
-    out, lse, p, r, s = forward(xs, qs, opts, ct)
+    out, lse, p, r, s = forward(xs, qs, opts, ct, num_valid)
     y = _at(out, 0)
     normed, rho = out_norm(y, w, opts.out_norm_eps)
     return out, lse, p, r, s, _lead(normed), (y, rho)

@@ -4,20 +4,35 @@
 * `DepthRouter`: every `ResidualConfig` scheme around the user's sublayers; its parameters are
   named and shaped exactly as `ResidualConfig.param_shapes(L, D)` (so reference/probe params load
   1:1 with `load_params`) and initialized per the spec (M8, `ResidualConfig.init_params`).
-* `Transformer`: a small causal decoder (attention and MLP sublayers, M1) built on the router.
+* `Transformer`: a small causal decoder (attention and MLP sublayers, M1) built on the router,
+  unrolled or layer-scanned (`scan_layers`), with partitioning metadata on its parameters.
+
+Partitioning: every weight matrix carries `nnx.with_partitioning` metadata over one tensor-
+parallel mesh axis `TENSOR_AXIS` ("model"; Megatron layout: qkv / MLP-up column-parallel,
+attention-out / MLP-down row-parallel, vocab-parallel embedding and head); the router's
+parameters, the norms' gains and the biases of row-parallel layers are replicated.
+`nnx.get_named_sharding(nnx.state(model), mesh)` gives the shardings of a mesh with that axis
+(and any data axes: the batch is the caller's).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from attnres_numpy.config import ResidualConfig
+from attnres_numpy.schedule import ScheduleObserver
 from flax import nnx
+from flax.core import meta as flax_meta
+from flax.nnx.nn import linear as flax_linear
 
 from .ops import depth_attention, dtype_name
-from .router import HIGHEST, Sublayer, stack_apply
+from .router import HIGHEST, Sublayer, scan_apply, stack_apply
+
+#: The mesh axis of tensor parallelism in the modules' partitioning metadata.
+TENSOR_AXIS = "model"
 
 
 class DepthAttention(nnx.Module):
@@ -76,11 +91,19 @@ class DepthRouter(nnx.Module):
             var[...] = params[name].astype(var[...].dtype)
 
     def __call__(self, embedding, sublayers: Sequence[Sublayer], *, schedule: str = "direct",
-                 mix=None, scale=None):
+                 mix=None, scale=None, observer: Optional[ScheduleObserver] = None,
+                 remat: Optional[str] = None):
         """mix, scale: the M10 per-call inputs of `stack_apply` (progressive introduction,
-        temperature)."""
+        temperature; arrays trace under `jit`); observer, remat: as in `stack_apply`."""
         return stack_apply(self.config, self.params(), embedding, sublayers, schedule=schedule,
-                           mix=mix, scale=scale)
+                           mix=mix, scale=scale, observer=observer, remat=remat)
+
+    def scan(self, embedding, sublayers: Sequence, layer_params, *, mix=None, scale=None,
+             remat: Optional[str] = None, unroll: int = 1):
+        """The layer-scanned form (`scan_apply`): sublayers `f_j(p, h)` over the slices p of
+        `layer_params` (leaves `[n, ...]`, L = n * len(sublayers))."""
+        return scan_apply(self.config, self.params(), embedding, sublayers, layer_params, mix=mix,
+                          scale=scale, remat=remat, unroll=unroll)
 
 
 def _identity(h):
@@ -88,13 +111,28 @@ def _identity(h):
     return h
 
 
+def _kernel(spec):
+    """nnx.Linear's default kernel init with partitioning metadata `spec` (`TENSOR_AXIS`)."""
+    return nnx.with_partitioning(flax_linear.default_kernel_init, spec)
+
+
+_COLUMN, _ROW = (None, TENSOR_AXIS), (TENSOR_AXIS, None)
+
+
+def _linear(d_in: int, d_out: int, spec, rngs: nnx.Rngs, dtype, *, use_bias: bool = False) -> nnx.Linear:
+    bias = {"bias_init": nnx.with_partitioning(flax_linear.default_bias_init, (spec[1],))} if use_bias else {}
+    return nnx.Linear(d_in, d_out, use_bias=use_bias, precision=HIGHEST, kernel_init=_kernel(spec),
+                      param_dtype=dtype, rngs=rngs, **bias)
+
+
 class _Attention(nnx.Module):
     """Causal multi-head self-attention sublayer with its own pre-RMSNorm: `[B, T, D] -> [B, T, D]`."""
 
-    def __init__(self, dim: int, num_heads: int, eps: float, rngs: nnx.Rngs, prenorm: bool = True):
-        self.norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs) if prenorm else _identity
-        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, precision=HIGHEST, rngs=rngs)
-        self.out = nnx.Linear(dim, dim, use_bias=False, precision=HIGHEST, rngs=rngs)
+    def __init__(self, dim: int, num_heads: int, eps: float, rngs: nnx.Rngs, prenorm: bool = True,
+                 dtype=jnp.float32):
+        self.norm = nnx.RMSNorm(dim, epsilon=eps, param_dtype=dtype, rngs=rngs) if prenorm else _identity
+        self.qkv = _linear(dim, 3 * dim, _COLUMN, rngs, dtype)
+        self.out = _linear(dim, dim, _ROW, rngs, dtype)
         self.num_heads = num_heads
 
     def __call__(self, h):
@@ -110,13 +148,44 @@ class _Attention(nnx.Module):
 class _MLP(nnx.Module):
     """GELU MLP sublayer with its own pre-RMSNorm: `[..., D] -> [..., D]`."""
 
-    def __init__(self, dim: int, hidden: int, eps: float, rngs: nnx.Rngs, prenorm: bool = True):
-        self.norm = nnx.RMSNorm(dim, epsilon=eps, rngs=rngs) if prenorm else _identity
-        self.up = nnx.Linear(dim, hidden, precision=HIGHEST, rngs=rngs)
-        self.down = nnx.Linear(hidden, dim, precision=HIGHEST, rngs=rngs)
+    def __init__(self, dim: int, hidden: int, eps: float, rngs: nnx.Rngs, prenorm: bool = True,
+                 dtype=jnp.float32):
+        self.norm = nnx.RMSNorm(dim, epsilon=eps, param_dtype=dtype, rngs=rngs) if prenorm else _identity
+        self.up = _linear(dim, hidden, _COLUMN, rngs, dtype, use_bias=True)
+        self.down = _linear(hidden, dim, _ROW, rngs, dtype, use_bias=True)
 
     def __call__(self, h):
         return self.down(jax.nn.gelu(self.up(self.norm(h))))
+
+
+class _Block(nnx.Module):
+    """One transformer block's two sublayers (attention, MLP), the period of a scanned stack."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int, eps: float, rngs: nnx.Rngs,
+                 prenorm: bool, dtype):
+        self.attention = _Attention(dim, num_heads, eps, rngs, prenorm=prenorm, dtype=dtype)
+        self.mlp = _MLP(dim, mlp_ratio * dim, eps, rngs, prenorm=prenorm, dtype=dtype)
+
+
+def _stacked(modules: list) -> nnx.Module:
+    """One module of the same structure whose every variable stacks the modules' `[n, ...]`;
+    partitioning metadata gains a leading None (the layer axis is not sharded)."""
+    graphdef, first = nnx.split(modules[0])
+    states = [first] + [nnx.split(m)[1] for m in modules[1:]]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    module = nnx.merge(graphdef, stacked)
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Variable) and var.get_metadata().get("out_sharding"):
+            var.set_metadata(out_sharding=(None,) + tuple(var.get_metadata()["out_sharding"]))
+    return module
+
+
+def _partitioning_context():
+    """Record partitioning metadata without placing values when no mesh is active (flax's
+    eager sharding needs one); under a mesh, flax places the values as it creates them."""
+    if flax_meta.get_global_mesh() is None:
+        return nnx.use_eager_sharding(False)
+    return contextlib.nullcontext()
 
 
 class Transformer(nnx.Module):
@@ -127,25 +196,56 @@ class Transformer(nnx.Module):
     the PreNorm baseline.  With `config.fuse_out_norm` (M15) the router owns the pre-norm and
     final-norm gains (`out_norm_weights`, eps = config.eps, so `eps` must equal it) and hands each
     sublayer its normed input; the model's own norms are then not created.
+
+    scan_layers: False (`sublayers`, a list of 2 * num_blocks modules, run unrolled by
+    `stack_apply`) or True (`blocks`, one `_Block` whose variables are stacked
+    `[num_blocks, ...]`, run by one `scan_apply` over the blocks: compile time flat in depth;
+    kinds standard, scalar, gated, full, block, direct schedule).  Both draw the same weights
+    from the same rngs, and give the same logits.  The unrolled form steps faster at small depth
+    and supports every kind, schedule and observer; see docs/benchmarks.md for where the
+    scanned form wins on the CPU.
+    remat: None, "recompute" or "offload" (`attnres_jax.router.remat_policy`) for every call.
+    param_dtype: the dtype of every parameter (the stream runs in the embedding's, M1a).
     """
 
     def __init__(self, config: ResidualConfig, *, vocab_size: int, dim: int, num_blocks: int,
-                 num_heads: int, rngs: nnx.Rngs, eps: float = 1e-6, mlp_ratio: int = 4):
+                 num_heads: int, rngs: nnx.Rngs, eps: float = 1e-6, mlp_ratio: int = 4,
+                 scan_layers: bool = False, remat: Optional[str] = None, param_dtype=jnp.float32):
         fused = config.fuse_out_norm  # M15
         if fused and eps != config.eps:
             raise ValueError(f"eps: with fuse_out_norm the router's norms use config.eps = "
                              f"{config.eps}, so the model's eps must equal it; got eps={eps}")
-        self.embed = nnx.Embed(vocab_size, dim, rngs=rngs)
-        sublayers = []
-        for _ in range(num_blocks):
-            sublayers.append(_Attention(dim, num_heads, eps, rngs, prenorm=not fused))
-            sublayers.append(_MLP(dim, mlp_ratio * dim, eps, rngs, prenorm=not fused))
-        self.sublayers = nnx.List(sublayers)
-        self.router = DepthRouter(config, 2 * num_blocks, dim)
-        self.final_norm = _identity if fused else nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
-        self.head = nnx.Linear(dim, vocab_size, use_bias=False, precision=HIGHEST, rngs=rngs)
+        with _partitioning_context():
+            self.embed = nnx.Embed(vocab_size, dim, param_dtype=param_dtype, rngs=rngs,
+                                   embedding_init=nnx.with_partitioning(flax_linear.default_embed_init, _ROW))
+            blocks = [_Block(dim, num_heads, mlp_ratio, eps, rngs, not fused, param_dtype)
+                      for _ in range(num_blocks)]
+            if scan_layers:
+                self.blocks = _stacked(blocks)
+            else:
+                self.sublayers = nnx.List([m for b in blocks for m in (b.attention, b.mlp)])
+            self.router = DepthRouter(config, 2 * num_blocks, dim, dtype=param_dtype)
+            self.final_norm = _identity if fused else nnx.RMSNorm(dim, epsilon=eps, param_dtype=param_dtype,
+                                                                  rngs=rngs)
+            self.head = _linear(dim, vocab_size, _COLUMN, rngs, param_dtype)
+        self.scan_layers, self.remat = scan_layers, remat
 
-    def __call__(self, tokens, *, schedule: str = "direct", mix=None, scale=None):
-        h = self.router(self.embed(tokens), list(self.sublayers), schedule=schedule, mix=mix,
-                        scale=scale)
+    def __call__(self, tokens, *, schedule: str = "direct", mix=None, scale=None,
+                 observer: Optional[ScheduleObserver] = None):
+        """tokens `[B, T]` -> logits `[B, T, vocab]`; schedule, mix, scale, observer as in
+        `stack_apply` (mix and scale may be traced arrays).  scan_layers=True: direct schedule,
+        no observer (ValueError)."""
+        x = self.embed(tokens)
+        if not self.scan_layers:
+            h = self.router(x, list(self.sublayers), schedule=schedule, mix=mix, scale=scale,
+                            observer=observer, remat=self.remat)
+            return self.head(self.final_norm(h))
+        if schedule != "direct" or observer is not None:
+            raise ValueError("schedule/observer: the layer-scanned Transformer runs the direct "
+                             "schedule without observers; build it with scan_layers=False for "
+                             f"those (got schedule={schedule!r}, observer={observer!r})")
+        graphdef, state = nnx.split(self.blocks)
+        sublayers = (lambda p, h: nnx.merge(graphdef, p).attention(h),
+                     lambda p, h: nnx.merge(graphdef, p).mlp(h))
+        h = self.router.scan(x, sublayers, state, mix=mix, scale=scale, remat=self.remat)
         return self.head(self.final_norm(h))

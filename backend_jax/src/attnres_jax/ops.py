@@ -68,6 +68,7 @@ def depth_attention(
     return_weights: bool = False,
     out_norm_weight=None,
     out_norm_eps: Optional[float] = None,
+    num_valid=None,
     impl: Optional[str] = None,
 ):
     """Depth attention over N sources (spec section 2, C1-C12; the fused output norm C17, 2.6).
@@ -84,6 +85,10 @@ def depth_attention(
         channels, from out in the compute dtype in the same pass (differentiable, also in
         out_norm_weight).
       out_norm_eps: that norm's eps (None: `eps`); only with out_norm_weight.
+      num_valid: None, or an int / 0-d integer array n (traced under `jit` or `scan`, 1 <= n <= N;
+        the value is not checked) for stacked sources `[N, ..., D]`: only the first n rows are
+        attended, the others are masked (logit -inf: weight and gradient exact zeros, so the
+        result is that of the n rows alone when the masked rows are finite).  XLA only.
       impl: None (automatic: Pallas kernels where they apply on GPU/TPU, else XLA), "xla" or
         "pallas" (ValueError if the kernels cannot run the call); see `pallas.dispatch`.
 
@@ -100,11 +105,22 @@ def depth_attention(
         out_norm_eps=out_norm_eps,
     )
     normed = out_norm_weight is not None
+    if num_valid is not None:
+        if not stacked:
+            raise ValueError("num_valid: needs the sources stacked as one array [N, ..., D], "
+                             "got a list of arrays")
+        if impl == "pallas":
+            raise ValueError("impl='pallas' cannot run a masked read (num_valid); use impl=None or 'xla'")
+        num_valid, impl = as_array(num_valid), "xla"
+        if num_valid.shape != () or not jax.numpy.issubdtype(num_valid.dtype, jax.numpy.integer):
+            raise ValueError(f"num_valid: expected an int or a 0-d integer array, got shape "
+                             f"{num_valid.shape} dtype {num_valid.dtype}")
     opts = Options(float(eps), float(scale), geo.num_heads, activation, key_norm, multi=False,
                    out_norm_eps=float(geo.out_norm_eps) if normed else None)
     chosen = dispatch.select(impl, _request("depth_attention", shapes[0], dtypes[0], num_heads=geo.num_heads,
                                             num_sources=len(shapes), per_token=query.ndim > 1, out_norm=normed))
-    out, out_normed, lse, p = _vjp.attend(chosen, opts, sources, query, norm_weight, out_norm_weight)
+    out, out_normed, lse, p = _vjp.attend(chosen, opts, sources, query, norm_weight, out_norm_weight,
+                                          num_valid)
     extra = [out_normed[0]] if normed else []
     if return_lse:
         extra.append(lse[0] if geo.num_heads > 1 else lse[0, ..., 0])

@@ -112,6 +112,31 @@ class ResidualOps:
         `rmsnorm` times the weight cast to x's dtype (a backend with a fused RMSNorm overrides)."""
         return self.mul(self.rmsnorm(x, eps), self.cast_like(weight, x))
 
+    def where(self, cond, a: Array, b: Array) -> Array:
+        """a where the (possibly traced) boolean scalar cond holds, else b (`FixedResidualStream`)."""
+        raise NotImplementedError
+
+    def rows_init(self, first: Array, rows: int) -> Array:
+        """A buffer `[rows, ..., D]` in first's dtype: row 0 = first `[..., D]`, the others zero
+        (`FixedResidualStream`)."""
+        raise NotImplementedError
+
+    def write_row(self, buffer: Array, index, value: Array) -> Array:
+        """buffer `[R, ..., D]` with row `index` (an int or a traced integer) replaced by value
+        `[..., D]`; a new array, buffer itself unchanged."""
+        raise NotImplementedError
+
+    def depth_attention_prefix(self, buffer: Array, count, query: Array,
+                               norm_weight: Optional[Array], config: ResidualConfig, *,
+                               return_weights: bool, out_norm_weight: Optional[Array] = None) -> tuple:
+        """`depth_attention` over the first `count` rows of buffer `[R, ..., D]` (count an int or
+        a traced integer, 1 <= count <= R): the other rows are masked and contribute exact zeros
+        (weight 0, gradient 0).  Default: the read of the rows as a list (count must be an int;
+        source stats None)."""
+        rows = [self.take(buffer, i) for i in range(count)]
+        return self.depth_attention(rows, [None] * count, query, norm_weight, config,
+                                    return_weights=return_weights, out_norm_weight=out_norm_weight)
+
     def source_stats(self, value: Array, config: ResidualConfig) -> Any:
         """Per-source statistics kept beside a sealed source and handed back to every later
         depth-attention read of it (MLX: its inverse RMS, computed once).  Default: None."""
@@ -183,7 +208,7 @@ class ResidualStream:
         if not isinstance(config, ResidualConfig):
             raise TypeError(f"config: expected a ResidualConfig, got {type(config).__name__}")
         config.check_schedule(schedule)
-        config = with_call_scale(config, scale)
+        config, self._query_scale = call_scale(config, scale)
         alpha = check_mix(mix, config)
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
@@ -301,16 +326,19 @@ class ResidualStream:
         `<q_r, (x @ P) * g_r> = <x, (q_r * g_r) @ P^T>`, the op gets the D-dim query
         `(q_r * g_r) @ P^T` and no gain.  It is formed and kept in the compute dtype (C10: float32,
         float64 for float64; the ops take a query of any floating dtype), so low precision rounds
-        q_r at most, not the D-dim query again."""
+        q_r at most, not the D-dim query again.  An array call scale (`call_scale`) multiplies
+        the query, in the compute dtype."""
         ops = self.ops
         gain = ops.param("norm_weights", rows)
-        if self.config.key_rank is None:
-            return q, gain
-        q = ops.to_compute(q)
-        if gain is not None:
-            q = ops.mul(ops.to_compute(gain), q)
-        P = ops.to_compute(ops.param("key_projection", slice(None)))
-        return ops.matmul(q, ops.transpose(P)), None
+        if self.config.key_rank is not None:
+            q = ops.to_compute(q)
+            if gain is not None:
+                q = ops.mul(ops.to_compute(gain), q)
+            P = ops.to_compute(ops.param("key_projection", slice(None)))
+            q, gain = ops.matmul(q, ops.transpose(P)), None
+        if self._query_scale is not None:  # M10, an array scale: z_i is linear in the query
+            q = ops.mul(ops.to_compute(q), self._query_scale)
+        return q, gain
 
     def _weighted_sum(self, row: int) -> Array:
         """M7 static: h = sum_{i <= r} depth_weights[r, i] v_i (DenseFormer-style)."""
@@ -386,15 +414,8 @@ class ResidualStream:
             self.observer.sublayer(l, self._last_input, v)
         if self.standard is not None:  # M10: the PreNorm state beside the scheme's own
             self.standard = ops.add(self.standard, v)
-        if cfg.kind == "standard":  # M7: h_{l+1} = h_l + v_l
-            self.h = ops.add(self.h, v)
-        elif cfg.kind == "scalar":  # M7: h_{l+1} = h_l + alpha_l v_l
-            self.h = ops.add(self.h, ops.mul(ops.param("alphas", row, like=v), v))
-        elif cfg.kind == "gated":  # M7: h_{l+1} = h_l + sigmoid(rmsnorm(h_l) @ W_l + b_l) * v_l
-            h = self.h
-            logits = ops.matmul(ops.rmsnorm(h, cfg.eps), ops.param("gate_weights", row, like=h))
-            gate = ops.sigmoid(ops.add(logits, ops.param("gate_biases", row, like=h)))
-            self.h = ops.add(h, ops.mul(gate, v))
+        if cfg.kind in ADDITIVE_KINDS:
+            self.h = self._additive_step(self.h, v, row)
         elif cfg.kind == "block":  # M3: the partial sum; sealed at the block's last sublayer
             self.partial = v if self.partial is None else ops.add(self.partial, v)
             if l % cfg.block_size == 0 or l == self.num_layers:
@@ -414,6 +435,19 @@ class ResidualStream:
                 self._summarize(l)
         self._last_input = None
         self.layer += 1
+
+    def _additive_step(self, h: Array, v: Array, row) -> Array:
+        """M7: h_{l+1} of the additive kinds from h_l, v_l and row r = l - 1 (an int, or a traced
+        integer in `FixedResidualStream`)."""
+        cfg, ops = self.config, self.ops
+        if cfg.kind == "standard":  # M7: h_{l+1} = h_l + v_l
+            return ops.add(h, v)
+        if cfg.kind == "scalar":  # M7: h_{l+1} = h_l + alpha_l v_l
+            return ops.add(h, ops.mul(ops.param("alphas", row, like=v), v))
+        # gated, M7: h_{l+1} = h_l + sigmoid(rmsnorm(h_l) @ W_l + b_l) * v_l
+        logits = ops.matmul(ops.rmsnorm(h, cfg.eps), ops.param("gate_weights", row, like=h))
+        gate = ops.sigmoid(ops.add(logits, ops.param("gate_biases", row, like=h)))
+        return ops.add(h, ops.mul(gate, v))
 
     def _summarize(self, pushed: int) -> None:
         """M14 after v_l (l = pushed): the next reader (sublayer l + 1, or the output) sees block
@@ -450,6 +484,126 @@ class ResidualStream:
         return self._handed(*self._read(L, L + 1), L)
 
 
+FIXED_KINDS = ADDITIVE_KINDS + ("full", "block")
+
+
+class FixedResidualStream(ResidualStream):
+    """The direct schedule over a state of one shape at every sublayer, so a loop over layers
+    can be one traced body whatever L is (`jax.lax.scan`): `layer` may be a traced integer.
+
+    Kinds (`FIXED_KINDS`): the additive kinds (state h_l), "full" (M2: a history buffer
+    `[L + 1, ..., D]`, row j = v_j, rows >= l not yet written and zero) and "block" (M3: a block
+    buffer `[ceil(L / S) + 1, ..., D]`, row 0 = v_0 = b_0, row n = b_n; the running partial sum
+    of the current block lives in its own row until it is complete).  A read at sublayer l
+    attends the first `count(l)` rows of the buffer (`ResidualOps.depth_attention_prefix`): the
+    rows not yet written are masked and contribute exact zeros, so it is exactly the read of
+    `ResidualStream` over the same sources in the same order (full: v_0..v_{l-1}; block:
+    b_0..b_{n-1} and the partial).  With a mix (M10) the state also holds the PreNorm sum.
+
+    Protocol: as `ResidualStream` (`input`, `push`, `output`); `state` is the tuple of arrays
+    that changes from sublayer to sublayer (a scan's carry) and `load(state, layer)` resumes a
+    stream at sublayer `layer` (1-based) holding that state.  Not here: the two-phase
+    schedule, observers, kinds window / static / hybrid (their sources are not a prefix).
+    """
+
+    def __init__(self, config: ResidualConfig, ops: ResidualOps, embedding: Array, *,
+                 num_layers: int, mix=None, scale=None):
+        if isinstance(config, ResidualConfig) and config.kind not in FIXED_KINDS:
+            raise ValueError(f"config: the fixed-shape stream runs kinds {FIXED_KINDS}, got "
+                             f"kind={config.kind!r}")
+        super().__init__(config, ops, embedding, num_layers=num_layers, mix=mix, scale=scale)
+        self.buffer = None
+        if self.config.kind in ("full", "block"):
+            self.buffer = ops.rows_init(embedding, self.count(num_layers + 1))
+
+    @property
+    def state(self) -> tuple:
+        """(h, buffer, standard): the arrays that change per sublayer (None where unused)."""
+        additive = self.config.kind in ADDITIVE_KINDS
+        return (self.h if additive else None, self.buffer, self.standard)
+
+    def load(self, state: tuple, layer) -> None:
+        """Resume at sublayer `layer` (an int or a traced integer, 1-based) holding `state`."""
+        self.h, self.buffer, self.standard = state
+        self.layer = layer
+        self._last_input = None
+
+    def count(self, layer):
+        """Rows of the buffer that sublayer `layer` (L + 1: the output) reads: full l (v_0..v_{l-1},
+        M2); block ceil((l - 1) / S) + 1 (b_0..b_n and the partial sum when inside a block, M3)."""
+        if self.config.kind == "full":
+            return layer
+        S = self.config.block_size
+        return (layer - 1 + S - 1) // S + 1
+
+    def _query_row(self, layer):
+        """M11 `config.query_row` for a sublayer 1 <= l <= L given as an int or a traced integer."""
+        cfg = self.config
+        if cfg.query_sharing == "block":
+            return (layer - 1) // cfg.block_size
+        return 0 if cfg.query_sharing == "stack" else layer - 1
+
+    def _prefix_read(self, row, layer, qrow) -> tuple:
+        """(h, normed or None) of sublayer `layer` (row r; its query row qrow): the masked read of
+        the buffer's first count(layer) rows, blended under a mix (M10) as `_read` does."""
+        cfg, ops = self.config, self.ops
+        count = self.count(layer)
+        if cfg.query == "static":  # M6
+            q = ops.param("queries", qrow)
+        else:  # M6: the most recent source is the last row read
+            last = ops.take(self.buffer, count - 1)
+            q = ops.matmul(ops.rmsnorm(last, cfg.eps), ops.param("query_weights", qrow, like=last))
+        q, gain = self._query_and_gain(q, qrow)
+        fuse = cfg.fuse_out_norm and self.mix is None
+        result = ops.depth_attention_prefix(self.buffer, count, q, gain, cfg, return_weights=False,
+                                            out_norm_weight=self._out_norm_weight(row) if fuse else None)
+        if fuse:
+            return result[0], result[1]
+        return self._blend(result[0]), None
+
+    def input(self) -> Array:
+        """h_l (or its normed form, M15) for sublayer l = `layer`."""
+        kind, layer = self.config.kind, self.layer
+        row = layer - 1
+        normed = None
+        if kind in ADDITIVE_KINDS:
+            h = self.h
+        elif self._standard_only:  # M10 at alpha = 0
+            h = self.standard
+        else:
+            h, normed = self._prefix_read(row, layer, self._query_row(layer))
+        self._last_input = h
+        return self._handed(h, normed, row)
+
+    def push(self, v: Array) -> None:
+        """Record v_l (M1a: in the stream's dtype): full writes row l, block adds v_l to the
+        current block's row (v_l itself at the block's first sublayer)."""
+        cfg, ops, layer = self.config, self.ops, self.layer
+        v = ops.cast_like(v, self._embedding)  # M1a
+        if self.standard is not None:  # M10
+            self.standard = ops.add(self.standard, v)
+        if cfg.kind in ADDITIVE_KINDS:
+            self.h = self._additive_step(self.h, v, layer - 1)
+        elif cfg.kind == "full":  # M2
+            self.buffer = ops.write_row(self.buffer, layer, v)
+        else:  # M3: the partial sum, left to right; complete when the next block starts
+            S = cfg.block_size
+            slot = (layer - 1) // S + 1
+            partial = ops.where((layer - 1) % S == 0, v, ops.add(ops.take(self.buffer, slot), v))
+            self.buffer = ops.write_row(self.buffer, slot, partial)
+        self._last_input = None
+        self.layer = layer + 1
+
+    def output(self) -> Array:
+        """h_{L+1} after all L sublayers (M4: row L; M15: normed)."""
+        kind, L = self.config.kind, self.num_layers
+        if kind in ADDITIVE_KINDS:
+            return self.h
+        if self._standard_only:
+            return self._handed(self.standard, None, L)
+        return self._handed(*self._prefix_read(L, L + 1, self.config.query_row(L + 1, L)), L)
+
+
 def split_result(result, out_norm_weight, return_weights: bool) -> tuple:
     """An op's `out` / `(out, out_normed?, weights?)` as the stream's `(out, weights)` or, with
     out_norm_weight (M15), `(out, out_normed, weights)`; weights None unless asked for."""
@@ -475,6 +629,20 @@ def check_mix(mix, config: ResidualConfig) -> Optional[float]:
     if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0.0 <= float(mix) <= 1.0:
         raise ValueError(f"mix: expected a real number in [0, 1] or None, got {mix!r}")
     return None if float(mix) == 1.0 else float(mix)
+
+
+def call_scale(config: ResidualConfig, scale) -> tuple:
+    """M10: (config, query factor) of a per-call scale.  None or a finite real: (`with_call_scale`,
+    None).  A 0-d array (e.g. traced under jax.jit, so one compiled step serves every temperature
+    of a schedule): (config with scale 1, the array), and the stream multiplies every query by
+    it; the logit `scale * r_i * <q * g, v_i>` is linear in q, so this is the same function
+    (rounded differently at the last bit, and differentiable in the scale).  Its value is not
+    checked."""
+    if not isinstance(scale, (bool, numbers.Real)) and getattr(scale, "shape", None) == ():
+        if not config.is_attention:  # no depth-attention logit to scale (as for a float)
+            return config, None
+        return dataclasses.replace(config, scale=1.0), scale
+    return with_call_scale(config, scale), None
 
 
 def with_call_scale(config: ResidualConfig, scale) -> ResidualConfig:

@@ -1,9 +1,11 @@
 """Activation memory and step time of the memory modes (`attnres_torch.memory`), issue 15 part 1.
 
-For standard (PreNorm), Full and Block AttnRes `AttnResTransformer`s at two depths (L = 16 and
-64 sublayers by default), each under the plain path, `Recompute` and `Offload(window=W)`, one
-fresh subprocess per case measures a training step (forward + backward of the summed logits,
-fp32):
+For standard (PreNorm), Full and Block AttnRes and Full AttnRes with the fused output norm (M15,
+"fused") `AttnResTransformer`s at two depths (L = 16 and 64 sublayers by default), each under the
+plain path, `Recompute` and `Offload(window=W)` and, for the AttnRes schemes, each `--saves`
+value of the router's `save` (what the depth-attention backward keeps: "out" or "stats", the
+lse alone), one fresh subprocess per case measures a training step (forward + backward of the
+summed logits, fp32):
 
 * saved bytes: what the forward leaves for the backward, as distinct storages (parameters
   excluded): `SavedBytes` for plain and Recompute (plus the inputs Recompute's checkpoints
@@ -26,7 +28,7 @@ drop: its saved-bytes column is what would leave a GPU.
 
 Usage: python bench/bench_memory.py [--model attnres|hf-llama] [--device cpu|cuda] [--depths 16,64] [--dim 256]
        [--batch 4] [--context 128] [--block-size 4] [--window 2] [--reps 3] [--threads 1]
-       [--out bench/results/memory.md]
+       [--kinds standard,full,block,fused] [--saves out,stats] [--out bench/results/memory.md]
 """
 
 from __future__ import annotations
@@ -41,7 +43,19 @@ import sys
 import time
 from pathlib import Path
 
-KINDS = ("standard", "full", "block")
+KINDS = ("standard", "full", "block", "fused")
+#: The router's `save` values compared (standard has no depth attention: one row, save "-").
+SAVES = ("out", "stats")
+
+
+def _config(args):
+    from attnres_numpy.config import ResidualConfig
+
+    if args.kind == "block":
+        return ResidualConfig.variant("block", block_size=args.block_size)
+    return ResidualConfig.variant("fused_out_norm" if args.kind == "fused" else args.kind)
+
+
 MODES = ("plain", "recompute", "offload")
 HF_MODES = MODES + ("hf-ckpt",)
 
@@ -72,7 +86,7 @@ def _status(field: str) -> int:
 
 def child(args) -> dict:
     import torch
-    from attnres_numpy.config import ResidualConfig
+    from attnres_torch import hf
     from attnres_torch.memory import Offload, Recompute, SavedBytes
     from attnres_torch.modules import AttnResTransformer
 
@@ -80,8 +94,7 @@ def child(args) -> dict:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     L = args.depth
-    cfg = (ResidualConfig.variant("block", block_size=args.block_size) if args.kind == "block"
-           else ResidualConfig.variant(args.kind))
+    cfg = _config(args)
     torch.manual_seed(0)
     if args.model == "hf-llama":
         model, subs = _hf_llama(args, cfg)
@@ -93,6 +106,8 @@ def child(args) -> dict:
         model = AttnResTransformer(256, args.dim, L // 2, args.heads, cfg).to(dev)
         subs = model
         forward = lambda: model(tokens)  # noqa: E731
+    if args.kind != "standard":
+        (model.router if args.model == "attnres" else hf.router(model)).save = args.save
     tokens = torch.randint(0, 256, (args.batch, args.context), device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
@@ -138,7 +153,8 @@ def child(args) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     tokens_n = args.batch * args.context
-    return {"kind": args.kind, "mode": args.mode, "depth": L, "saved_per_token": saved / tokens_n,
+    return {"kind": args.kind, "mode": args.mode, "depth": L,
+            "save": args.save if args.kind != "standard" else "-", "saved_per_token": saved / tokens_n,
             "offloaded_per_token": (off.offloaded_bytes / tokens_n) if off is not None else 0.0,
             "peak_per_token": peak / tokens_n, "step_s": statistics.median(times)}
 
@@ -161,11 +177,15 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (0: default)")
     p.add_argument("--model", default="attnres", choices=("attnres", "hf-llama"),
                    help="attnres: AttnResTransformer; hf-llama: a converted transformers Llama")
+    p.add_argument("--kinds", default=None, help="comma list of " + ", ".join(KINDS) + " (default: "
+                   "all; hf-llama: all but fused, which a converted model refuses)")
+    p.add_argument("--saves", default=",".join(SAVES), help="comma list of the router's save values")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/memory[-hf-llama].md")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default="full", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
     p.add_argument("--depth", type=int, default=16, help=argparse.SUPPRESS)
+    p.add_argument("--save", default="auto", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
@@ -174,6 +194,11 @@ def main(argv=None) -> int:
         suffix = "" if args.model == "attnres" else f"-{args.model}"
         args.out = Path(f"bench/results/memory{suffix}.md")
     depths = [int(d) for d in args.depths.split(",")]
+    kinds = (args.kinds.split(",") if args.kinds else
+             [k for k in KINDS if not (args.model == "hf-llama" and k == "fused")])
+    saves = args.saves.split(",")
+    if not set(kinds) <= set(KINDS) or not set(saves) <= {"auto", "out", "stats"}:
+        raise SystemExit(f"--kinds / --saves: expected values of {KINDS} / auto, out, stats")
     if any(d < 2 or d % 2 for d in depths):
         raise SystemExit(f"--depths: expected even ints >= 2, got {args.depths!r}")
     if args.device == "cuda":
@@ -190,16 +215,16 @@ def main(argv=None) -> int:
     # measured step is not hidden by heap pages kept from the warm-up step
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     for depth in depths:
-        for kind in KINDS:
-            for mode in (HF_MODES if args.model == "hf-llama" else MODES):
+        for kind, save, mode in [(k, s, m) for k in kinds for s in (saves[:1] if k == "standard" else saves)
+                                 for m in (HF_MODES if args.model == "hf-llama" else MODES)]:
                 cmd = [sys.executable, __file__, "--child", f"--kind={kind}", f"--mode={mode}",
-                       f"--depth={depth}", *common]
+                       f"--depth={depth}", f"--save={save}", *common]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if out.returncode:
-                    raise SystemExit(f"{kind}/{mode}/L={depth} failed:\n{out.stderr[-3000:]}")
+                    raise SystemExit(f"{kind}/{save}/{mode}/L={depth} failed:\n{out.stderr[-3000:]}")
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 r = rows[-1]
-                print(f"L={depth} {kind:8s} {mode:9s} saved {_fmt_kib(r['saved_per_token'])} KiB/tok, "
+                print(f"L={depth} {kind:8s} {r['save']:5s} {mode:9s} saved {_fmt_kib(r['saved_per_token'])} KiB/tok, "
                       f"peak {_fmt_kib(r['peak_per_token'])} KiB/tok, {r['step_s']:.3f} s/step",
                       file=sys.stderr, flush=True)
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -222,14 +247,16 @@ def main(argv=None) -> int:
         "Offload: the most held on the device at a sublayer boundary); peak = "
         + ("`max_memory_allocated` growth over the step" if args.device == "cuda" else
            "peak RSS growth over the step (VmHWM, includes temporaries and allocator slack)")
-        + "; KiB per token; x = that column's ratio plain / mode (higher = less memory).", "",
-        "| L | scheme | mode | saved KiB/tok | saved x | peak KiB/tok | peak x | offloaded KiB/tok | s/step | time x |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        + "; KiB per token; x = that column's ratio plain / mode (higher = less memory); save = the "
+        "router's `save` (out: the depth attention's backward keeps its output; stats: only lse).", "",
+        "| L | scheme | save | mode | saved KiB/tok | saved x | peak KiB/tok | peak x | offloaded KiB/tok | s/step | time x |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        base = next(b for b in rows if b["depth"] == r["depth"] and b["kind"] == r["kind"] and b["mode"] == "plain")
+        base = next(b for b in rows if b["depth"] == r["depth"] and b["kind"] == r["kind"]
+                    and b["save"] == r["save"] and b["mode"] == "plain")
         ratio = lambda k: base[k] / r[k] if r[k] > 0 else float("nan")  # noqa: E731
         lines.append(
-            f"| {r['depth']} | {r['kind']} | {r['mode']} | {_fmt_kib(r['saved_per_token'])} | "
+            f"| {r['depth']} | {r['kind']} | {r['save']} | {r['mode']} | {_fmt_kib(r['saved_per_token'])} | "
             f"{ratio('saved_per_token'):.2f} | {_fmt_kib(r['peak_per_token'])} | {ratio('peak_per_token'):.2f} | "
             f"{_fmt_kib(r['offloaded_per_token'])} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} |")
     text = "\n".join(lines) + "\n"

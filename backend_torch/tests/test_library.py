@@ -16,23 +16,28 @@ def _sources(n=3, shape=(4, 6), dtype=torch.float32, grad=True):
 @pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("gain", [False, True])
-def test_opcheck_depth_attention(impl, per_token, gain):
+@pytest.mark.parametrize("save", library.SAVE_MODES)
+def test_opcheck_depth_attention(impl, per_token, gain, save):
     xs = _sources()
     q = torch.randn((4, 6) if per_token else (6,), requires_grad=True)
     g = torch.rand(6, requires_grad=True) + 0.5 if gain else None
-    torch.library.opcheck(library.depth_attention_op, (xs, q, g, 1e-6, 1.0, impl))
+    torch.library.opcheck(library.depth_attention_op, (xs, q, g, 1e-6, 1.0, impl, save))
 
 
 @pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
 def test_opcheck_backward_and_multi(impl):
     xs = _sources(grad=False)
     q, g = torch.randn(6), torch.rand(6) + 0.5
-    out, lse = library.depth_attention_op(xs, q, g, 1e-6, 1.0, impl)
-    torch.library.opcheck(library.depth_attention_backward_op,
-                          (xs, q, g, out, lse, torch.randn(4, 6), torch.randn(4), 1e-6, 1.0, impl))
+    out, lse = library.depth_attention_op(xs, q, g, 1e-6, 1.0, impl, "auto")
+    for saved_out in (out, None):  # None: save="stats" (these kernels never read out)
+        torch.library.opcheck(library.depth_attention_backward_op,
+                              (xs, q, g, saved_out, lse, torch.randn(4, 6), torch.randn(4), 1e-6,
+                               1.0, impl))
     qs = torch.randn(2, 6, requires_grad=True)
     gs = torch.rand(2, 6) + 0.5
-    torch.library.opcheck(library.depth_attention_multi_op, (_sources(), qs, gs, 1e-6, 1.0, "chunked"))
+    for save in library.SAVE_MODES:
+        torch.library.opcheck(library.depth_attention_multi_op,
+                              (_sources(), qs, gs, 1e-6, 1.0, "chunked", save))
 
 
 def test_compile_fullgraph_router_model():

@@ -303,10 +303,10 @@ def test_opcheck(per_token, with_weights):
     g = (torch.rand(6) + 0.5).requires_grad_(True)
     w = (torch.rand(6) + 0.5).requires_grad_(True)
     torch.library.opcheck(library.depth_attention_out_norm_op,
-                          (xs, q, g, w, 1e-6, 1.0, 1e-5, "cpu_c", with_weights))
+                          (xs, q, g, w, 1e-6, 1.0, 1e-5, "cpu_c", with_weights, "out"))
     xs = [x.detach() for x in xs]
     out, _, lse, _ = library.depth_attention_out_norm_op(xs, q.detach(), g.detach(), w.detach(),
-                                                        1e-6, 1.0, 1e-5, "cpu_c", False)
+                                                        1e-6, 1.0, 1e-5, "cpu_c", False, "out")
     torch.library.opcheck(library.depth_attention_out_norm_backward_op,
                           (xs, q.detach(), g.detach(), w.detach(), out, lse, torch.randn(4, 6),
                            torch.randn(4, 6), torch.randn(4), 1e-6, 1.0, 1e-5, "cpu_c"))

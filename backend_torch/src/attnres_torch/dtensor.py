@@ -61,11 +61,12 @@ def _placements(op: str, args: dict, d):
     if op == "depth_attention_out_norm":
         return [tok, tok, tok, lead if args["with_weights"] else rep], inputs + [rep]
     d_query = tok if per_token else red
-    if op == "depth_attention_backward":  # + out, lse, d_out, d_lse?
-        cot = 3 + (args["d_lse"] is not None)
+    optional = (args["out"] is not None) + (args["d_lse"] is not None)  # out: None with save
+    if op == "depth_attention_backward":  # + out?, lse, d_out, d_lse?
+        cot = 2 + optional
         return [tok] * n + [d_query, red], inputs + [tok] * cot
-    # depth_attention_out_norm_backward: + out_norm_weight, out, lse, d_out, d_out_normed, d_lse?
-    cot = 4 + (args["d_lse"] is not None)
+    # depth_attention_out_norm_backward: + out_norm_weight, out?, lse, d_out, d_out_normed, d_lse?
+    cot = 3 + optional
     return [tok] * n + [d_query, red, red], inputs + [rep] + [tok] * cot
 
 
@@ -103,14 +104,15 @@ def _replicate_plain_cotangents(cls, func, types, args, kwargs):
     """torch_dispatch rule of DTensor on the backward ops: a plain tensor with the global shape
     in a cotangent slot (autograd materializes the cotangent of an output nobody used, such as
     lse, as plain zeros) becomes a replicated DTensor on out's mesh; then DTensor's own
-    dispatch runs the strategies above (NotImplemented falls through to it)."""
+    dispatch runs the strategies above (NotImplemented falls through to it).  The first source
+    stands for out (same shape and placement; out is None where the forward did not save it)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     schema = func._schema
     names = [a.name for a in schema.arguments]
     values = dict(zip(names, args))
     values.update(kwargs)
-    out = values["out"]
+    out = values["sources"][0]
     if not isinstance(out, DTensor):
         return NotImplemented
     changed = False

@@ -8,8 +8,9 @@ inside or after it) that leaves outputs and gradients unchanged:
 
 * `Recompute(model)`: every sublayer runs under `torch.utils.checkpoint` (non-reentrant).  What
   is saved per sublayer l: its input h_l (for Full/Block AttnRes without a mix this is the depth
-  attention's own output, which that op saves anyway, so no extra bytes) and what the depth
-  attention's backward needs: its sources, query, gain, output and log-sum-exp `[...]`.  Nothing
+  attention's own output) and what the depth attention's backward needs: its sources, query,
+  gain and log-sum-exp `[...]`, and its output where the router's `save` keeps it (the same
+  storage as h_l: no extra bytes; `ops.depth_attention`).  Nothing
   inside the sublayer is saved; the backward recomputes it.  `checkpointed(f)` is the same for
   one callable (for a loop that drives `DepthRouter.stream` itself).  Works under
   `torch.compile` (the checkpoint becomes a higher-order op; tested with the aot_eager backend).
@@ -151,7 +152,8 @@ class Recompute:
     block): every sublayer's forward runs under non-reentrant `torch.utils.checkpoint`.
 
     Saved per sublayer l: the input h_l and the depth attention's own saved tensors (its sources
-    v_0..v_{l-1} / blocks and partial sum, query, gain, output, lse), nothing else; the sublayer
+    v_0..v_{l-1} / blocks and partial sum, query, gain, lse, and the output where `save` keeps
+    it), nothing else; the sublayer
     (pre-norm, attention, MLP) is recomputed in the backward, once.  Outputs and gradients equal
     the plain path's (the same kernels run on the same inputs; dropout keeps its RNG state with
     preserve_rng_state).  The module's parameters and state_dict are untouched; the sublayers'

@@ -28,6 +28,7 @@ from attnres_numpy.config import ResidualConfig
 from attnres_numpy.schedule import ResidualStream, ScheduleObserver
 from torch import nn
 
+from . import library
 from .ops import depth_attention
 from .residual_ops import TorchOps
 
@@ -40,19 +41,22 @@ class DepthAttention(nn.Module):
     fuse_out_norm=True (C17, spec 2.6): the layer also owns the next sublayer's pre-norm gain
     `out_norm` `[D]` (ones, like nn.RMSNorm's weight; eps `out_norm_eps`, None = eps) and returns
     `(out, out_normed, lse?, weights?)`: out_normed = rmsnorm(out) * out_norm from the same pass,
-    so that sublayer takes out_normed in place of its own RMSNorm(out)."""
+    so that sublayer takes out_normed in place of its own RMSNorm(out).
+
+    save: what the backward keeps ("auto", "out", "stats"; `depth_attention`'s `save`)."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, num_heads: int = 1,
                  activation: str = "softmax", key_norm: bool = True, fuse_out_norm: bool = False,
-                 out_norm_eps: Optional[float] = None):
+                 out_norm_eps: Optional[float] = None, save: str = "auto"):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(dim))
         self.norm_weight = nn.Parameter(torch.ones(dim))
         self.out_norm = nn.Parameter(torch.ones(dim)) if fuse_out_norm else None
         if out_norm_eps is not None and not fuse_out_norm:
             raise ValueError("out_norm_eps: given while fuse_out_norm is False")
+        library.check_save(save)
         self.options = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation,
-                            key_norm=key_norm)
+                            key_norm=key_norm, save=save)
         if fuse_out_norm:
             self.options["out_norm_eps"] = out_norm_eps
 
@@ -78,20 +82,27 @@ class DepthRouter(nn.Module):
       dim: D.
       schedule: "direct", "two_phase" (Block AttnRes only: softmax, key norm, one head, static
         query), or None: two-phase in eval mode when the config allows it, direct otherwise.
+      save: what the depth-attention ops keep for the backward ("auto", "out", "stats";
+        `depth_attention`'s `save`).
     """
 
     def __init__(self, config: ResidualConfig, num_layers: int, dim: int,
-                 schedule: Optional[str] = None):
+                 schedule: Optional[str] = None, save: str = "auto"):
         super().__init__()
         if schedule is not None:
             config.check_schedule(schedule)
+        library.check_save(save)
         self.config, self.num_layers, self.dim, self.schedule = config, num_layers, dim, schedule
+        self.save = save
         for name, value in config.init_params(num_layers, dim).items():
             self.register_parameter(name, nn.Parameter(torch.tensor(value, dtype=torch.float32)))
 
     #: An optional `attnres_numpy.schedule.ScheduleObserver` that every pass reports to (set by
     #: `DepthMonitor`); while it wants depth weights the router runs its direct schedule.
     observer: Optional[ScheduleObserver] = None
+    #: What the depth-attention ops keep for the backward (`depth_attention`'s `save`); an
+    #: attribute, so a router built elsewhere (`attnres_torch.hf`, `convert`) can be set too.
+    save: str = "auto"
 
     def active_schedule(self) -> str:
         if self.schedule is not None:
@@ -112,8 +123,9 @@ class DepthRouter(nn.Module):
         if observer is not None and observer.wants_weights:
             schedule = "direct"  # two-phase never forms the weights (spec 3: same result)
         params = {name: getattr(self, name) for name in self.config.param_shapes(self.num_layers, self.dim)}
-        return ResidualStream(self.config, TorchOps(params), embedding, num_layers=self.num_layers,
-                              schedule=schedule, observer=observer, mix=mix, scale=scale)
+        return ResidualStream(self.config, TorchOps(params, save=self.save), embedding,
+                              num_layers=self.num_layers, schedule=schedule, observer=observer,
+                              mix=mix, scale=scale)
 
     def forward(self, embedding: torch.Tensor, sublayers: Sequence[Callable], *,
                 mix: Optional[float] = None, scale: Optional[float] = None) -> torch.Tensor:

@@ -42,7 +42,7 @@ def _shape(t):
 def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, eps: float = 1e-6,
                     scale: float = 1.0, num_heads: int = 1, activation: str = "softmax",
                     key_norm: bool = True, return_lse: bool = False, return_weights: bool = False,
-                    out_norm_weight=None, out_norm_eps=None):
+                    out_norm_weight=None, out_norm_eps=None, save: str = "auto"):
     """Depth attention over N sources (spec section 2, C1-C12, C17).
 
     Args:
@@ -57,12 +57,18 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
         out_normed `[..., D]` = rmsnorm(out) * out_norm_weight over all D channels, from out before
         its rounding, in the sources' dtype (differentiable, d_out_norm_weight included).
       out_norm_eps: that norm's eps (None: `eps`).
+      save: what a kernel path keeps for the backward besides the inputs and lse `[...]` fp32:
+        "auto" keeps `out` where its backward reads it (Triton, float32 sources, no fused output
+        norm), "out" keeps it always, "stats" never (that Triton backward then reruns the
+        forward).  Values and gradients are the same, bitwise; the composition (float64, heads,
+        sigmoid, no key norm) saves what torch autograd saves.
 
     Returns out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)`.
     """
     xs, stacked, shapes, dtypes = split_sources(sources)
     query = require_tensor("query", query)
     norm_weight = optional_tensor("norm_weight", norm_weight)
+    library.check_save(save)
     out_norm_weight = optional_tensor("out_norm_weight", out_norm_weight)
     geo = validation.check_depth_attention(
         shapes, dtypes, tuple(query.shape), dtype_name(query), _shape(norm_weight), _name(norm_weight),
@@ -77,7 +83,7 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
     with autocast_off(xs[0].device):  # C3a: the kernels and the composition compute as C10 says
         out, normed, lse, weights = _depth_attention(xs, query, norm_weight, out_norm_weight, tensors,
                                                      geo, eps, scale, activation, key_norm,
-                                                     return_weights)
+                                                     return_weights, save)
     extra = [] if normed is None else [normed]
     if return_lse:
         extra.append(lse)
@@ -88,7 +94,7 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
 
 
 def _depth_attention(xs, query, norm_weight, out_norm_weight, tensors, geo, eps, scale, activation,
-                     key_norm, return_weights):
+                     key_norm, return_weights, save):
     """The validated call on its implementation: (out, out_normed or None, lse, weights `[N, ...,
     H]` or None)."""
     fused = out_norm_weight is not None  # C17
@@ -111,29 +117,31 @@ def _depth_attention(xs, query, norm_weight, out_norm_weight, tensors, geo, eps,
     elif fused:  # the kernel writes out_normed in its forward pass (C17)
         out, normed, lse, weights = library.depth_attention_out_norm_op(
             xs, query, norm_weight, out_norm_weight, eps, scale, geo.out_norm_eps, impl.name,
-            return_weights)
+            return_weights, save)
         weights = weights.unsqueeze(-1) if return_weights else None
     elif return_weights:  # the kernel's own weights: the p of its lse (same logits, max, sum)
         out, lse, weights = library.depth_attention_weights_op(xs, query, norm_weight, eps, scale,
-                                                               impl.name)
+                                                               impl.name, save)
         weights = weights.unsqueeze(-1)
     else:
-        out, lse = library.depth_attention_op(xs, query, norm_weight, eps, scale, impl.name)
+        out, lse = library.depth_attention_op(xs, query, norm_weight, eps, scale, impl.name, save)
         weights = None
     return out, normed, lse, weights
 
 
 def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=None, *,
-                          eps: float = 1e-6, scale: float = 1.0):
+                          eps: float = 1e-6, scale: float = 1.0, save: str = "auto"):
     """Phase 1 of the two-phase schedule (spec 3.1): S pseudo-queries over N sources, every
     source read once for all S (softmax, key norm, one head).
 
-    Args: sources N x `[..., D]` or `[N, ..., D]`; queries `[S, D]`; norm_weights `[S, D]` or None.
+    Args: sources N x `[..., D]` or `[N, ..., D]`; queries `[S, D]`; norm_weights `[S, D]` or None;
+    save: as `depth_attention`'s (`out` is `[S, ..., D]` here).
     Returns (out `[S, ..., D]` in the sources' dtype, lse `[S, ...]` in the compute dtype).
     """
     xs, stacked, shapes, dtypes = split_sources(sources)
     queries = require_tensor("queries", queries)
     norm_weights = optional_tensor("norm_weights", norm_weights)
+    library.check_save(save)
     validation.check_multi(shapes, dtypes, tuple(queries.shape), dtype_name(queries),
                            _shape(norm_weights), _name(norm_weights), stacked=stacked, eps=eps,
                            scale=scale)
@@ -146,7 +154,8 @@ def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=
                                              None if norm_weights is None else norm_weights[0],
                                              tensors))
         if impl is not dispatch.COMPOSITE:
-            return library.depth_attention_multi_op(xs, queries, norm_weights, eps, scale, impl.name)
+            return library.depth_attention_multi_op(xs, queries, norm_weights, eps, scale, impl.name,
+                                                    save)
         outs, lses = [], []
         for s in range(queries.shape[0]):
             out, lse, _ = composite.depth_attention(

@@ -17,13 +17,19 @@ import torch
 import torch.nn.functional as F
 from attnres_numpy.schedule import ResidualOps, split_result
 
-from . import ops
+from . import library, ops
 from ._args import autocast_off, compute_dtype
 
 
 class TorchOps(ResidualOps):
     """params: name -> tensor of `ResidualConfig.param_shapes(L, D)` (a missing or None
-    "norm_weights" means a gainless key norm)."""
+    "norm_weights" means a gainless key norm); save: the depth-attention ops' `save` ("auto",
+    "out", "stats": what their backward keeps, `ops.depth_attention`)."""
+
+    def __init__(self, params=None, *, save: str = "auto"):
+        super().__init__(params)
+        library.check_save(save)
+        self.save = save
 
     def cast_like(self, x, like):
         """x in like's dtype (x itself when it has it; the backward rounds the cotangent to x's)."""
@@ -54,12 +60,13 @@ class TorchOps(ResidualOps):
         result = ops.depth_attention(sources, query, norm_weight, eps=config.eps,
                                      scale=config.scale, num_heads=config.num_heads,
                                      activation=config.activation, key_norm=config.key_norm,
-                                     return_weights=return_weights, out_norm_weight=out_norm_weight)
+                                     return_weights=return_weights, out_norm_weight=out_norm_weight,
+                                     save=self.save)
         return split_result(result, out_norm_weight, return_weights)
 
     def depth_attention_multi(self, sources, stats, queries, norm_weights, config):
         return ops.depth_attention_multi(sources, queries, norm_weights, eps=config.eps,
-                                         scale=config.scale)
+                                         scale=config.scale, save=self.save)
 
     def merge_partial(self, out1, lse1, partial, query, norm_weight, config):
         return ops.merge_partial(out1, lse1, partial, query, norm_weight, eps=config.eps,

@@ -346,12 +346,20 @@ def _reduce(ws: Tensor) -> Tensor:
     return out
 
 
-def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor, lse: Tensor,
-             d_out: Tensor, d_lse: Optional[Tensor], eps: float, scale: float,
+def backward_reads_out(dtype: torch.dtype, out_norm: bool = False) -> bool:
+    """Whether `backward` reads the forward's `out`: only for fp32 sources without the fused
+    output norm (delta = <d_out, out>); otherwise it recomputes what it needs from the sources
+    and takes out=None."""
+    return dtype == torch.float32 and not out_norm
+
+
+def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Optional[Tensor],
+             lse: Tensor, d_out: Tensor, d_lse: Optional[Tensor], eps: float, scale: float,
              out_norm: Optional[tuple] = None):
     """VJP (spec 2.3) -> (d_sources: list `[..., D]` in the sources' dtype, d_query fp32 shaped
     like query, d_norm_weight fp32 `[D]` or None).  `out`/`lse` are the forward's results; `out`
-    is read only for fp32 sources (a low-precision `out` is rounded, so delta is recomputed).
+    is read only where `backward_reads_out` says so (fp32 sources; a low-precision `out` is
+    rounded, so delta is recomputed from the sources) and may be None elsewhere.
     With `out_norm = (out_norm_weight [D], eps_o, d_out_normed [..., D])` (C17; one tile) the
     kernel folds d_out_normed into d_out (y recomputed in fp32) and the result gets a fourth
     entry, d_out_norm_weight fp32 `[D]`."""
@@ -377,7 +385,11 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor,
     on_ws = None if out_norm is None else _alloc((num_programs, dim), torch.float32, dev)
     onw = None if out_norm is None else out_norm[0].float().contiguous()
     dn = None if out_norm is None else _rows(out_norm[2], dim)
-    o2, go2 = _rows(out, dim), _rows(d_out, dim)
+    reads_out = backward_reads_out(table.dtype, out_norm is not None)
+    if reads_out and out is None:
+        raise ValueError("out: the fp32 backward reads the forward's out; got None")
+    go2 = _rows(d_out, dim)
+    o2 = _rows(out, dim) if reads_out else go2  # unread where reads_out is False
     lse1 = lse.reshape(-1).float().contiguous()
     dl = None if d_lse is None else d_lse.reshape(-1).float().contiguous()
     if num_rows:
@@ -390,7 +402,7 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Tensor,
                 len(sources), num_rows, dim, float(eps), float(scale), num_blocks, ELT=table.elt,
                 VEC=table.vec, ALIGNED=table.aligned, PER_TOKEN=per_token, HAS_GAIN=has_gain,
                 HAS_DLSE=dl is not None,
-                DELTA_FROM_OUT=table.dtype == torch.float32, BLOCK_T=bt, BLOCK_D=bd, ONE_TILE=one_tile,
+                DELTA_FROM_OUT=reads_out, BLOCK_T=bt, BLOCK_D=bd, ONE_TILE=one_tile,
                 OUT_NORM=out_norm is not None,
                 ON_IN_WS=out_norm is not None and bd > _ON_REG_MAX_D, num_warps=warps)
     else:

@@ -221,3 +221,26 @@ def test_mix_and_scale_match_reference(variant, schedule, mix, as_array):
     expect = ref_model.probe_vjp(cfg, params, emb, w, cot, mix=mix, **kw)
     for name in expect:
         np.testing.assert_allclose(to_np(grads[name]), expect[name], rtol=1e-10, atol=1e-11, err_msg=name)
+
+
+def test_row_cache_follows_parameter_updates():
+    """The router keeps the rows it cut from its parameters between calls (decode reads the same
+    rows every token) and cuts fresh ones once a parameter is replaced (a training update); the
+    cache is no parameter."""
+    cfg = ResidualConfig.variant("full")
+    rng, params, emb, w = _probe_inputs(cfg, "float32")
+    router = A.DepthRouter(cfg, L, D)
+    subs = [lambda h, i=i: mx.tanh(h @ to_mx(w[i], "float32")) for i in range(L)]
+    x = to_mx(emb, "float32")
+    router.update({k: to_mx(v, "float32") for k, v in params.items()})
+    first = router(x, subs)
+    row = router._rows._rows["queries", 0][1]
+    assert mx.array_equal(router(x, subs), first).item()
+    assert router._rows._rows["queries", 0][1] is row  # reused
+    new = {k: to_mx(v * 1.5, "float32") for k, v in params.items()}
+    router.update(new)
+    fresh = A.DepthRouter(cfg, L, D)
+    fresh.update(new)
+    assert mx.array_equal(router(x, subs), fresh(x, subs)).item()
+    assert not mx.array_equal(router(x, subs), first).item()
+    assert set(router.parameters()) == set(cfg.param_shapes(L, D))

@@ -42,6 +42,24 @@ def _project(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return normed @ weight.astype(normed.dtype)
 
 
+class RowCache:
+    """Single rows `p[r]` of a router's parameters, each kept with the array it was cut from:
+    a decode step reads the same rows of the same (evaluated) arrays on every token, and a kept
+    row is a leaf of the next graph instead of two new nodes.  A row is reused only while its
+    parameter is the very same array object, so updated or traced parameters get fresh rows."""
+
+    def __init__(self):
+        self._rows = {}
+
+    def get(self, name: str, p: mx.array, index: int) -> mx.array:
+        hit = self._rows.get((name, index))
+        if hit is not None and hit[0] is p:
+            return hit[1]
+        row = p[index]
+        self._rows[name, index] = (p, row)
+        return row
+
+
 class MlxOps(ResidualOps):
     """MLX's `ResidualOps` for the shared schedule (`attnres_numpy.schedule`).
 
@@ -52,11 +70,19 @@ class MlxOps(ResidualOps):
     Small reads take the stacked form (`_stacked`).
     """
 
-    def __init__(self, params=None):
+    def __init__(self, params=None, rows: Optional["RowCache"] = None):
         super().__init__(params)
         # The sealed sources stacked so far in this pass: (their list, X `[n, ..., D]`,
         # R `[n, ..., H]`); the list holds them, so identity comparison is safe.
         self._stack = ([], None, None)
+        self._rows = rows
+
+    def param(self, name, index, *, like=None):
+        p = self.params.get(name)
+        if p is None or self._rows is None or type(index) is not int:
+            return super().param(name, index, like=like)
+        row = self._rows.get(name, p, index)
+        return row if like is None else self.cast_like(row, like)
 
     def _stacked(self, sources, stats, config):
         """(X `[N, ..., D]`, R `[N, ..., H]`) of a small key-normed read, else None.  The
@@ -213,7 +239,10 @@ class DepthRouter(nn.Module):
         if embedding.ndim < 1 or embedding.shape[-1] != self.dim:
             raise ValueError(f"embedding: expected shape [..., {self.dim}], got {embedding.shape}")
         params = {name: self[name] for name in self.config.param_shapes(self.num_layers, self.dim)}
-        return ResidualStream(self.config, MlxOps(params), embedding, num_layers=self.num_layers,
+        if not isinstance(self.__dict__.get("_rows"), RowCache):
+            object.__setattr__(self, "_rows", RowCache())  # a plain attribute, not a parameter
+        return ResidualStream(self.config, MlxOps(params, self._rows), embedding,
+                              num_layers=self.num_layers,
                               schedule=schedule, observer=observer, mix=mix, scale=scale)
 
     def __call__(self, embedding: mx.array, sublayers: Sequence[Sublayer], *,

@@ -134,6 +134,30 @@ def test_triton_recomputes_only_where_its_backward_reads_out(monkeypatch, dtype,
     assert launches.count("_depth_bwd_kernel") == 1
 
 
+@pytest.mark.skipif(not (INTERPRET and HAS_TRITON), reason="Triton kernels on the CPU need "
+                    "TRITON_INTERPRET=1 (test_triton_paths_in_interpreter_subprocess runs this)")
+def test_triton_stats_rerun_compiles_fullgraph():
+    """The fp32 Triton backward's forward rerun (a custom op called in the backward) traces
+    with torch.compile: one graph, no break, bitwise the eager gradients."""
+    from attnres_torch import dispatch
+
+    dispatch.triton_kernels()  # imported before the trace: its first import takes a lock
+    torch._dynamo.reset()
+    xs, q, g, _, cot = _inputs("depth_attention", False, True, torch.float32, seed=2)
+    xs = [x.requires_grad_() for x in xs]
+
+    def f(xs):
+        return (at.depth_attention(xs, q, g, eps=EPS, scale=SCALE, save="stats") * cot[0]).sum()
+
+    with at.use_impl("triton"):  # forcing is read as a constant by the trace
+        assert torch._dynamo.explain(f)(xs).graph_break_count == 0
+        torch._dynamo.reset()
+        got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(xs), xs)
+        want = torch.autograd.grad(f(xs), xs)
+        assert at.last_impl() == "triton"
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def _saved_bytes(save, then_norm, impl="cpu_c", dtype=torch.float32):
     xs = [torch.randn(8, 32, dtype=dtype, requires_grad=True) for _ in range(3)]
     q = torch.randn(32, requires_grad=True)

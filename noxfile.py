@@ -34,6 +34,9 @@ TRITON = "triton>=3.0"
 JAX = "jax[cpu]>=0.4.35"
 FLAX = "flax>=0.10"
 MLX = "mlx[cpu]>=0.25"
+#: mlx-lm's models (Kimi K3, Llama) that attnres_mlx.mlx_lm converts: the newest release that
+#: installs with mlx 0.32 (it brings transformers, not torch).
+MLX_LM = "mlx-lm==0.32.2"
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
 #: The Hugging Face stack tests-torch converts and trains (tiny configs, random weights, nothing
 #: downloaded): pinned, so a new release cannot change what CI checks without a commit.
@@ -47,7 +50,7 @@ BACKEND_INSTALL = {
     "numpy": (),
     "torch": (TORCH, *HF_STACK, "-e", "backend_torch[plots]"),
     "jax": (JAX, FLAX, "-e", "backend_jax[flax]"),
-    "mlx": (MLX, "-e", "backend_mlx"),
+    "mlx": (MLX, MLX_LM, "-e", "backend_mlx"),
 }
 BACKEND_TESTS = {
     "numpy": ("reference_numpy/tests", "conformance/tests"),

@@ -61,8 +61,8 @@ def test_scan_apply_matches_reference(rng, variant):
 
 @pytest.mark.parametrize("variant", ["full", "block"])
 def test_scan_period_two_mix_and_remat_match_reference(rng, variant):
-    """Two sublayers per scan step (L = 6 = 3 x 2), a traced mix, and the recompute policy: the
-    same function (M10 blend) as the reference's unrolled stream."""
+    """Two sublayers per scan step (L = 6 = 3 x 2), a traced mix, the recompute policy and one or
+    three scan stages: the same function (M10 blend) as the reference's unrolled stream."""
     config = ResidualConfig.variant(variant, block_size=4) if variant == "block" else ResidualConfig.variant(variant)
     params, emb, w, cot = _problem(rng, config, num_layers=6)
     f = _probe_layer(config)
@@ -70,10 +70,10 @@ def test_scan_period_two_mix_and_remat_match_reference(rng, variant):
     sublayers = [lambda p, h: f(p[0], h), lambda p, h: f(p[1], h)]
     want_out = ref.probe_forward(config, params, emb, w, mix=0.3)
     want = ref.probe_vjp(config, params, emb, w, cot, mix=0.3)
-    for remat in (None, "recompute"):
+    for remat, stages in ((None, None), ("recompute", 1)):
         with precision("float64"):
             def loss(params, emb, pairs, alpha):
-                out = scan_apply(config, params, emb, sublayers, pairs, mix=alpha, remat=remat)
+                out = scan_apply(config, params, emb, sublayers, pairs, mix=alpha, remat=remat, stages=stages)
                 return jnp.sum(out * cot), out
 
             step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -132,6 +132,8 @@ def test_scan_apply_rejects_unsupported():
         scan_apply(full, full.init_params(L, D), emb, [f], (w, jnp.ones((L + 1, D))))
     with pytest.raises(ValueError, match="remat: expected one of"):
         remat_policy("sometimes")
+    with pytest.raises(ValueError, match=r"stages: expected an int in \[1, 5\]"):
+        scan_apply(full, full.init_params(L, D), emb, [f], w, stages=6)
 
 
 @pytest.mark.parametrize("scanned", [False, True])

@@ -99,11 +99,11 @@ class DepthRouter(nnx.Module):
                            mix=mix, scale=scale, observer=observer, remat=remat)
 
     def scan(self, embedding, sublayers: Sequence, layer_params, *, mix=None, scale=None,
-             remat: Optional[str] = None, unroll: int = 1):
+             remat: Optional[str] = None, unroll: int = 1, stages: Optional[int] = None):
         """The layer-scanned form (`scan_apply`): sublayers `f_j(p, h)` over the slices p of
         `layer_params` (leaves `[n, ...]`, L = n * len(sublayers))."""
         return scan_apply(self.config, self.params(), embedding, sublayers, layer_params, mix=mix,
-                          scale=scale, remat=remat, unroll=unroll)
+                          scale=scale, remat=remat, unroll=unroll, stages=stages)
 
 
 def _identity(h):

@@ -214,7 +214,8 @@ def _static(*values) -> tuple:
 
 
 def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Sequence[Callable],
-               layer_params, *, mix=None, scale=None, remat: Optional[str] = None, unroll: int = 1):
+               layer_params, *, mix=None, scale=None, remat: Optional[str] = None, unroll: int = 1,
+               stages: Optional[int] = None):
     """`stack_apply` as one `jax.lax.scan` over groups of sublayers: the program holds one group
     whatever L is (compile time flat in L), the schedule's state has a fixed shape
     (`attnres_numpy.schedule.FixedResidualStream`: Full a history buffer `[L + 1, ..., D]`,
@@ -234,6 +235,9 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
         keeps each step's carry (the schedule's state) and the layer outputs, and recomputes the
         rest.
       unroll: `lax.scan`'s unroll.
+      stages: the scan is split into this many consecutive scans (None: 4 for kind="full", else
+        1), each holding only the buffer rows its sublayers touch: the rows read per sublayer
+        are ~(stages + 1) / (2 stages) of L instead of L, each stage one more body in the program.
 
     Returns: out `[..., D]` (h_{L+1}, before any final norm) in the embedding's dtype.
     """
@@ -263,7 +267,18 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
 
     if policy is not None:
         body = jax.checkpoint(body, policy=policy)
-    state, _ = jax.lax.scan(body, stream.state, (jnp.arange(n), layer_params), unroll=unroll)
+    stages = min(n, 4 if config.kind == "full" else 1) if stages is None else stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= n:
+        raise ValueError(f"stages: expected an int in [1, {n}] (the scan steps) or None, got {stages!r}")
+    state, start = stream.state, 0
+    for stage in range(stages):
+        stop = n * (stage + 1) // stages
+        h, buffer, standard = state
+        rows = buffer if buffer is None else buffer[:stream.count(stop * period + 1)]  # rows touched
+        steps = (jnp.arange(start, stop), jax.tree_util.tree_map(lambda x: x[start:stop], layer_params))
+        (h, rows, standard), _ = jax.lax.scan(body, (h, rows, standard), steps, unroll=unroll)
+        state = (h, buffer if buffer is None else buffer.at[:rows.shape[0]].set(rows), standard)
+        start = stop
     stream.load(state, n * period + 1)
     return stream.output()
 

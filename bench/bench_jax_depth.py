@@ -1,0 +1,123 @@
+"""JAX at depth: compile time and steady step time of the NNX `Transformer` train step.
+
+The model of issue 32: `attnres_jax.modules.Transformer` (dim 128, 4 heads, MLP ratio 4, vocab
+256), batch 4 x 64 tokens, one `jax.jit` AdamW step (optax), PreNorm ("standard") against Full
+and Block (S = 8), L = 2 x num_blocks sublayers, unrolled (`stack_apply`) and layer-scanned
+(`scan_layers=True`).  compile = lower + XLA compile of the step; step = median wall time of
+`--steps` steps after two warm-up steps.  Ratios are against PreNorm of the same form, in this
+one run.  The machine load (`os.getloadavg`) is printed before and after.
+
+    python bench/bench_jax_depth.py                         # L = 8 16 32 64, both forms
+    python bench/bench_jax_depth.py --depths 8 16 --forms scanned --steps 5
+
+Unrolled Full/Block compile grows with L (the issue measured Full L = 64 > 900 s), so the
+unrolled form runs up to `--unrolled-max` (default 32) sublayers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from attnres_jax.modules import Transformer
+from attnres_numpy.config import ResidualConfig
+from flax import nnx
+
+KINDS = {
+    "prenorm": ResidualConfig.variant("standard"),
+    "full": ResidualConfig.variant("full"),
+    "block": ResidualConfig.variant("block", block_size=8),
+}
+
+
+def measure(kind: str, num_layers: int, scan: bool, steps: int, *, dim=128, heads=4, batch=4, seq=64,
+            vocab=256) -> dict:
+    """Compile seconds and median step seconds of one configuration."""
+    model = Transformer(KINDS[kind], vocab_size=vocab, dim=dim, num_blocks=num_layers // 2, num_heads=heads,
+                        rngs=nnx.Rngs(0), scan_layers=scan)
+    graphdef, params = nnx.split(model)
+    tx = optax.adamw(1e-3)
+    opt_state = tx.init(params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (batch, seq + 1)))
+
+    def step(params, opt_state, tokens):
+        def loss(p):
+            logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return value, optax.apply_updates(params, updates), opt_state
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        value, params, opt_state = compiled(params, opt_state, tokens)
+        jax.block_until_ready((value, params))
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return {"compile": compile_s, "step": statistics.median(times), "fastest": min(times)}
+
+
+def load() -> str:
+    return "load %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--forms", nargs="+", default=["unrolled", "scanned"], choices=["unrolled", "scanned"])
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--unrolled-max", type=int, default=32)
+    args = ap.parse_args()
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+          f"jax {jax.__version__} {jax.default_backend()}, {load()}")
+    rows = {}
+    for form in args.forms:
+        for L in args.depths:
+            if form == "unrolled" and L > args.unrolled_max:
+                continue
+            for kind in args.kinds:
+                r = measure(kind, L, form == "scanned", args.steps)
+                rows[form, L, kind] = r
+                print(f"  {form:8s} L={L:3d} {kind:8s} compile {r['compile']:7.2f} s  step "
+                      f"{1e3 * r['step']:8.1f} ms (fastest {1e3 * r['fastest']:7.1f})", flush=True)
+    print(f"# after: {load()}")
+    print("\n| form | L | compile PreNorm | compile Full (x) | compile Block (x) | step PreNorm | "
+          "step Full (x) | step Block (x) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for form in args.forms:
+        for L in args.depths:
+            if (form, L, "prenorm") not in rows:
+                continue
+            base = rows[form, L, "prenorm"]
+            cells = [form, str(L), f"{base['compile']:.1f} s"]
+            for kind in ("full", "block"):
+                r = rows.get((form, L, kind))
+                cells.append("—" if r is None else f"{r['compile']:.1f} s ({r['compile'] / base['compile']:.2f}x)")
+            cells.append(f"{1e3 * base['step']:.0f} ms")
+            for kind in ("full", "block"):
+                r = rows.get((form, L, kind))
+                cells.append("—" if r is None else f"{1e3 * r['step']:.0f} ms ({r['step'] / base['step']:.2f}x)")
+            print("| " + " | ".join(cells) + " |")
+    scanned = [L for L in args.depths if ("scanned", L, "full") in rows]
+    if len(scanned) > 1:
+        lo, hi = min(scanned), max(scanned)
+        print(f"\nscanned Full compile, L = {hi} / L = {lo}: "
+              f"{rows['scanned', hi, 'full']['compile'] / rows['scanned', lo, 'full']['compile']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

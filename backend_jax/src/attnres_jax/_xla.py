@@ -297,12 +297,11 @@ def forward(xs: list, qs: Query, opts: Options, ct, num_valid=None):
 
 
 def _dot_scale(r, rk):
-    """(1 / a `[..., 1]`, a * rk `[N, ..., K]`): a = 2^e per token, the power of two just above the
-    largest rms = 1 / r over its sources and heads, at least 1 and finite (`backward`, C10.6)."""
-    _, e = jnp.frexp(1.0 / jnp.min(r, axis=(0, r.ndim - 1)))
-    e = _trail(jnp.clip(e, 0, jnp.finfo(r.dtype).maxexp - 1))
-    one = jnp.ones((), r.dtype)
-    return jnp.ldexp(one, -e), _lead(jnp.ldexp(one, e)) * rk
+    """(f `[..., 1]`, rk / f `[N, ..., K]`): f = min(1, the token's smallest r over its sources and
+    heads), so x f is at most the size of the normalized keys (`backward`, C10.6).  A reduce and
+    two products: frexp / ldexp for an exact power of two cost ~40 % more XLA compile time."""
+    f = _trail(jnp.minimum(jnp.min(r, axis=(0, r.ndim - 1)), 1.0))
+    return f, rk / _lead(f)
 
 
 def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
@@ -316,15 +315,15 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
     pairwise = low_precision(xs[0])
     rk = tile_sets(r, sets)
     # C10.6: with the key norm dz_i is only used as dz_i r_i, while <d_out, x_i> ~ |x| sqrt(D)
-    # overflows for finite gradients (fp32 |x| ~ 3e37): the dots are taken of x / a, a = 2^e >=
-    # the largest rms of the token's sources (exact; 1 up to rms 1/2), and a r_i <= 1 scales back.
+    # overflows for finite gradients (fp32 |x| ~ 1e37): the dots are taken of x f, f = min(1, the
+    # token's smallest r), and r_i / f scales back.
     inv_a, ark = (None, rk) if not opts.key_norm else _dot_scale(r, rk)
 
     def dot(x):
         x = x.astype(ct)
         return (_columns(g * _lead(x if inv_a is None else x * inv_a), h, pairwise),)
 
-    (dp,) = _per_source(dot, xs, stacked)  # [N, ..., K], <d_out, x_i> / a
+    (dp,) = _per_source(dot, xs, stacked)  # [N, ..., K], <d_out, x_i> f
     if opts.activation == "softmax":
         cr = opts.scale * (p * (dp - _lead(jnp.sum(p * dp, axis=0)))) * ark  # dL/d(s_i) = dz_i scale r_i
         if d_lse is not None:

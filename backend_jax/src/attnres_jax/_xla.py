@@ -298,8 +298,8 @@ def forward(xs: list, qs: Query, opts: Options, ct, num_valid=None):
 
 def _dot_scale(r, rk):
     """(f `[..., 1]`, rk / f `[N, ..., K]`): f = min(1, the token's smallest r over its sources and
-    heads), so x f is at most the size of the normalized keys (`backward`, C10.6).  A reduce and
-    two products: frexp / ldexp for an exact power of two cost ~40 % more XLA compile time."""
+    heads), so x f is at most the size of the normalized keys (`backward`, C10.6): a reduce and
+    two products, cheaper to compile than an exact power of two (frexp / ldexp)."""
     f = _trail(jnp.minimum(jnp.min(r, axis=(0, r.ndim - 1)), 1.0))
     return f, rk / _lead(f)
 

@@ -7,6 +7,7 @@ Recompute / Offload, the Trainer, PEFT LoRA, torch.compile, autocast, FSDP2 per 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -69,6 +70,20 @@ def _decoder(model):
     return owner, layers, layout
 
 
+def _final_norm(owner):
+    """The decoder's final norm (`norm` in Llama-style models, `ln_f` in GPT-2)."""
+    return getattr(owner, "norm", None) or getattr(owner, "ln_f")
+
+
+def _train_step(model, ids, ctx=None):
+    """One forward + backward of the LM loss: (bytes autograd saved, gradients by name)."""
+    model.zero_grad()
+    with SavedBytes() as acct, (ctx if ctx is not None else contextlib.nullcontext()):
+        loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return acct.bytes, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 FAMILIES = list(hf.TESTED_FAMILIES)
 SCHEMES = {"full": ResidualConfig(kind="full"), "block": ResidualConfig(kind="block", block_size=2),
            "window": ResidualConfig.variant("window")}
@@ -117,7 +132,7 @@ def _oracle_logits(plain64, router64, ids):
     subs = [sublayer(i, j, n, f) for i in range(len(layers))
             for j, (n, f) in enumerate(((n1, f1), (n2, f2)))]
     h = router64(rec.embedding, subs)
-    final = getattr(owner, "norm", None) or getattr(owner, "ln_f")
+    final = _final_norm(owner)
     return plain64.get_output_embeddings()(final(h))
 
 
@@ -205,20 +220,12 @@ def test_hf_gradient_checkpointing_recomputes_the_sublayers_and_keeps_the_gradie
     _randomize_attnres(model)
     model.train()
     ids = _ids()
-
-    def step(m):
-        m.zero_grad()
-        with SavedBytes() as acct:
-            loss = m(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        return acct.bytes, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
-    bytes_plain, grads_plain = step(model)
-    prenorm_plain, _ = step(plain)
+    bytes_plain, grads_plain = _train_step(model, ids)
+    prenorm_plain, _ = _train_step(plain, ids)
     model.activation_checkpointing_enable()  # transformers 5.24's name of gradient_checkpointing_enable
     plain.activation_checkpointing_enable()
-    bytes_ckpt, grads_ckpt = step(model)
-    prenorm_ckpt, _ = step(plain)
+    bytes_ckpt, grads_ckpt = _train_step(model, ids)
+    prenorm_ckpt, _ = _train_step(plain, ids)
     assert grads_plain.keys() == grads_ckpt.keys()
     assert all(torch.equal(grads_plain[k], grads_ckpt[k]) for k in grads_plain)
     assert bytes_ckpt < 0.5 * bytes_plain, (bytes_ckpt, bytes_plain)
@@ -291,7 +298,7 @@ def test_output_hidden_states_and_layer_hooks_see_the_attnres_states(family):
     for i in range(len(layers) - 1):  # layer i's output: the next layer's depth-attended input
         assert torch.equal(hs[i + 1], seen[i])
     owner = _decoder(model)[0]
-    final = getattr(owner, "norm", None) or getattr(owner, "ln_f")
+    final = _final_norm(owner)
     assert torch.equal(hs[-1], final(seen[-1]))  # HF reports the last one after the final norm
 
 
@@ -302,21 +309,10 @@ def test_recompute_and_offload_accept_a_converted_model(mode):
     _randomize_attnres(model)
     model.train()
     ids = _ids()
-
-    def step(ctx):
-        model.zero_grad()
-        with SavedBytes() as acct:
-            with ctx:
-                loss = model(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        return acct.bytes, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    import contextlib
-
-    base_bytes, base = step(contextlib.nullcontext())
+    base_bytes, base = _train_step(model, ids)
     ctx = Recompute(model) if mode == "recompute" else Offload(model, window=1)
-    got_bytes, got = step(ctx)
-    assert all(torch.equal(base[k], got[k]) for k in base)
+    got_bytes, got = _train_step(model, ids, ctx)
+    assert base.keys() == got.keys() and all(torch.equal(base[k], got[k]) for k in base)
     if mode == "recompute":
         assert got_bytes < 0.75 * base_bytes, (got_bytes, base_bytes)
     else:

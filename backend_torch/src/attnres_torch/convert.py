@@ -237,6 +237,18 @@ def _model_dtype(blocks: Sequence[nn.Module]) -> torch.dtype:
     return torch.float32
 
 
+def param_dtype(blocks: Sequence[nn.Module], dtype) -> torch.dtype:
+    """The residual parameters' dtype: a torch dtype as given, "model" (the blocks' parameter
+    dtype) or None (float32)."""
+    if dtype == "model":
+        return _model_dtype(blocks)
+    if dtype is None:
+        return torch.float32
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype, 'model' or None, got {dtype!r}")
+    return dtype
+
+
 def _infer_dim(block: nn.Module, specs) -> int:
     for spec in specs:
         if isinstance(spec, tuple):
@@ -342,12 +354,7 @@ def wrap_prenorm(blocks: Sequence[nn.Module], config: ResidualConfig, dim: Optio
         _resolve_specs(b, specs)
     if dim is None:
         dim = _infer_dim(blocks[0], specs)
-    if dtype == "model":
-        dtype = _model_dtype(blocks)
-    elif dtype is None:
-        dtype = torch.float32
-    elif not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype: expected a torch.dtype, 'model' or None, got {dtype!r}")
+    dtype = param_dtype(blocks, dtype)
     L = len(blocks) * len(specs)
     if not per_layer:
         router = DepthRouter(config, L, dim, schedule=schedule).to(dtype)

@@ -60,7 +60,7 @@ import torch
 from attnres_numpy.config import ResidualConfig
 from torch import nn
 
-from .convert import PerLayerRouter, make_sites
+from .convert import PerLayerRouter, _infer_dim, make_sites, param_dtype
 from .modules import DepthRouter
 
 __all__ = ["convert", "decoder_layers", "from_pretrained", "is_converted", "residual_inputs",
@@ -297,7 +297,6 @@ class _ReplayingCheckpoint:
 
         def context_fn():
             fwd, rec = user() if user is not None else (contextlib.nullcontext(), contextlib.nullcontext())
-            forward_ctx = fwd
             replay = _Replay(self.state, snapshot)
 
             @contextlib.contextmanager
@@ -305,23 +304,12 @@ class _ReplayingCheckpoint:
                 with replay, rec:
                     yield
 
-            return forward_ctx, recompute_ctx()
+            return fwd, recompute_ctx()
 
         return self.inner(function, *args, context_fn=context_fn, **kwargs)
 
 
 # -- conversion -----------------------------------------------------------------------------------
-
-def _dim(layer: nn.Module, norm_name: str) -> int:
-    norm = getattr(layer, norm_name)
-    shape = getattr(norm, "normalized_shape", None)
-    if shape:
-        return int(tuple(shape)[-1])
-    weight = getattr(norm, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
-        return int(weight.shape[0])
-    raise ValueError(f"model: cannot read the hidden size from {type(norm).__name__}")
-
 
 def _rows_of_layer(i: int, per_layer: int = 2) -> List[int]:
     """The parameter rows decoder layer i's call reads (M4 rows: sublayer l is row l - 1)."""
@@ -402,21 +390,21 @@ def convert(model: nn.Module, config: ResidualConfig, *, per_layer: Optional[boo
                          "use per_layer=False (one stacked router on the base model)")
     owner, list_name, layers, layout = find_decoder(model)
     norm1, fn1, norm2, fn2 = layout
-    dim = _dim(layers[0], norm1)
+    dim = _infer_dim(layers[0], [(norm1, fn1)])
     n = len(layers)
     L = 2 * n
-    param_dtype = _param_dtype(layers, dtype)
+    dtype = param_dtype(layers, dtype)
     for layer in layers:
         if hasattr(layer, "attnres"):
             raise ValueError(f"model: a {type(layer).__name__} already has an 'attnres' attribute")
     if per_layer:
-        sites = make_sites(config, L, dim, param_dtype)
+        sites = make_sites(config, L, dim, dtype)
         for i, layer in enumerate(layers):
             layer.add_module("attnres", nn.ModuleDict(
                 {f"row{r}": sites[r] for r in _rows_of_layer(i)}))
         rt = PerLayerRouter(config, L, dim, schedule, sites=sites)
     else:
-        rt = DepthRouter(config, L, dim, schedule=schedule).to(param_dtype)
+        rt = DepthRouter(config, L, dim, schedule=schedule).to(dtype)
         owner.add_module("attnres_router", rt)
     state = _State(rt, owner, n)
     state.layers = list(layers)
@@ -434,7 +422,7 @@ def convert(model: nn.Module, config: ResidualConfig, *, per_layer: Optional[boo
     if hf_config is not None:
         setattr(hf_config, CONFIG_KEY, {
             "config": config.to_dict(), "per_layer": bool(per_layer), "schedule": schedule,
-            "dtype": str(param_dtype).replace("torch.", ""), "layers": f"{_path(model, owner)}{list_name}",
+            "dtype": str(dtype).replace("torch.", ""), "layers": f"{_path(model, owner)}{list_name}",
             "layout": list(layout)})
     return model
 
@@ -444,19 +432,6 @@ def _path(model: nn.Module, owner: nn.Module) -> str:
         if m is owner:
             return f"{name}." if name else ""
     return ""
-
-
-def _param_dtype(layers, dtype) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if dtype == "model":
-        for p in layers.parameters():
-            if p.is_floating_point():
-                return p.dtype
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    raise TypeError(f"dtype: expected a torch.dtype, 'model' or None, got {dtype!r}")
 
 
 @contextlib.contextmanager

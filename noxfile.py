@@ -6,6 +6,7 @@
     nox -s conformance -- torch --quick   # options for attnres-conformance after the names
     nox -s vectors          # regenerate the golden vectors (spec/vectors) from their definitions
     nox -s lint
+    nox -s docs             # the documentation site, mkdocs build --strict (also tagged "tests")
 
 A reused virtualenv is not reinstalled when nothing it was installed from changed (the install
 arguments and the distributions' pyproject.toml files; the packages are editable installs, so
@@ -161,6 +162,21 @@ def _conformance_args(session: nox.Session) -> tuple:
         session.error(f"unknown backend {', '.join(map(repr, unknown))}: choose from {', '.join(BACKEND_INSTALL)} "
                       "(e.g. nox -s conformance -- torch jax; options for attnres-conformance after the names)")
     return backends, options
+
+
+#: The documentation site (mkdocs.yml): pinned, so a new release cannot break `--strict` without a commit.
+DOCS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11")
+
+
+@nox.session(name="docs", tags=["tests"])
+def docs(session: nox.Session) -> None:
+    """The documentation site, `mkdocs build --strict` (a warning, a broken link or anchor, an API
+    entry griffe cannot read fails it) into the session's virtualenv (`-- --site-dir DIR` to keep
+    it elsewhere).  griffe reads the packages' sources without importing them: no framework installed."""
+    session.install(*DOCS)
+    site = Path(session.virtualenv.location, "site")
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site), *session.posargs,
+                env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(name="vectors")

@@ -42,91 +42,55 @@ row's weights are observable; each read asks its op for the weights with the out
 lse, detached), so the model's computation and gradients are exactly those of an unmonitored
 step and no depth attention runs twice.  The sublayer magnitudes are the inputs and outputs the
 schedule hands out and receives; gradient norms come from the given sublayer modules.
+
+The statistics, the records, the collapse rule and message and the policy decisions are the
+framework-neutral `attnres_numpy.training` (shared with the JAX and MLX monitors); this module adds
+the torch actions (optimizer hooks, in-place resets) and the TensorBoard export.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import numbers
-import warnings
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
+from attnres_numpy import training as core
 from attnres_numpy.schedule import ScheduleObserver
+from attnres_numpy.training import (
+    POLICIES,
+    CollapseEvent,
+    CollapsePolicy,
+    DepthCollapseError,
+    DepthCollapseWarning,
+    LogPolicy,
+    RaisePolicy,
+    entry_scalars,
+)
 from torch import nn
 
 from .modules import DepthRouter
 
-
-class DepthCollapseWarning(UserWarning):
-    """A depth-attention row puts (almost) all its weight on a single source."""
-
-
-class DepthCollapseError(RuntimeError):
-    """Raised by `RaisePolicy` when a depth-attention row collapses."""
+__all__ = ["POLICIES", "CollapseEvent", "CollapsePolicy", "DepthCollapseError", "DepthCollapseWarning",
+           "DepthMonitor", "LogPolicy", "LrScalePolicy", "RaisePolicy", "ResetPolicy", "collapse_policy",
+           "entry_scalars", "tensorboard_writer", "weight_stats", "write_entry"]
 
 
-@dataclasses.dataclass(frozen=True)
-class CollapseEvent:
-    """One collapsed row of one record: row r (sublayer r + 1; row L is the output aggregation),
-    its token-averaged maximum weight over `num_sources` sources, the label of the source it
-    collapsed onto, and the monitor's threshold."""
-
-    step: int
-    row: int
-    max_weight: float
-    num_sources: int
-    label: str
-    threshold: float
-
-
-def _query_slot(router, row: int):
-    """(parameter, index) holding row `row`'s query: index is the row of a stacked `[L+1, ...]`
-    parameter (`DepthRouter`), None where the row is its own parameter (per-layer ownership:
-    any router with `row_parameter(name, row)`)."""
-    config = router.config
-    name = "queries" if config.query == "static" else "query_weights"
-    row = config.query_row(row + 1, router.num_layers)  # M11: shared rows serve several sublayers
+def _query_slot(router, query_row: int):
+    """(parameter, index) holding query row `query_row` (`DepthMonitorBase.query_row`): index is
+    the row of a stacked `[R, ...]` parameter (`DepthRouter`), None where the row is its own
+    parameter (per-layer ownership: any router with `row_parameter(name, row)`)."""
+    name = core.query_parameter(router.config)
     if hasattr(router, "row_parameter"):
-        return router.row_parameter(name, row), None
-    return getattr(router, name), row
+        return router.row_parameter(name, query_row), None
+    return getattr(router, name), query_row
 
 
 def _row(t: torch.Tensor, index):
     return t if index is None else t[index]
 
 
-class CollapsePolicy:
-    """What a `DepthMonitor` does when a row collapses.  `respond(monitor, event)` acts and returns
-    a short description of the action (recorded in the history entry); `warn` says whether the
-    monitor also issues its `DepthCollapseWarning` (once per row); `close()` undoes any hooks."""
-
-    name = "log"
-    warn = True
-
-    def respond(self, monitor: "DepthMonitor", event: CollapseEvent) -> str:
-        return "logged"
-
-    def close(self) -> None:
-        pass
-
-
-class LogPolicy(CollapsePolicy):
-    """Warn once per row (`DepthCollapseWarning`); change nothing."""
-
-
-class RaisePolicy(CollapsePolicy):
-    """Raise `DepthCollapseError` when a row collapses (after the record is in `history`)."""
-
-    name = "raise"
-
-    def respond(self, monitor, event):
-        raise DepthCollapseError(monitor._collapse_message(event))
-
-
-class LrScalePolicy(CollapsePolicy):
+class LrScalePolicy(core.LrScaleRule):
     """Scale the learning rate of each collapsed row's query by `factor`, once per row.
 
     Implemented as optimizer step hooks: before `optimizer.step()` the affected rows are saved,
@@ -137,22 +101,17 @@ class LrScalePolicy(CollapsePolicy):
     parameter, which a param group cannot hold on its own.
     """
 
-    name = "lr_scale"
-
     def __init__(self, optimizer: torch.optim.Optimizer, factor: float = 0.1):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0.0 < factor < math.inf:
-            raise ValueError(f"factor: expected a finite real number > 0, got {factor!r}")
-        self.optimizer, self.factor = optimizer, float(factor)
+        super().__init__(factor)
+        self.optimizer = optimizer
         self.rows: List[tuple] = []  # (parameter, index or None, factor)
         self._saved: List[torch.Tensor] = []
         self._handles: list = []
 
-    def respond(self, monitor, event):
-        param, index = _query_slot(monitor.router, event.row)
-        if any(p is param and i == index for p, i, _ in self.rows):
-            return f"lr x{self.factor:g} (already)"
+    def apply_row(self, monitor, event, query_row):
+        param, index = _query_slot(monitor.router, query_row)
         if not any(p is param for g in self.optimizer.param_groups for p in g["params"]):
             raise ValueError("optimizer: does not hold the router's query parameter of row "
                              f"{event.row} (shape {tuple(param.shape)}); pass the optimizer that trains it")
@@ -160,7 +119,6 @@ class LrScalePolicy(CollapsePolicy):
         if not self._handles:
             self._handles = [self.optimizer.register_step_pre_hook(self._pre),
                              self.optimizer.register_step_post_hook(self._post)]
-        return f"lr x{self.factor:g}"
 
     def _pre(self, optimizer, args, kwargs):
         self._saved = [_row(p.detach(), i).clone() for p, i, _ in self.rows]
@@ -178,35 +136,28 @@ class LrScalePolicy(CollapsePolicy):
         self._handles = []
 
 
-class ResetPolicy(CollapsePolicy):
+class ResetPolicy(core.ResetRule):
     """Move each collapsed row's query `shrink` of the way to zero (1.0: zero, the uniform
     average of M8), drop its pending gradient, and, given the optimizer, zero the row of every
     per-parameter state tensor (Adam's moments, SGD's momentum) so the update does not push it
     straight back.  Acts on every record in which the row is collapsed."""
 
-    name = "reset"
-
     def __init__(self, shrink: float = 1.0, optimizer: Optional[torch.optim.Optimizer] = None):
-        if isinstance(shrink, bool) or not isinstance(shrink, numbers.Real) or not 0.0 < shrink <= 1.0:
-            raise ValueError(f"shrink: expected a real number in (0, 1], got {shrink!r}")
+        super().__init__(shrink)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-        self.shrink, self.optimizer = float(shrink), optimizer
+        self.optimizer = optimizer
 
     @torch.no_grad()
-    def respond(self, monitor, event):
-        param, index = _query_slot(monitor.router, event.row)
-        _row(param, index).mul_(1.0 - self.shrink)
+    def reset_row(self, monitor, query_row):
+        param, index = _query_slot(monitor.router, query_row)
+        _row(param, index).mul_(self.keep)
         if param.grad is not None:
             _row(param.grad, index).zero_()
         if self.optimizer is not None:
             for value in self.optimizer.state.get(param, {}).values():
                 if isinstance(value, torch.Tensor) and value.shape == param.shape:
                     _row(value, index).zero_()
-        return "reset to uniform" if self.shrink == 1.0 else f"query x{1.0 - self.shrink:g}"
-
-
-POLICIES = ("log", "lr_scale", "reset", "raise")
 
 
 def collapse_policy(name: Union[str, CollapsePolicy], optimizer: Optional[torch.optim.Optimizer] = None,
@@ -214,39 +165,11 @@ def collapse_policy(name: Union[str, CollapsePolicy], optimizer: Optional[torch.
     """The policy called `name` ("log", "lr_scale", "reset", "raise"); "lr_scale" needs the
     optimizer, "reset" uses it when given.  options: `factor` (lr_scale), `shrink` (reset).
     A `CollapsePolicy` is returned as it is."""
-    if isinstance(name, CollapsePolicy):
-        return name
-    if name == "log":
-        return LogPolicy()
-    if name == "raise":
-        return RaisePolicy()
-    if name == "lr_scale":
-        if optimizer is None:
-            raise ValueError("on_collapse: 'lr_scale' needs the optimizer that trains the queries "
-                             "(collapse_policy('lr_scale', optimizer) or LrScalePolicy(optimizer))")
-        return LrScalePolicy(optimizer, **options)
-    if name == "reset":
-        return ResetPolicy(optimizer=optimizer, **options)
-    raise ValueError(f"on_collapse: expected one of {POLICIES} or a CollapsePolicy, got {name!r}")
-
-
-def entry_scalars(entry: dict, prefix: str = "attnres") -> Dict[str, float]:
-    """A history entry as plain scalars `{tag: float}`: per row `{prefix}/row{r}/entropy`,
-    `.../max_weight` and `.../weight/{label}`; per sublayer l `{prefix}/sublayer{l}/input_rms`,
-    `output_rms`, `grad_norm` (where recorded); `{prefix}/collapsed_rows` (this record)."""
-    out: Dict[str, float] = {}
-    for r in entry["rows"]:
-        base = f"{prefix}/row{r['row']}"
-        out[f"{base}/entropy"] = float(r["entropy"])
-        out[f"{base}/max_weight"] = float(r["max_weight"])
-        for label, w in zip(r["labels"], r["mean_weights"]):
-            out[f"{base}/weight/{label}"] = float(w)
-    for key in ("input_rms", "output_rms", "grad_norm"):
-        for l, value in enumerate(entry.get(key) or [], start=1):
-            if value is not None:
-                out[f"{prefix}/sublayer{l}/{key}"] = float(value)
-    out[f"{prefix}/collapsed_rows"] = float(len(entry.get("collapse", [])))
-    return out
+    if name == "lr_scale" and optimizer is None:
+        raise ValueError("on_collapse: 'lr_scale' needs the optimizer that trains the queries "
+                         "(collapse_policy('lr_scale', optimizer) or LrScalePolicy(optimizer))")
+    return core.make_policy(name, {"lr_scale": lambda **o: LrScalePolicy(optimizer, **o),
+                                   "reset": lambda **o: ResetPolicy(optimizer=optimizer, **o)}, **options)
 
 
 def write_entry(writer, entry: dict, prefix: str = "attnres") -> None:
@@ -280,23 +203,15 @@ def tensorboard_writer(log_dir=None, **kwargs):
     return SummaryWriter(log_dir=log_dir, **kwargs)
 
 
-def weight_stats(weights: torch.Tensor) -> Dict[str, object]:
-    """Statistics of depth weights `[N, ...]` (any trailing token / head dims).
+def weight_stats(weights: torch.Tensor):
+    """Statistics of depth weights `[N, ...]` (any trailing token / head dims), in float64 on
+    the host (`attnres_numpy.training.weight_stats`).
 
     Returns {"mean_weights": [N] (per-token normalized weights averaged over tokens),
     "entropy": mean over tokens of -sum_i p_i log p_i (nats), "max_weight": mean over tokens of
     max_i p_i, "argmax": index of the largest mean weight}.
     """
-    w = weights.detach().to(torch.float64).reshape(weights.shape[0], -1)  # [N, M]
-    p = w / w.sum(0, keepdim=True)
-    entropy = -torch.special.xlogy(p, p).sum(0)
-    mean = p.mean(1)
-    return {"mean_weights": mean.tolist(), "entropy": float(entropy.mean()),
-            "max_weight": float(p.max(0).values.mean()), "argmax": int(mean.argmax())}
-
-
-def _mean(xs: List[float]) -> Optional[float]:
-    return sum(xs) / len(xs) if xs else None
+    return core.weight_stats(weights.detach().to(device="cpu", dtype=torch.float64).numpy())
 
 
 def _rms(x: torch.Tensor) -> float:
@@ -313,20 +228,18 @@ class _MonitorObserver(ScheduleObserver):
 
     @property
     def wants_weights(self) -> bool:
-        return self.monitor._current is not None
+        return self.monitor.recording
 
     def depth_attention(self, row, labels, sources, weights) -> None:
-        if self.monitor._current is not None and weights is not None:
-            self.monitor._observe_row(row, labels, weights)
+        if self.monitor.recording and weights is not None:
+            self.monitor.add_row(row, labels, weight_stats(weights))
 
     def sublayer(self, layer, h, v) -> None:
-        cur = self.monitor._current
-        if cur is not None and self.monitor.sublayers:
-            cur["input_rms"][layer - 1].append(_rms(h))
-            cur["output_rms"][layer - 1].append(_rms(v))
+        if self.monitor.recording and self.monitor.sublayers:
+            self.monitor.add_sublayer(layer, _rms(h), _rms(v))
 
 
-class DepthMonitor:
+class DepthMonitor(core.DepthMonitorBase):
     """Records depth weights, their entropy, per-sublayer magnitudes and gradient norms.
 
     Args:
@@ -340,7 +253,8 @@ class DepthMonitor:
 
     While attached, the monitor is the router's `observer` (`DepthRouter.observer`, a
     `ScheduleObserver` of the shared schedule): `close()` before pickling or deep-copying the
-    whole module (`state_dict` is unaffected).
+    whole module (`state_dict` is unaffected).  The records, `history`, `metrics()` and the
+    collapse check are `attnres_numpy.training.DepthMonitorBase`'s.
     """
 
     def __init__(self, router: DepthRouter, sublayers: Sequence[nn.Module] = (), *,
@@ -353,7 +267,8 @@ class DepthMonitor:
             raise ValueError(f"collapse_threshold: expected a value in (0, 1), got {collapse_threshold!r}")
         if router.observer is not None:
             raise ValueError("router: already watched by another DepthMonitor (close() it first)")
-        self.policy = collapse_policy(on_collapse)
+        super().__init__(router.config, router.num_layers, collapse_threshold=collapse_threshold,
+                         policy=collapse_policy(on_collapse))
         if writer is not None:
             for name in ("add_scalar", "add_histogram"):
                 if not callable(getattr(writer, name, None)):
@@ -361,10 +276,6 @@ class DepthMonitor:
                                     f"add_histogram, got {type(writer).__name__}")
         self.writer = writer
         self.router, self.sublayers = router, list(sublayers)
-        self.collapse_threshold = collapse_threshold
-        self.history: List[dict] = []
-        self._current: Optional[dict] = None
-        self._warned: set = set()
         self._observer = _MonitorObserver(self)
         router.observer = self._observer
 
@@ -375,14 +286,6 @@ class DepthMonitor:
             self.router.observer = None
         self.policy.close()
 
-    def metrics(self, entry: Optional[dict] = None) -> Dict[str, float]:
-        """`entry_scalars` of `entry` (default: the latest record)."""
-        if entry is None:
-            if not self.history:
-                raise ValueError("metrics: nothing recorded yet")
-            entry = self.history[-1]
-        return entry_scalars(entry)
-
     # -- recording ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def record(self, step: int) -> Iterator[None]:
@@ -390,45 +293,15 @@ class DepthMonitor:
         `step` (values averaged over several forward passes).  Gradient norms are the sublayers'
         `.grad` on exit (None when a sublayer has none): zero them with `set_to_none=True` before
         the step, as `torch.optim` does by default."""
-        if self._current is not None:
-            raise RuntimeError("record: already recording (records do not nest)")
-        L = self.router.num_layers
-        self._current = {"step": int(step), "rows": {}, "input_rms": [[] for _ in range(L)],
-                         "output_rms": [[] for _ in range(L)]}
+        self.start_record(step)
         try:
             yield
-            entry = self._finish()
+            entry = self.build_entry(magnitudes=bool(self.sublayers), grad_norm=self._grad_norms())
         finally:
-            self._current = None
-        self.history.append(entry)
-        self._check_collapse(entry)
+            self.stop_record()
+        self.commit(entry, stacklevel=3)  # 3: the caller's `with monitor.record`
         if self.writer is not None:
             write_entry(self.writer, entry)
-
-    def _observe_row(self, row: int, labels: List[str], weights: torch.Tensor) -> None:
-        stats = weight_stats(weights)
-        stats["labels"] = labels
-        self._current["rows"].setdefault(row, []).append(stats)
-
-    def _finish(self) -> dict:
-        cur = self._current
-        rows = []
-        for row in sorted(cur["rows"]):
-            seen = cur["rows"][row]
-            n = len(seen)
-            rows.append({
-                "row": row, "labels": seen[0]["labels"],
-                "mean_weights": [sum(s["mean_weights"][i] for s in seen) / n
-                                 for i in range(len(seen[0]["labels"]))],
-                "entropy": sum(s["entropy"] for s in seen) / n,
-                "max_weight": sum(s["max_weight"] for s in seen) / n,
-            })
-        for r in rows:
-            r["argmax"] = max(range(len(r["labels"])), key=lambda i: r["mean_weights"][i])
-        return {"step": cur["step"], "rows": rows,
-                "input_rms": [_mean(x) for x in cur["input_rms"]] if self.sublayers else None,
-                "output_rms": [_mean(x) for x in cur["output_rms"]] if self.sublayers else None,
-                "grad_norm": self._grad_norms()}
 
     def _grad_norms(self) -> Optional[List[float]]:
         norms = []
@@ -439,30 +312,3 @@ class DepthMonitor:
             norms.append(math.sqrt(sum(float(g.detach().to(torch.float64).square().sum())
                                        for g in grads)))
         return norms or None
-
-    def _collapse_message(self, event: CollapseEvent) -> str:
-        where = ("the output aggregation" if event.row == self.router.num_layers
-                 else f"sublayer {event.row + 1}")
-        return (f"AttnRes depth weights collapsed at step {event.step}: {where} (row {event.row}) "
-                f"puts on average {event.max_weight:.4f} > {event.threshold} of its weight on a "
-                f"single one of its {event.num_sources} sources (mostly {event.label}), so it no "
-                "longer mixes depth (a learned choice or a sign of too large pseudo-query logits: "
-                "check the learning rate)")
-
-    def _check_collapse(self, entry: dict) -> None:
-        entry["collapse"] = []
-        for r in entry["rows"]:
-            n = len(r["labels"])
-            if n < 2 or r["max_weight"] <= self.collapse_threshold:
-                continue
-            event = CollapseEvent(entry["step"], r["row"], r["max_weight"], n,
-                                  r["labels"][r["argmax"]], self.collapse_threshold)
-            action = self.policy.respond(self, event)  # RaisePolicy raises here
-            entry["collapse"].append({"row": r["row"], "max_weight": r["max_weight"], "action": action})
-            if self.policy.warn and r["row"] not in self._warned:
-                self._warned.add(r["row"])
-                message = self._collapse_message(event)
-                if self.policy.name != "log":
-                    message += f"; response ({self.policy.name}): {action}"
-                warnings.warn(message, DepthCollapseWarning,
-                              stacklevel=4)  # 4: the caller's `with monitor.record`

@@ -10,11 +10,13 @@ Public functions:
   stack_forward  the generic schedule driving user-supplied sublayers (callables `h -> v`).
   probe_forward  the spec's probe network, `f_l(h) = tanh(rmsnorm(h) @ W[l-1])`.
   probe_vjp      its hand-written reverse mode: every input and every parameter.
-  probe_sublayers, rmsnorm, rmsnorm_vjp  the probe's building blocks.
+  probe_sublayers  the probe's sublayers as plain NumPy callables (for `stack_forward`).
+  rmsnorm, rmsnorm_vjp  the gainless RMSNorm and its VJP.
 
-The schedule is `schedule.ResidualStream` (shared with every backend); here it runs on
-`tape.Tape`, the float64 `ResidualOps` with hand-written VJPs: a tape that records nothing for
-`stack_forward`, a recording one for `probe_vjp`.  No autodiff library is involved.
+The schedule is `schedule.ResidualStream` and the probe network `probe.run_probe` (both shared
+with every backend); here they run on `tape.Tape`, the float64 `ResidualOps` with hand-written
+VJPs: a tape that records nothing for `stack_forward` and `probe_forward`, a recording one for
+`probe_vjp`.  No autodiff library is involved.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
-from . import validation
+from . import probe, validation
 from .config import ResidualConfig
 from .schedule import ScheduleObserver, run_schedule
 from .tape import Tape, Var, rmsnorm, rmsnorm_vjp
@@ -35,25 +37,28 @@ __all__ = ["probe_forward", "probe_sublayers", "probe_vjp", "rmsnorm", "rmsnorm_
 
 
 def probe_sublayers(sublayer_weights, eps: float, *, prenorm: bool = True) -> List[Sublayer]:
-    """The probe network's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])`; prenorm=False
-    (a config with fuse_out_norm, M15: the stream hands the normed input) drops the rmsnorm:
-    `f_l(n) = tanh(n @ W[l-1])`.
+    """The probe network's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])` as plain NumPy
+    callables (float64); prenorm=False (a config with fuse_out_norm, M15: the stream hands the
+    normed input) drops the rmsnorm: `f_l(n) = tanh(n @ W[l-1])`.  The formula is
+    `attnres_numpy.probe.probe_sublayers`, here on a tape that records nothing.
 
     sublayer_weights: W `[L, D, D]` (right-multiplication, `[D_in, D_out]`).  Returns L callables
     mapping `[..., D]` to `[..., D]`.
     """
-    w = np.asarray(sublayer_weights, dtype=np.float64)
-    norm = (lambda h: rmsnorm(h, eps)) if prenorm else (lambda h: h)
-    return [lambda h, w_l=w[l]: np.tanh(norm(h) @ w_l) for l in range(w.shape[0])]
+    tape = Tape(record=False)
+    config = ResidualConfig(eps=eps, fuse_out_norm=not prenorm)
+    fs = probe.probe_sublayers(config, tape, tape.var(np.asarray(sublayer_weights, dtype=np.float64)))
+    return [lambda h, f=f: f(tape.var(h)).value for f in fs]
 
 
 def probe_tape_sublayers(tape: Tape, weights: Var, num_layers: int, eps: float, *,
                          prenorm: bool = True) -> list:
-    """The probe's sublayers as tape primitives (differentiable): weights is W `[L, D, D]`;
-    prenorm as `probe_sublayers`."""
-    norm = (lambda h: tape.rmsnorm(h, eps)) if prenorm else (lambda h: h)
-    return [lambda h, l=l: tape.tanh(tape.matmul(norm(h), tape.index(weights, l)))
-            for l in range(num_layers)]
+    """The probe's sublayers as tape primitives (differentiable): weights is W `[L, D, D]` with
+    L = num_layers; prenorm as `probe_sublayers`.  `attnres_numpy.probe.probe_sublayers` with a
+    config of that eps (and fuse_out_norm = not prenorm)."""
+    if weights.shape[0] != num_layers:
+        raise ValueError(f"num_layers: {num_layers}, but weights has shape {weights.shape}")
+    return probe.probe_sublayers(ResidualConfig(eps=eps, fuse_out_norm=not prenorm), tape, weights)
 
 
 class _WeightsCollector(ScheduleObserver):
@@ -89,13 +94,6 @@ def _check_call(config, embedding, schedule: str) -> np.ndarray:
 def _check_params(config: ResidualConfig, params, num_layers: int, dim: int) -> None:
     """params must hold exactly the names and shapes of `config.param_shapes(L, D)` (M6)."""
     config.check_params(params, num_layers, dim, lambda v: np.asarray(v).dtype.name)
-
-
-def _check_sublayer_weights(sublayer_weights, dim: int) -> np.ndarray:
-    w = _check_array("sublayer_weights", sublayer_weights)
-    if w.ndim != 3 or w.shape[0] < 1 or w.shape[1:] != (dim, dim):
-        raise ValueError(f"sublayer_weights: expected shape [L, D, D] with L >= 1 and D = {dim}, got shape {w.shape}")
-    return w
 
 
 # -- public API --------------------------------------------------------------------------------
@@ -149,16 +147,33 @@ def _checked_call(tape: Tape, fn: Sublayer, name: str):
     return call
 
 
+def _check_probe(config, params, embedding, sublayer_weights, schedule: str) -> tuple:
+    """(embedding, sublayer_weights) as arrays, after the probe's argument checks (spec 7)."""
+    emb = _check_call(config, embedding, schedule)
+    w = _check_array("sublayer_weights", sublayer_weights)
+    probe.check_sublayer_weights(w, emb.shape[-1], lambda a: a.dtype.name)
+    _check_params(config, params, w.shape[0], emb.shape[-1])
+    return emb, w
+
+
+def _probe_on_tape(config, params, emb, w, *, record: bool, schedule: str, mix, scale) -> tuple:
+    """(tape, out, embedding Var, weights Var): the probe network (checked arguments) on a Tape."""
+    tape = Tape(params, record=record)
+    emb_var, w_var = tape.var(emb), tape.var(w)
+    out = probe.run_probe(config, tape, emb_var, w_var, schedule=schedule, mix=mix, scale=scale)
+    return tape, out, emb_var, w_var
+
+
 def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, *,
                   schedule: str = "direct", mix=None, scale=None) -> np.ndarray:
-    """The spec's probe network: `stack_forward` with `probe_sublayers(sublayer_weights, config.eps)`.
+    """The spec's probe network (`attnres_numpy.probe.run_probe` on a float64 tape).
 
-    embedding `[..., D]`; sublayer_weights `[L, D, D]`.  Returns out `[..., D]` float64.
+    embedding `[..., D]`; sublayer_weights `[L, D, D]`; schedule, mix, scale as in
+    `stack_forward`.  Returns out `[..., D]` float64.
     """
-    emb = _check_call(config, embedding, schedule)
-    w = _check_sublayer_weights(sublayer_weights, emb.shape[-1])
-    sublayers = probe_sublayers(w, config.eps, prenorm=not config.fuse_out_norm)  # M15
-    return stack_forward(config, params, embedding, sublayers, schedule=schedule, mix=mix, scale=scale)
+    emb, w = _check_probe(config, params, embedding, sublayer_weights, schedule)
+    return _probe_on_tape(config, params, emb, w, record=False, schedule=schedule, mix=mix,
+                          scale=scale)[1].value
 
 
 def probe_vjp(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, cotangent, *,
@@ -171,17 +186,12 @@ def probe_vjp(config: ResidualConfig, params: Mapping, embedding, sublayer_weigh
     schedule="two_phase" differentiates the two-phase forward (M9) with the VJPs of
     `depth_attention_multi` and `merge_partial`; it equals the direct gradient to rounding.
     """
-    emb = _check_call(config, embedding, schedule)
-    w = _check_sublayer_weights(sublayer_weights, emb.shape[-1])
-    _check_params(config, params, w.shape[0], emb.shape[-1])
+    emb, w = _check_probe(config, params, embedding, sublayer_weights, schedule)
     cot = _check_array("cotangent", cotangent)
     if cot.shape != emb.shape:
         raise ValueError(f"cotangent: expected the output's shape {emb.shape}, got shape {cot.shape}")
-    tape = Tape(params, record=True)
-    emb_var, w_var = tape.var(emb), tape.var(w)
-    sublayers = probe_tape_sublayers(tape, w_var, w.shape[0], config.eps,
-                                     prenorm=not config.fuse_out_norm)
-    out = run_schedule(config, tape, emb_var, sublayers, schedule=schedule, mix=mix, scale=scale)
+    tape, out, emb_var, w_var = _probe_on_tape(config, params, emb, w, record=True,
+                                               schedule=schedule, mix=mix, scale=scale)
     wrt = [emb_var, w_var, *tape.leaves.values()]
     grads = tape.gradients(out, cot.astype(np.float64), wrt)
     return dict(zip(["embedding", "sublayer_weights", *tape.leaves], grads))

@@ -106,6 +106,10 @@ class ResidualOps:
     def sigmoid(self, x: Array) -> Array:
         raise NotImplementedError
 
+    def tanh(self, x: Array) -> Array:
+        """Elementwise tanh: the probe network's activation (`attnres_numpy.probe`)."""
+        raise NotImplementedError
+
     def rmsnorm_gain(self, x: Array, weight: Array, eps: float) -> Array:
         """M15 where no depth-attention read forms the input: `rmsnorm(x) * weight` over the
         last axis, weight `[D]` of any floating dtype, in x's dtype.  Default: the gainless

@@ -55,6 +55,10 @@ class Var:
         self.value = value
         self.key = key
 
+    @property
+    def shape(self) -> tuple:
+        return self.value.shape
+
 
 class Tape(ResidualOps):
     """Reverse-mode tape and float64 `ResidualOps`.
@@ -158,6 +162,7 @@ class Tape(ResidualOps):
         return self._op([w], [w.value.T.copy()], lambda g: (g.T.copy(),))[0]
 
     def tanh(self, x: Var) -> Var:
+        """`tanh(x)`; its VJP is `dy (1 - y^2)` (spec section 6)."""
         y = np.tanh(x.value)
         return self._op([x], [y], lambda g: (g * (1.0 - y * y),))[0]
 

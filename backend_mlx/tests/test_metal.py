@@ -10,7 +10,7 @@ import pytest
 import test_ops
 import test_out_norm
 import test_router
-from attnres_mlx import metal, ops
+from attnres_mlx import dispatch, metal, ops
 
 pytestmark = pytest.mark.metal
 
@@ -67,8 +67,14 @@ def test_probe_through_kernels(kernels, variant):
 
 def test_metal_is_the_automatic_choice_on_the_gpu():
     assert mx.default_device() == mx.gpu
-    assert ops.implementation_for(mx.float32).name == "metal"
-    assert ops.implementation_for(mx.float64).name == "compiled"  # Metal has no float64
+    assert dispatch.availability() == {"metal": None, "compiled": None}
+    x = mx.ones((2, 8))
+    mx.eval(ops.depth_attention([x, x], mx.zeros((8,))))
+    assert dispatch.last_choice() == ("depth_attention", "metal", ())
+    with mx.stream(mx.cpu):
+        x = mx.ones((2, 8), dtype=mx.float64)
+        mx.eval(ops.depth_attention([x, x], mx.zeros((8,), dtype=mx.float64)))
+    assert dispatch.last_choice().refused == (("metal", "Metal has no float64 (C10)"),)
 
 
 def test_kernels_deterministic(kernels):

@@ -11,7 +11,7 @@ import pytest
 import test_ops
 import test_out_norm
 import test_router
-from attnres_mlx import metal, ops
+from attnres_mlx import dispatch, metal, ops
 from metal_emulator import Emulator
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20)")
@@ -40,9 +40,11 @@ def emulator(monkeypatch, workdir):
 
 
 @pytest.fixture
-def emulated(emulator):
-    """The emulator, and every call Metal supports (all but float64) forced onto the kernels."""
-    with ops.use_implementation("metal"):
+def emulated(emulator, monkeypatch):
+    """The emulator, and every call Metal supports (all but float64) forced onto the kernels
+    (Metal reported available: the emulator stands in for it)."""
+    monkeypatch.setattr(metal.IMPLEMENTATION, "unavailable", lambda: None)
+    with dispatch.use_impl("metal"):
         yield emulator
 
 
@@ -177,7 +179,7 @@ def test_probe_through_kernels(emulated, variant):
     assert emulated.calls["attnres_attend_bwd"] >= 1
 
 
-def test_backward_runs_where_the_forward_chose(emulator):
+def test_backward_runs_where_the_forward_chose(emulator, monkeypatch):
     """The implementation is chosen once per call: a backward computed after the forcing
     context has closed still runs the kernels its forward ran (and is correct)."""
     rng = np.random.default_rng(8)
@@ -185,14 +187,15 @@ def test_backward_runs_where_the_forward_chose(emulator):
     query, cot = test_ops.rand(rng, (8,), "float32"), test_ops.rand(rng, (2, 3, 8), "float32")
 
     def f(*xs):
-        with ops.use_implementation("metal"):
+        with dispatch.use_impl("metal"):
             return [ops.depth_attention(list(xs), test_ops.to_mx(query, "float32"))]
 
-    outs, grads = mx.vjp(f, [test_ops.to_mx(s, "float32") for s in sources],
-                         [test_ops.to_mx(cot, "float32")])
-    mx.eval(outs, grads)
-    automatic = "metal" if metal.IMPLEMENTATION.available() else "compiled"
-    assert ops.implementation_for(mx.float32).name == automatic  # the context has closed
+    with monkeypatch.context() as m:
+        m.setattr(metal.IMPLEMENTATION, "unavailable", lambda: None)  # the emulator stands in
+        outs, grads = mx.vjp(f, [test_ops.to_mx(s, "float32") for s in sources],
+                             [test_ops.to_mx(cot, "float32")])
+        assert dispatch.last_choice().impl == "metal"
+    mx.eval(outs, grads)  # evaluated after the forcing context has closed
     assert emulator.calls["attnres_attend_fwd"] == 1 and emulator.calls["attnres_attend_bwd"] == 1
     g = test_ops.ref.depth_attention_vjp(sources, query, None, cot)
     for i in range(3):
@@ -200,9 +203,11 @@ def test_backward_runs_where_the_forward_chose(emulator):
 
 
 def test_forced_metal_leaves_float64_to_the_compiled_path(emulated):
-    assert ops.implementation_for(mx.float64).name == "compiled"
-    assert ops.implementation_for(mx.bfloat16).name == "metal"
     with mx.stream(mx.cpu):  # float64 exists on the CPU device only
         x = mx.ones((2, 8), dtype=mx.float64)
         mx.eval(ops.depth_attention([x, x], mx.zeros((8,), dtype=mx.float64)))
     assert not emulated.calls
+    assert dispatch.last_choice().impl == "compiled"
+    x = mx.ones((2, 8), dtype=mx.bfloat16)
+    mx.eval(ops.depth_attention([x, x], mx.zeros((8,), dtype=mx.bfloat16)))
+    assert dispatch.last_choice().impl == "metal" and emulated.calls["attnres_attend_fwd"] == 1

@@ -7,7 +7,7 @@ import attnres_numpy.ops as ref
 import mlx.core as mx
 import numpy as np
 import pytest
-from attnres_mlx import compiled, metal, ops
+from attnres_mlx import compiled, dispatch, ops
 from helpers import DTYPES, MX, assert_close, rand, to_mx, to_np
 
 BATCH, D, N = (2, 3), 8, 3
@@ -276,25 +276,40 @@ def test_compute_dtype(dtype):
 
 
 def test_implementation_choice_and_scoped_override():
-    """The automatic choice, and `use_implementation` as a context-local override."""
-    automatic = ops.implementation_for(mx.float32)
-    assert automatic.name == ("metal" if metal.IMPLEMENTATION.available() else "compiled")
-    assert ops.implementation_for(mx.float64).name == "compiled"
-    assert list(ops.IMPLEMENTATIONS) == ["metal", "compiled"]
-    with ops.use_implementation("compiled"):
-        assert ops.implementation_for(mx.float32).name == "compiled"
+    """The automatic choice, `dispatch.use_impl` as a context-local override, and the Choice
+    each call records (what served it, and why each earlier implementation did not)."""
+    automatic = "metal" if dispatch.availability()["metal"] is None else "compiled"
+    assert dispatch.IMPLEMENTATIONS == ("metal", "compiled")
+    x, q = mx.ones((2, D)), mx.zeros((D,))
+
+    def served(dtype=mx.float32):
+        mx.eval(ops.depth_attention([x.astype(dtype), x.astype(dtype)], q.astype(dtype)))
+        return dispatch.last_choice()
+
+    assert served().impl == automatic
+    with mx.stream(mx.cpu):  # float64 exists on the CPU device only
+        choice = served(mx.float64)
+    assert choice.op == "depth_attention" and choice.impl == "compiled"
+    assert dict(choice.refused)["metal"]  # unavailable here, or no float64 on Metal
+    with dispatch.use_impl("compiled"):
+        assert served() == dispatch.Choice("depth_attention", "compiled",
+                                           (("metal", "not forced (use_impl('compiled'))"),))
         seen = []
-        thread = threading.Thread(target=lambda: seen.append(ops.implementation_for(mx.float32)))
+        thread = threading.Thread(target=lambda: seen.append(served().impl))
         thread.start()
         thread.join()
         assert seen == [automatic]  # another thread's context keeps the automatic choice
-        with ops.use_implementation(None):
-            assert ops.implementation_for(mx.float32) is automatic
-        assert ops.implementation_for(mx.float32).name == "compiled"
-    assert ops.implementation_for(mx.float32) is automatic
-    with pytest.raises(ValueError, match="implementation: expected one of metal, compiled or "
-                                         "None, got 'cuda'"):
-        with ops.use_implementation("cuda"):
+        with dispatch.use_impl("auto"):
+            assert served().impl == automatic
+        assert served().impl == "compiled"
+    assert served().impl == automatic
+    with pytest.raises(ValueError, match="use_impl: expected one of metal, compiled or 'auto', "
+                                         "got 'cuda'"):
+        with dispatch.use_impl("cuda"):
+            pass
+    with pytest.raises(TypeError, match="use_impl: implementation 'compiled' takes no options, "
+                                        "got tile"):
+        with dispatch.use_impl("compiled", tile=4):
             pass
 
 

@@ -10,7 +10,7 @@ import attnres_numpy.ops as ref
 import mlx.core as mx
 import numpy as np
 import pytest
-from attnres_mlx import metal, ops
+from attnres_mlx import dispatch
 from helpers import DTYPES, MX, assert_close, rand, to_mx, to_np
 from test_ops import BATCH, CASES, D, _attention_case, _compute
 
@@ -241,14 +241,16 @@ def test_errors():
 
 def test_dispatch_says_which_implementation_runs():
     """The automatic choice serves every out-norm call (Metal on Apple GPUs, else compiled;
-    float64 always compiled); no combination falls back silently because none falls back."""
-    automatic = "metal" if metal.IMPLEMENTATION.available() else "compiled"
+    float64 always compiled), and `dispatch.last_choice` says which one did."""
+    automatic = "metal" if dispatch.availability()["metal"] is None else "compiled"
     for dtype in DTYPES:
-        assert ops.implementation_for(MX[dtype]).name == (
-            "compiled" if dtype == "float64" else automatic)
-    with ops.use_implementation("compiled"):
-        assert ops.implementation_for(mx.float32).name == "compiled"
+        with mx.stream(mx.cpu if dtype == "float64" else mx.default_stream(mx.default_device())):
+            run("plain", dtype, False)
+        assert dispatch.last_choice().impl == ("compiled" if dtype == "float64" else automatic)
+    with dispatch.use_impl("compiled"):
         run("plain", "float32", False)
+        assert dispatch.last_choice() == ("depth_attention", "compiled",
+                                          (("metal", "not forced (use_impl('compiled'))"),))
 
 
 def test_module_out_norm():

@@ -244,3 +244,27 @@ def test_row_cache_follows_parameter_updates():
     assert mx.array_equal(router(x, subs), fresh(x, subs)).item()
     assert not mx.array_equal(router(x, subs), first).item()
     assert set(router.parameters()) == set(cfg.param_shapes(L, D))
+
+
+def test_probe_is_the_shared_one_and_checks_its_weights():
+    """The probe's sublayers are `attnres_numpy.probe`'s on `MlxOps` (the deprecated
+    `probe.probe_sublayers` included); sublayer_weights not `[L, D, D]` raises naming it."""
+    cfg = ResidualConfig.variant("fused_out_norm", eps=1e-3)
+    _, _, emb, w = _probe_inputs(cfg, "float64")
+    h, wm = to_mx(emb, "float64"), to_mx(w, "float64")
+    with mx.stream(mx.cpu):
+        with pytest.deprecated_call(match="attnres_numpy.probe.probe_sublayers"):
+            fs = probe.probe_sublayers(wm, 1e-3, prenorm=False)
+        np.testing.assert_allclose(to_np(fs[1](h)), np.tanh(emb @ w[1]), rtol=1e-14, atol=1e-15)
+        with pytest.deprecated_call():
+            fs = probe.probe_sublayers(wm, 1e-3)
+        np.testing.assert_allclose(to_np(fs[1](h)), ref_model.probe_sublayers(w, 1e-3)[1](emb),
+                                   rtol=1e-14, atol=1e-15)
+        params = {k: to_mx(v, "float64") for k, v in cfg.init_params(L, D).items()}
+        with pytest.raises(ValueError, match=r"sublayer_weights: expected shape \[L, D, D\] with "
+                                             r"L >= 1 and D = 8, got shape \(5, 8, 4\)"):
+            probe.probe_forward(cfg, params, h, wm[..., :4])
+        with pytest.raises(TypeError, match="sublayer_weights"):
+            probe.probe_forward(cfg, params, h, wm.astype(mx.int32))
+        with pytest.raises(TypeError, match="config: expected a ResidualConfig"):
+            probe.probe_forward(cfg.to_dict(), params, h, wm)

@@ -444,10 +444,17 @@ def _compiled_merge(eps: float, scale: float):
 
 
 class Compiled:
-    """The `mx.compile`d composition: available everywhere, every dtype (see `ops.Implementation`
-    for the entry points' contract)."""
+    """The `mx.compile`d composition: available everywhere, every dtype (see
+    `dispatch.Implementation` for the entry points' contract)."""
 
     name = "compiled"
+    stacked_inv_rms = True
+
+    def unavailable(self):
+        return None
+
+    def unsupported(self, dtype):
+        return None
 
     def available(self) -> bool:
         return True

@@ -1,6 +1,7 @@
 """The Metal implementation: `mx.fast.metal_kernel` kernels for the forward and backward of
 depth attention (both the single-query op and phase 1 of the two-phase schedule) and of
-`merge_partial`, and `IMPLEMENTATION`, the entry points `ops.py` calls.
+`merge_partial`, and `IMPLEMENTATION`, the entry points `ops.py` calls (registered in
+`dispatch.py`).
 
 Preferred where Metal is present and the default device is the GPU, for every dtype but float64
 (Metal has none); everything else runs the compiled composition (`compiled.py`).  NOT VERIFIED:
@@ -548,17 +549,29 @@ def merge_backward(eps: float, scale: float, o1, l1, x, q, g, d_out, d_lse):
 
 
 class Kernels:
-    """The Metal kernels (see `ops.Implementation` for the entry points' contract)."""
+    """The Metal kernels (see `dispatch.Implementation` for the entry points' contract)."""
 
     name = "metal"
+    stacked_inv_rms = False  # the kernels take one inverse RMS per source
+
+    def unavailable(self):
+        """None where Metal is present and the default device is the GPU (the kernels run
+        there), else why not."""
+        if not is_available():
+            return "not Apple silicon / Metal unavailable"
+        if mx.default_device() != mx.gpu:
+            return "the default device is the CPU (the kernels run on the GPU)"
+        return None
+
+    def unsupported(self, dtype):
+        """None for every source dtype but float64: Metal has none (C10)."""
+        return "Metal has no float64 (C10)" if dtype == mx.float64 else None
 
     def available(self) -> bool:
-        """Metal present and the default device is the GPU (the kernels run there)."""
-        return is_available() and mx.default_device() == mx.gpu
+        return self.unavailable() is None
 
     def supports(self, dtype) -> bool:
-        """Every source dtype but float64: Metal has none (C10)."""
-        return dtype != mx.float64
+        return self.unsupported(dtype) is None
 
     def attend_forward(self, st, xs, q, g, rs, ws):
         return attend_forward(st, xs, q, g, rs, ws)

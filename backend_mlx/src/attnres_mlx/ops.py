@@ -1,16 +1,14 @@
-"""The spec's ops for MLX with explicit VJPs (spec sections 2-3, constraints C1-C14).
+"""The spec's ops for MLX with explicit VJPs, the whole of C1-C17: `depth_attention` (spec
+section 2, with the fused output norm C17), `depth_attention_multi` and `merge_partial`
+(section 3, C13-C14), deterministic (C15) and without limits on N or D (C16); and
+`inverse_rms`, the per-source statistic the router caches.
 
-`depth_attention`, `depth_attention_multi` and `merge_partial` validate with the shared
-`attnres_numpy.validation` checks, choose an implementation once per call (`implementation_for`)
-and run one `mx.custom_function` per static configuration and implementation, whose forward and
-backward are that implementation's entry points.  They work under `mx.compile`,
-`mx.grad`/`mx.vjp` and `mx.vmap`.
-
-Implementations (`IMPLEMENTATIONS`, in order of preference): `metal` (`metal.py`,
-`mx.fast.metal_kernel` kernels, on Apple GPUs, every dtype but float64) and `compiled`
-(`compiled.py`, the `mx.compile`d composition of `mlx.core` ops, everywhere).  The first one
-that is available and supports the sources' dtype runs the call; `use_implementation` forces one
-within a context (a `contextvars.ContextVar`, so per thread and per task).
+Each op validates with the shared `attnres_numpy.validation` checks, asks the registry
+(`dispatch.choose`) once per call which implementation serves it, and runs one
+`mx.custom_function` per static configuration and implementation, whose forward and backward
+are that implementation's entry points (`metal.py` or `compiled.py`).  They work under
+`mx.compile`, `mx.grad`/`mx.vjp` and `mx.vmap`.  Forcing an implementation, and finding out
+which one ran, is `dispatch`'s (`use_impl`, `last_choice`, `impl_counts`).
 
 Dtypes (C10): sources float16/bfloat16/float32, and float64 on the CPU device; every
 intermediate in the compute dtype (`compute_dtype`: float32, or float64 for float64 sources),
@@ -24,17 +22,18 @@ into a list), passed to the implementation as given.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Protocol, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from attnres_numpy import validation
 
-from . import compiled, metal
+from . import compiled, dispatch
 from .common import compute_dtype, dtype_name
+from .dispatch import Implementation
 
 Sources = Union[mx.array, Sequence[mx.array]]
 
@@ -103,75 +102,33 @@ class Static:
     with_weights: bool = True
 
 
-class Implementation(Protocol):
-    """One way to run the ops.  Every entry point takes the op's own arrays and returns results
-    in their final shapes and dtypes (outputs per C10; each gradient in its input's dtype).
-
-    attend_*: xs a list of N `[..., D]` or one stacked `[N, ..., D]`; q `[D]` or `[..., D]`
-      (`[S, D]` for mode "multi"); g like q's last axes (`[D]`, `[S, D]`), never None; rs the
-      cached inverse RMS given, `[..., H]` (`[..., 1]` for "multi"), in source order; ws the
-      fused output norm's weight (C17): [w `[D]`] when `st.out_norm_eps` is set, else [].
-      attend_forward -> (out `[..., D]` (`[S, ..., D]`), out_normed `[..., D]` (with ws),
-      lse `[..., H?]` (`[S, ...]`; softmax, and for "single" only with `st.with_lse`), weights
-      `[N, ..., H?]` ("single" with `st.with_weights` only)); H? is absent with one head.
-      attend_backward(d_out like out, d_normed like out_normed or None, d_lse like lse or None)
-      -> (d sources (a list or one stacked array, like xs), d query, d gain, [d r per cached
-      r], [d w per w in ws]).
-    merge_*: o1, x `[..., D]`; l1 `[...]`; q `[D]` or `[..., D]`; g `[D]`.
-      merge_forward -> (out `[..., D]`, lse `[...]`); merge_backward(d_out, d_lse) ->
-      (d out1, d lse1, d partial, d query, d gain).
-    """
-
-    name: str
-
-    def available(self) -> bool:
-        """Whether it can run here (device, platform)."""
-
-    def supports(self, dtype) -> bool:
-        """Whether it can run a call whose sources have `dtype`."""
-
-    def attend_forward(self, st: Static, xs, q, g, rs, ws) -> tuple: ...
-
-    def attend_backward(self, st: Static, xs, q, g, rs, ws, d_out, d_normed, d_lse) -> tuple:
-        ...
-
-    def merge_forward(self, eps: float, scale: float, o1, l1, x, q, g) -> tuple: ...
-
-    def merge_backward(self, eps: float, scale: float, o1, l1, x, q, g, d_out, d_lse) -> tuple: ...
-
-
-#: The implementations by name, in order of preference.
-IMPLEMENTATIONS: Dict[str, Implementation] = {
-    impl.name: impl for impl in (metal.IMPLEMENTATION, compiled.IMPLEMENTATION)}
-
-_FORCED: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
-    "attnres_mlx_implementation", default=None)
-
-
-@contextlib.contextmanager
-def use_implementation(name: Optional[str]) -> Iterator[None]:
-    """Within the block, every call that implementation `name` supports runs on it, even where
-    it reports itself unavailable (the tests run the Metal kernels through a CPU emulator this
-    way); calls it does not support (float64 for `metal`) keep the automatic choice.  None
-    restores the automatic choice.  Scoped to the current context (thread, asyncio task)."""
-    if name is not None and name not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected one of {', '.join(IMPLEMENTATIONS)} or None, "
-                         f"got {name!r}")
-    token = _FORCED.set(name)
-    try:
-        yield
-    finally:
-        _FORCED.reset(token)
+def use_implementation(name: Optional[str]) -> contextlib.AbstractContextManager:
+    """Deprecated: `dispatch.use_impl(name)` (None: "auto").  Kept for one release with its
+    semantics: the forced implementation runs every call it supports even where it reports
+    itself unavailable; calls it does not support (float64 for `metal`) keep the automatic
+    choice."""
+    warnings.warn("attnres_mlx.ops.use_implementation is deprecated: use "
+                  "attnres_mlx.dispatch.use_impl (\"auto\" for None)", DeprecationWarning,
+                  stacklevel=2)
+    return dispatch._use_legacy(name)
 
 
 def implementation_for(dtype) -> Implementation:
-    """The implementation that runs a call whose sources have `dtype`: the forced one (see
-    `use_implementation`) if it supports `dtype`, else the first available one that does."""
-    forced = _FORCED.get()
-    if forced is not None and IMPLEMENTATIONS[forced].supports(dtype):
-        return IMPLEMENTATIONS[forced]
-    return next(impl for impl in IMPLEMENTATIONS.values()
-                if impl.available() and impl.supports(dtype))
+    """Deprecated: the implementation a call with sources of `dtype` gets now; the contract
+    reports the one that ran instead (`dispatch.last_choice()`, `dispatch.impl_counts()`)."""
+    warnings.warn("attnres_mlx.ops.implementation_for is deprecated: use "
+                  "attnres_mlx.dispatch.last_choice / impl_counts / availability",
+                  DeprecationWarning, stacklevel=2)
+    return dispatch._implementation_for(dtype)
+
+
+def __getattr__(name: str):
+    if name == "IMPLEMENTATIONS":  # deprecated: the name -> implementation dict moved
+        warnings.warn("attnres_mlx.ops.IMPLEMENTATIONS is deprecated: use "
+                      "attnres_mlx.dispatch.IMPLEMENTATIONS (the names, in preference order)",
+                      DeprecationWarning, stacklevel=2)
+        return dict(dispatch.REGISTRY)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,8 +237,8 @@ def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.
     cached, given, stacked_rms = _check_inv_rms(inv_rms, geo.num_sources, geo.batch_shape,
                                                 geo.num_heads, key_norm, stacked)
     normed = out_norm_weight is not None
-    impl = implementation_for(_source_dtype(sources, stacked))
-    if stacked_rms and impl is not compiled.IMPLEMENTATION:  # the kernels take one r per source
+    impl = dispatch.choose("depth_attention", _source_dtype(sources, stacked))
+    if stacked_rms and not impl.stacked_inv_rms:  # e.g. the kernels: one r per source
         given, stacked_rms = [given[0][i] for i in range(geo.num_sources)], False
     elements = geo.num_sources * math.prod(geo.batch_shape) * geo.dim
     st = Static("single", geo.num_sources, stacked, geo.num_heads, float(eps), float(scale),
@@ -321,7 +278,7 @@ def depth_attention_multi(sources: Sources, queries: mx.array,
     st = Static("multi", geo.num_sources, stacked, 1, float(eps), float(scale), "softmax", True,
                 cached)
     gains = mx.ones(queries.shape, dtype=queries.dtype) if norm_weights is None else norm_weights
-    impl = implementation_for(_source_dtype(sources, stacked))
+    impl = dispatch.choose("depth_attention_multi", _source_dtype(sources, stacked))
     out, lse = _attend_fn(st, impl)(sources if stacked else list(sources), queries, gains, given,
                                     [])
     return out, lse
@@ -355,7 +312,7 @@ def merge_partial(out1: mx.array, lse1: mx.array, partial: mx.array, query: mx.a
     metas = [_meta(n, a) for n, a in (("out1", out1), ("lse1", lse1), ("partial", partial),
                                       ("query", query), ("norm_weight", norm_weight))]
     geo = validation.check_merge(*(v for m in metas for v in m), eps=eps, scale=scale)
-    out, lse = _merge_fn(float(eps), float(scale), implementation_for(partial.dtype))(
+    out, lse = _merge_fn(float(eps), float(scale), dispatch.choose("merge_partial", partial.dtype))(
         out1, lse1, partial, query, _gain(norm_weight, geo.dim, query.dtype))
     return (out, lse) if return_lse else out
 

@@ -1,37 +1,42 @@
-"""The spec's probe network in MLX (spec section 6): `f_l(h) = tanh(rmsnorm(h) @ W[l-1])`."""
+"""The spec's probe network in MLX (spec section 6): the shared probe
+(`attnres_numpy.probe`, `f_l(h) = tanh(rmsnorm(h) @ W[l-1])`) on `MlxOps`, driven by `DepthRouter`
+with the given parameters, and its gradients by `mx.vjp`."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Mapping
 
 import mlx.core as mx
+from attnres_numpy import probe as core
 from attnres_numpy.config import ResidualConfig
 
 from . import ops
-from .router import DepthRouter, Sublayer, rmsnorm
+from .router import DepthRouter, MlxOps, Sublayer
 
 
 def probe_sublayers(sublayer_weights: mx.array, eps: float, *, prenorm: bool = True) -> List[Sublayer]:
-    """L callables `h [..., D] -> tanh(rmsnorm(h) @ W[l-1]) [..., D]`; W `[L, D, D]`.  Computed
-    in the compute dtype with one cast back to h's dtype.  prenorm=False (fuse_out_norm, M15:
-    the stream hands the normed input): `tanh(h @ W[l-1])`."""
-    def sublayer(h, w):
-        normed = rmsnorm(h, eps) if prenorm else h.astype(ops.compute_dtype(h.dtype))
-        return mx.tanh(normed @ w.astype(normed.dtype)).astype(h.dtype)
-
-    return [lambda h, w=sublayer_weights[l]: sublayer(h, w)
-            for l in range(sublayer_weights.shape[0])]
+    """Deprecated: `attnres_numpy.probe.probe_sublayers(config, MlxOps(), W)`, which reads eps
+    and the prenorm (M15) from the config.  L callables `h [..., D] -> v [..., D]`; W `[L, D, D]`."""
+    warnings.warn("attnres_mlx.probe.probe_sublayers is deprecated: use "
+                  "attnres_numpy.probe.probe_sublayers(config, attnres_mlx.router.MlxOps(), W)",
+                  DeprecationWarning, stacklevel=2)
+    config = ResidualConfig(eps=eps, fuse_out_norm=not prenorm)
+    return core.probe_sublayers(config, MlxOps(), sublayer_weights)
 
 
 def probe_forward(config: ResidualConfig, params: Mapping[str, mx.array], embedding: mx.array,
                   sublayer_weights: mx.array, *, schedule: str = "direct", mix=None,
                   scale=None) -> mx.array:
     """Probe output `[..., D]` (before any final norm) with the router loaded from `params`."""
-    L, D = sublayer_weights.shape[0], embedding.shape[-1]
+    if not isinstance(config, ResidualConfig):
+        raise TypeError(f"config: expected a ResidualConfig, got {type(config).__name__}")
+    D = embedding.shape[-1] if embedding.ndim else 0
+    L = core.check_sublayer_weights(sublayer_weights, D, lambda a: ops.dtype_name(a.dtype))
     router = DepthRouter(config, L, D)
     config.check_params(params, L, D, lambda a: ops.dtype_name(a.dtype))
     router.update(dict(params))
-    sublayers = probe_sublayers(sublayer_weights, config.eps, prenorm=not config.fuse_out_norm)  # M15
+    sublayers = core.probe_sublayers(config, MlxOps(), sublayer_weights)
     return router(embedding, sublayers, schedule=schedule, mix=mix, scale=scale)
 
 

@@ -129,6 +129,9 @@ class MlxOps(ResidualOps):
     def sigmoid(self, x):
         return ops.sigmoid(x)
 
+    def tanh(self, x):
+        return mx.tanh(x)
+
     def source_stats(self, value, config):
         if not config.key_norm:
             return None

@@ -1,7 +1,8 @@
 """The primitives of attnres_mlx for `base.Adapter` (registry name "mlx").
 
 Native arrays are built on MLX's CPU stream from float64 (so values are not rounded to float32
-on the way); gradients come from `mx.vjp`.
+on the way); gradients come from `mx.vjp`; capabilities and the implementations that ran come
+from the backend's public contract (`attnres_mlx.dispatch`).
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from typing import Dict
 
 import mlx.core as mx
 import numpy as np
-from attnres_mlx import metal, ops, probe
-from attnres_mlx.common import dtype_name
+from attnres_mlx import dispatch, ops, probe
 from attnres_numpy.config import VARIANT_KINDS
 
 from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
-from .base import Adapter
+from .base import Adapter, implementation_counts
 
 _NATIVE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32,
            "float64": mx.float64, "bool": mx.bool_}
@@ -41,35 +41,23 @@ class MLXAdapter(Adapter):
     ops = ops
 
     def __init__(self):
-        self._counts: Dict[str, int] = {}
+        self._since = dict(dispatch.impl_counts())
 
     def capabilities(self) -> Capabilities:
-        # Where the Metal kernels are available (Metal, default device the GPU) the ops run
-        # there; float64 exists on MLX's CPU device only (C10).
-        on_metal = metal.IMPLEMENTATION.available()
-        dtypes = ("float16", "bfloat16", "float32") + (() if on_metal else ("float64",))
+        caps = dispatch.capabilities()
         return Capabilities(
-            dtypes=dtypes, devices=("gpu",) if on_metal else ("cpu",), ops=frozenset(OPS),
+            dtypes=caps["dtypes"], devices=caps["devices"], ops=frozenset(OPS),
             options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
-            schedules=frozenset(SCHEDULES), fused_kernel=on_metal, deterministic=True)
+            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
+            deterministic=caps["deterministic"])
 
     def versions(self) -> Dict[str, str]:
         from attnres_mlx import __version__
         return {"mlx": metadata.version("mlx"), "attnres_mlx": __version__}
 
     def implementations_used(self) -> Dict[str, int]:
-        """Op calls per implementation ("metal" / "compiled": `ops.implementation_for` the
-        call's first floating input dtype)."""
-        return dict(self._counts)
-
-    def _count(self, leaves):
-        floating = [x for x in leaves if mx.issubdtype(x.dtype, mx.floating)]
-        if floating:
-            try:
-                impl = ops.implementation_for(floating[0].dtype).name
-            except StopIteration:  # no implementation supports the dtype: the op raises
-                return
-            self._counts[impl] = self._counts.get(impl, 0) + 1
+        """Op calls per implementation (`attnres_mlx.dispatch.impl_counts`) since creation."""
+        return implementation_counts(dict(dispatch.impl_counts()), self._since)
 
     def array(self, values, dtype, device, strided):
         a = np.asarray(values, dtype=np.float64)
@@ -85,20 +73,14 @@ class MLXAdapter(Adapter):
         return np.array(x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
 
     def dtype_name(self, x) -> str:
-        return dtype_name(x.dtype)
+        return ops.dtype_name(x.dtype)
 
     # MLX arrays share no memory a caller could write through: `a[i] = v` rebinds `a` to a new
     # array and never changes another array; only returning an argument object itself would let
     # a write into the result reach the argument (C7a): the default identity check.
 
-    def forward(self, fn, leaves, key=None):
-        outs = fn(*leaves)
-        self._count(leaves)
-        return outs
-
     def vjp(self, fn, leaves, key=None):
         outs = fn(*leaves)
-        self._count(leaves)
 
         def pullback(cts):
             cts = [mx.zeros_like(y) if c is None else c for y, c in zip(outs, cts)]

@@ -1,0 +1,227 @@
+"""The MLX backend's one implementation registry: which implementation serves each op call.
+
+The public backend contract (the same names in `attnres_torch.dispatch` and
+`attnres_jax.dispatch`):
+
+  IMPLEMENTATIONS   the implementation names in preference order: "metal" (`metal.py`, the
+                    `mx.fast.metal_kernel` kernels: Apple GPUs, every dtype but float64) and
+                    "compiled" (`compiled.py`, the `mx.compile`d composition: everywhere).
+  availability()    name -> None where it can serve calls here, else a one-line reason.
+  use_impl(name)    a context manager (a `contextvars.ContextVar`: per thread and per task)
+                    forcing `name` for the op calls made in the block; "auto" is the default
+                    choice.
+  Choice            (op, impl, refused): the implementation that served a call and, for each one
+                    before it in preference order, why it did not.
+  last_choice()     the Choice of the most recent op call in this process.
+  impl_counts()     op calls served per implementation since import.
+  capabilities()    dtypes, devices, whether a fused kernel serves the default op, determinism.
+
+The ops (`ops.py`) call `choose(op, dtype)` once per call with the sources' dtype; forward and
+backward of that call both run on the implementation it returns.  Under `mx.compile` a call is
+chosen (and counted) when it is traced.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import threading
+from typing import Dict, Iterator, NamedTuple, Optional, Protocol, Tuple
+
+from . import compiled, metal
+from .common import dtype_name
+
+OPS = ("depth_attention", "depth_attention_multi", "merge_partial")
+
+
+class Implementation(Protocol):
+    """One way to run the ops.  Every entry point takes the op's own arrays and returns results
+    in their final shapes and dtypes (outputs per C10; each gradient in its input's dtype).
+
+    attend_*: xs a list of N `[..., D]` or one stacked `[N, ..., D]`; q `[D]` or `[..., D]`
+      (`[S, D]` for mode "multi"); g like q's last axes (`[D]`, `[S, D]`), never None; rs the
+      cached inverse RMS given, `[..., H]` (`[..., 1]` for "multi"), in source order (one
+      stacked `[N, ..., H]` where `stacked_inv_rms` is True and `st.stacked_rms` says so); ws
+      the fused output norm's weight (C17): [w `[D]`] when `st.out_norm_eps` is set, else [].
+      attend_forward -> (out `[..., D]` (`[S, ..., D]`), out_normed `[..., D]` (with ws),
+      lse `[..., H?]` (`[S, ...]`; softmax, and for "single" only with `st.with_lse`), weights
+      `[N, ..., H?]` ("single" with `st.with_weights` only)); H? is absent with one head.
+      attend_backward(d_out like out, d_normed like out_normed or None, d_lse like lse or None)
+      -> (d sources (a list or one stacked array, like xs), d query, d gain, [d r per cached
+      r], [d w per w in ws]).
+    merge_*: o1, x `[..., D]`; l1 `[...]`; q `[D]` or `[..., D]`; g `[D]`.
+      merge_forward -> (out `[..., D]`, lse `[...]`); merge_backward(d_out, d_lse) ->
+      (d out1, d lse1, d partial, d query, d gain).
+    """
+
+    name: str
+    #: Whether the attend entry points take a stacked inverse RMS `[N, ..., H]`.
+    stacked_inv_rms: bool
+
+    def unavailable(self) -> Optional[str]:
+        """None where it can run here (device, platform), else why not (one line)."""
+
+    def unsupported(self, dtype) -> Optional[str]:
+        """None where it can run a call whose sources have `dtype`, else why not."""
+
+    def available(self) -> bool: ...
+
+    def supports(self, dtype) -> bool: ...
+
+    def attend_forward(self, st, xs, q, g, rs, ws) -> tuple: ...
+
+    def attend_backward(self, st, xs, q, g, rs, ws, d_out, d_normed, d_lse) -> tuple: ...
+
+    def merge_forward(self, eps: float, scale: float, o1, l1, x, q, g) -> tuple: ...
+
+    def merge_backward(self, eps: float, scale: float, o1, l1, x, q, g, d_out, d_lse) -> tuple: ...
+
+
+#: The implementation objects by name, in preference order.
+REGISTRY: Dict[str, Implementation] = {
+    impl.name: impl for impl in (metal.IMPLEMENTATION, compiled.IMPLEMENTATION)}
+IMPLEMENTATIONS: Tuple[str, ...] = tuple(REGISTRY)
+
+
+class Choice(NamedTuple):
+    """What served one op call: `op` ("depth_attention" | "depth_attention_multi" |
+    "merge_partial"), `impl` (the implementation's name) and `refused`, (name, reason) for each
+    implementation before `impl` in preference order that did not take the call."""
+
+    op: str
+    impl: str
+    refused: Tuple[Tuple[str, str], ...]
+
+
+class _Forced(NamedTuple):
+    name: str
+    legacy: bool  # `ops.use_implementation` (deprecated): runs where it reports itself unavailable
+
+
+_FORCED: contextvars.ContextVar[Optional[_Forced]] = contextvars.ContextVar(
+    "attnres_mlx_implementation", default=None)
+_LOCK = threading.Lock()
+_LAST: Optional[Choice] = None
+_COUNTS: collections.Counter = collections.Counter()
+
+
+def _check_name(name) -> None:
+    if name not in REGISTRY:
+        raise ValueError(f"use_impl: expected one of {', '.join(IMPLEMENTATIONS)} or 'auto', "
+                         f"got {name!r}")
+
+
+def availability() -> Dict[str, Optional[str]]:
+    """Every implementation name -> None where it can serve calls on this machine and install,
+    else a one-line reason (e.g. metal: "not Apple silicon / Metal unavailable")."""
+    return {name: impl.unavailable() for name, impl in REGISTRY.items()}
+
+
+@contextlib.contextmanager
+def use_impl(name: str, **options) -> Iterator[None]:
+    """Force implementation `name` for the op calls made in the block ("auto": the default
+    choice).  Scoped to the current context (thread, asyncio task); nests.
+
+    A call the forced implementation cannot take raises ValueError naming the implementation,
+    the op and the reason (metal where Metal is unavailable), with one documented exception:
+    float64 sources under "metal" (Metal has no float64) run on "compiled", recorded in
+    `last_choice()` with metal's refusal, so a forced run over mixed dtypes stays usable.
+    Neither implementation takes options: any keyword raises TypeError.  An unknown name raises
+    ValueError listing `IMPLEMENTATIONS`.
+    """
+    if options:
+        raise TypeError(f"use_impl: implementation {name!r} takes no options, got "
+                        f"{', '.join(sorted(options))}")
+    if name != "auto":
+        _check_name(name)
+    token = _FORCED.set(None if name == "auto" else _Forced(name, False))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+@contextlib.contextmanager
+def _use_legacy(name: Optional[str]) -> Iterator[None]:
+    """`ops.use_implementation`'s semantics (deprecated): the forced implementation runs every
+    call it supports even where it reports itself unavailable; None is the automatic choice."""
+    if name is not None and name not in REGISTRY:
+        raise ValueError(f"implementation: expected one of {', '.join(IMPLEMENTATIONS)} or None, "
+                         f"got {name!r}")
+    token = _FORCED.set(None if name is None else _Forced(name, True))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def _select(op: str, dtype) -> Tuple[Implementation, Tuple[Tuple[str, str], ...]]:
+    """(implementation, refusals) for a call of `op` with sources of `dtype`; nothing recorded."""
+    forced = _FORCED.get()
+    refused = []
+    if forced is not None:
+        impl = REGISTRY[forced.name]
+        reason = impl.unsupported(dtype)
+        if reason is None and not forced.legacy:
+            reason = impl.unavailable()
+            if reason is not None:
+                raise ValueError(f"use_impl: implementation {forced.name!r} cannot serve {op} "
+                                 f"({dtype_name(dtype)} sources): {reason}")
+        if reason is None:
+            for name in IMPLEMENTATIONS[:IMPLEMENTATIONS.index(forced.name)]:
+                refused.append((name, f"not forced (use_impl({forced.name!r}))"))
+            return impl, tuple(refused)
+        refused.append((forced.name, reason))  # metal with float64: the documented fallback
+    for name, impl in REGISTRY.items():
+        if forced is not None and name == forced.name:
+            continue
+        reason = impl.unavailable() or impl.unsupported(dtype)
+        if reason is None:
+            return impl, tuple(refused)
+        refused.append((name, reason))
+    raise ValueError(f"{op}: no implementation serves {dtype_name(dtype)} sources here: "
+                     + "; ".join(f"{n}: {r}" for n, r in refused))
+
+
+def choose(op: str, dtype) -> Implementation:
+    """The implementation that serves this call of `op` (one of `OPS`) whose sources have
+    `dtype`, recorded for `last_choice` and `impl_counts`."""
+    global _LAST
+    impl, refused = _select(op, dtype)
+    with _LOCK:
+        _LAST = Choice(op, impl.name, refused)
+        _COUNTS[impl.name] += 1
+    return impl
+
+
+def _implementation_for(dtype) -> Implementation:
+    """The implementation a call with sources of `dtype` would get now (nothing recorded): the
+    deprecated `ops.implementation_for`."""
+    return _select("depth_attention", dtype)[0]
+
+
+def last_choice() -> Optional[Choice]:
+    """The Choice of the most recent op call in this process (None before the first)."""
+    with _LOCK:
+        return _LAST
+
+
+def impl_counts() -> collections.Counter:
+    """Op calls served per implementation since import (a copy)."""
+    with _LOCK:
+        return collections.Counter(_COUNTS)
+
+
+def capabilities() -> dict:
+    """{"dtypes", "devices", "fused_kernel", "deterministic"} of the default op here: where the
+    Metal kernels are available (Metal, default device the GPU) the ops run there in float16,
+    bfloat16 and float32; float64 exists on MLX's CPU device only (C10)."""
+    on_metal = REGISTRY["metal"].unavailable() is None
+    return {"dtypes": ("float16", "bfloat16", "float32") + (() if on_metal else ("float64",)),
+            "devices": ("gpu",) if on_metal else ("cpu",),
+            "fused_kernel": on_metal, "deterministic": True}
+
+
+__all__ = ["IMPLEMENTATIONS", "Choice", "Implementation", "availability", "capabilities", "choose",
+           "impl_counts", "last_choice", "use_impl"]

@@ -1,4 +1,4 @@
-"""`attnres_torch.cpu.keep_large_blocks` (issue 19): opt-in, process-wide, glibc only.  Each
+"""`attnres_torch.cpu_alloc.keep_large_blocks` (issue 19): opt-in, process-wide, glibc only.  Each
 setting runs in a fresh subprocess (the setting would otherwise leak into this test process):
 with it, a loop's fresh 64 MiB buffer reuses earlier steps' pages (no first-touch faults)
 and the op's results are the same bits; without it (glibc's default), every step faults again."""
@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from attnres_torch import cpu
+from attnres_torch import cpu_alloc as cpu
 
 GLIBC = cpu._glibc() is not None
 PAGES = 64 * 2**20 // 4096  # 4 KiB pages of the 64 MiB buffer
@@ -29,7 +29,7 @@ def _thp_always() -> bool:
 LOOP = textwrap.dedent("""
     import json, resource, sys, torch
     import attnres_torch as at
-    from attnres_torch import cpu
+    from attnres_torch import cpu_alloc as cpu
     mode = sys.argv[1]
     kept = cpu.keep_large_blocks(True) if mode in ("keep", "keep-off") else None
     if mode == "keep-off":
@@ -89,3 +89,25 @@ def test_rejects_a_non_bool():
 @pytest.mark.skipif(GLIBC, reason="the non-glibc answer")
 def test_returns_false_without_glibc():
     assert cpu.keep_large_blocks(True) is False and not cpu.large_blocks_kept()
+
+
+def test_cpu_is_a_deprecated_alias_of_cpu_alloc():
+    """`attnres_torch.cpu` (the module's previous name) warns once on import and hands out the
+    same functions, so the setting's state is one."""
+    code = textwrap.dedent("""
+        import warnings
+        warnings.simplefilter("error", DeprecationWarning)
+        import attnres_torch
+        try:
+            from attnres_torch import cpu
+        except DeprecationWarning as w:
+            print("warned:", w)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from attnres_torch import cpu, cpu_alloc
+        assert cpu.keep_large_blocks is cpu_alloc.keep_large_blocks
+        assert cpu.large_blocks_kept is cpu_alloc.large_blocks_kept
+        print("same")
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "warned: attnres_torch.cpu is deprecated" in res.stdout and "same" in res.stdout

@@ -1,11 +1,14 @@
-"""Attention Residuals for PyTorch: the spec's ops (autograd, `torch.library` custom ops, a chunked
-CPU kernel, Triton kernels on CUDA) and `torch.nn` modules."""
+"""Attention Residuals for PyTorch: the spec's ops (autograd, `torch.library` custom ops, a fused C
+kernel and a chunked torch kernel on the CPU, Triton kernels on CUDA) and `torch.nn` modules.
+`attnres_torch.dispatch` is the backend contract: which implementation serves a call, forcing
+one, capabilities."""
 
 from attnres_numpy.config import ResidualConfig
 
 from . import (
-    cpu,  # noqa: F401  (attnres_torch.cpu.keep_large_blocks(): opt-in, nothing at import)
-    dtensor,  # noqa: F401  (registers the ops' DTensor sharding strategies)
+    cpu_alloc,  # noqa: F401  (attnres_torch.cpu_alloc.keep_large_blocks(): opt-in, nothing at import)
+    dispatch,  # noqa: F401  (the public backend contract)
+    dtensor,  # noqa: F401  (DTensor sharding strategies of the custom ops)
 )
 from .dispatch import impl_counts, last_impl, use_impl
 from .modules import AttnResTransformer, DepthAttention, DepthRouter

@@ -1,11 +1,10 @@
-"""CPU training/inference loops: keep freed large blocks in the process (opt-in, glibc only).
+"""The CPU allocator setting of training/inference loops: keep freed large blocks in the process
+(opt-in, glibc only; `attnres_torch.cpu` is its deprecated alias).
 
 PyTorch's CPU allocator takes its buffers from the C library's `malloc`.  glibc serves a block
 of 32 MiB or more (one fp32 `[8192, 1024]` gradient) with a fresh `mmap` and gives it back with
 `munmap` when the tensor dies, so every step of a loop pays the page faults of first touching
-every fresh output and gradient again: on this project's 2-core VM, 9 fresh `[8192, 1024]` fp32
-gradients cost ~90 ms of faults against a ~35 ms backward kernel (docs/benchmarks.md, issue 19).
-Smaller blocks are already reused: glibc raises its mmap threshold to the size of a freed
+every fresh output and gradient again (docs/benchmarks.md has the cost measured).  Smaller blocks are already reused: glibc raises its mmap threshold to the size of a freed
 block up to 32 MiB, which is why bf16 (16 MiB blocks) pays far less.
 
 `keep_large_blocks()` tells glibc (through `mallopt`) to serve every block from its heap

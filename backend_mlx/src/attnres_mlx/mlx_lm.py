@@ -30,10 +30,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from attnres_numpy.config import ResidualConfig
 from attnres_numpy.schedule import ResidualStream
+from attnres_numpy.training import from_k3, k3_config, to_k3
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .router import DepthRouter, MlxOps
 
-_K3_READS = ("self_attention_res", "mlp_res")
+
+def _identity(x):
+    return x
 
 
 def _k3_text(model) -> nn.Module:
@@ -49,55 +53,50 @@ def _k3_text(model) -> nn.Module:
 
 def kimi_k3_config(model) -> ResidualConfig:
     """The `ResidualConfig` of a K3 model: block, S = 2 x attn_res_block_size, eps =
-    rms_norm_eps (K3's depth reads use the model's RMSNorm epsilon)."""
+    rms_norm_eps (K3's depth reads use the model's RMSNorm epsilon; `attnres_numpy.training.
+    k3_config`)."""
     args = _k3_text(model).args
     if args.attn_res_block_size is None:
         raise ValueError("model: attn_res_block_size is None (a K3 model without AttnRes)")
-    return ResidualConfig(kind="block", block_size=2 * args.attn_res_block_size,
-                          eps=float(args.rms_norm_eps))
+    return k3_config(args.attn_res_block_size, float(args.rms_norm_eps))
+
+
+def _k3_weights(text) -> Dict[str, mx.array]:
+    """The K3 text model's parameters by their mlx-lm names (`layers.0.mlp_res_proj.weight`)."""
+    return dict(tree_flatten(text.parameters()))
 
 
 def kimi_k3_router(model) -> DepthRouter:
     """A `DepthRouter` (L = 2 x num_hidden_layers, float32) holding K3's residual weights:
     queries[r] = the read's `*_res_proj.weight` `[1, D]` flattened, norm_weights[r] = its
-    `*_res_norm.weight` `[D]`."""
+    `*_res_norm.weight` `[D]` (the core K3 mapping, `attnres_numpy.training.from_k3`)."""
     text = _k3_text(model)
-    layers = text.layers
-    dim = text.args.hidden_size
-    router = DepthRouter(kimi_k3_config(model), 2 * len(layers), dim)
-    queries, gains = [], []
-    for layer in layers:
-        for read in _K3_READS:
-            queries.append(getattr(layer, f"{read}_proj").weight.reshape(dim))
-            gains.append(getattr(layer, f"{read}_norm").weight)
-    queries.append(text.output_attn_res_proj.weight.reshape(dim))
-    gains.append(text.output_attn_res_norm.weight)
-    router.update({"queries": mx.stack(queries).astype(mx.float32),
-                   "norm_weights": mx.stack(gains).astype(mx.float32)})
+    rows = from_k3(_k3_weights(text), prefix="", as_array=_identity, stack=mx.stack)
+    L = 2 * len(text.layers)
+    if rows["queries"].shape != (L + 1, text.args.hidden_size):
+        raise ValueError(f"model: expected K3 residual weights for {len(text.layers)} decoder layers "
+                         f"of width {text.args.hidden_size}, found rows {rows['queries'].shape}")
+    router = DepthRouter(kimi_k3_config(model), L, text.args.hidden_size)
+    router.update({k: v.astype(mx.float32) for k, v in rows.items()})
     return router
 
 
 def load_kimi_k3(model, router: DepthRouter) -> None:
     """The reverse of `kimi_k3_router`: write `router`'s rows into K3's residual modules, each in
-    the dtype the module's weight has.  Clears K3's cached effective queries (`_*_w_eff`)."""
+    the dtype the module's weight has (`attnres_numpy.training.to_k3`).  Clears K3's cached
+    effective queries (`_*_w_eff`)."""
     text = _k3_text(model)
-    layers = text.layers
-    L, dim = 2 * len(layers), text.args.hidden_size
+    L, dim = 2 * len(text.layers), text.args.hidden_size
     if router.config != kimi_k3_config(model) or router.num_layers != L or router.dim != dim:
         raise ValueError(f"router: expected {kimi_k3_config(model)} over L = {L} sublayers of "
                          f"width {dim}, got {router.config} over L = {router.num_layers}, "
                          f"width {router.dim}")
-    q, g = router.queries, router.norm_weights
-
-    def put(proj, norm, r):
-        proj.weight = q[r].reshape(1, dim).astype(proj.weight.dtype)
-        norm.weight = g[r].astype(norm.weight.dtype)
-
-    for i, layer in enumerate(layers):
-        for j, read in enumerate(_K3_READS):
-            put(getattr(layer, f"{read}_proj"), getattr(layer, f"{read}_norm"), 2 * i + j)
+    current = _k3_weights(text)
+    keys = to_k3({"queries": router.queries, "norm_weights": router.norm_weights}, prefix="",
+                 copy=_identity)
+    text.update(tree_unflatten([(k, v.astype(current[k].dtype)) for k, v in keys.items()]))
+    for layer in text.layers:
         layer._attn_res_w_eff = layer._mlp_res_w_eff = None
-    put(text.output_attn_res_proj, text.output_attn_res_norm, L)
     text._output_res_w_eff = None
 
 

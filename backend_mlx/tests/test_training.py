@@ -1,0 +1,286 @@
+"""MLX training tools (`attnres_mlx.training`): the schedules against the core's exact values (int
+and array steps, `mlx.optimizers.join_schedules`, as an optimizer's learning rate); the monitor's
+recorded statistics against the float64 reference's depth weights, a healthy run that answers
+nothing, and a constructed collapse that triggers each policy (reset in the router and the
+optimizer state, lr_scale equal to the row in its own optimizer at lr * factor); the FLA / K3
+converters (bitwise round trips, a forward equal to the reference, at init and trained rows)."""
+
+import warnings
+
+import attnres_numpy.model as ref_model
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from attnres_mlx import training as T
+from attnres_mlx.router import DepthRouter, rmsnorm
+from attnres_numpy import training as core
+from attnres_numpy.config import ResidualConfig
+
+L, D = 3, 8
+
+# -- schedules ---------------------------------------------------------------------------------
+
+SCHEDULES = [(T.linear_warmup, (7,)), (T.cosine_warmup, (7,)), (T.linear_warmup, (0,)),
+             (T.temperature_schedule, (0.25, 2.0, 7, "linear")),
+             (T.temperature_schedule, (0.25, 2.0, 7, "cosine")),
+             (T.temperature_schedule, (2.0, 0.25, 7, "geometric"))]
+
+
+@pytest.mark.parametrize("make,args", SCHEDULES)
+def test_schedules_equal_the_core_values(make, args):
+    schedule = make(*args)
+    want = [schedule.curve(s) for s in range(10)]
+    assert [schedule(s) for s in range(10)] == want  # int steps: the exact float64 values
+    got = np.array([schedule(mx.array(s)).item() for s in range(10)], np.float32)
+    assert schedule(mx.array(3)).dtype == mx.float32
+    np.testing.assert_allclose(got, np.float32(want), rtol=3e-7, atol=0)
+    assert got[0] == np.float32(want[0]) and np.all(got[7:] == np.float32(want[7:]))  # exact ends
+
+
+def test_schedules_drive_an_mlx_optimizer():
+    warm = T.cosine_warmup(4)
+    joined = optim.join_schedules([warm, optim.linear_schedule(1.0, 0.0, 10)], [4])
+    assert [joined(mx.array(s)).item() for s in (0, 2, 4)] == pytest.approx([0.0, 0.5, 1.0], abs=1e-7)
+    opt = optim.SGD(learning_rate=T.linear_warmup(4))
+    params = {"x": mx.ones((2,))}
+    seen = []
+    for _ in range(6):
+        params = opt.apply_gradients({"x": mx.ones((2,))}, params)
+        seen.append(opt.learning_rate.item())  # the rate of the update just made
+    assert seen == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert params["x"].tolist() == [1.0 - 3.5] * 2  # x -= lr_k * 1 for each update
+
+
+# -- the monitor -------------------------------------------------------------------------------
+
+def _probe(kind, seed=0, query_scale=0.3):
+    rng = np.random.default_rng(seed)
+    cfg = ResidualConfig.variant(kind)
+    params = {k: np.asarray(v, np.float32) for k, v in cfg.init_params(L, D).items()}
+    if "queries" in params:
+        params["queries"] = (rng.standard_normal(params["queries"].shape) * query_scale).astype(np.float32)
+        params["norm_weights"] = (params["norm_weights"]
+                                  + 0.3 * rng.standard_normal(params["norm_weights"].shape)).astype(np.float32)
+    w = (rng.standard_normal((L, D, D)) / 3).astype(np.float32)
+    emb = rng.standard_normal((2, 5, D)).astype(np.float32)
+    return cfg, params, w, emb
+
+
+def _subs(w, eps):
+    return [lambda h, w=w[i]: mx.tanh(rmsnorm(h, eps) @ w) for i in range(w.shape[0])]
+
+
+class _Model(nn.Module):
+    """The probe as an MLX model: a router and its sublayer weights `[L, D, D]`."""
+
+    def __init__(self, cfg, params, w):
+        super().__init__()
+        self.router = DepthRouter(cfg, L, D)
+        T.load_into(self.router, params)
+        self.w = mx.array(w)
+
+    def __call__(self, emb, observer=None, scale=None):
+        return self.router(emb, _subs(self.w, self.router.config.eps), observer=observer, scale=scale)
+
+
+@pytest.mark.parametrize("kind,scale", [("full", None), ("block", 2.5), ("multihead", None)])
+def test_recorded_statistics_match_the_reference_weights(kind, scale):
+    cfg, params, w, emb = _probe(kind)
+    model = _Model(cfg, params, w)
+    monitor = T.DepthMonitor(model.router)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with monitor.record(4, scale=scale):
+            model(mx.array(emb), monitor.observer, scale=scale)
+            model(mx.array(emb), monitor.observer, scale=scale)  # two passes: averaged
+    entry = monitor.history[0]
+    w64 = {k: v.astype(np.float64) for k, v in params.items()}
+    _, weights = ref_model.stack_forward(cfg, w64, emb.astype(np.float64),
+                                         ref_model.probe_sublayers(w.astype(np.float64), cfg.eps),
+                                         return_weights=True, scale=scale)
+    assert entry["step"] == 4 and [r["row"] for r in entry["rows"]] == list(range(L + 1))
+    for r, ref_w in zip(entry["rows"], weights):
+        want = core.weight_stats(ref_w)
+        np.testing.assert_allclose(r["mean_weights"], want["mean_weights"], rtol=0, atol=2e-6)
+        assert r["entropy"] == pytest.approx(want["entropy"], abs=2e-6)
+        assert r["max_weight"] == pytest.approx(want["max_weight"], abs=2e-6)
+    assert entry["rows"][-1]["labels"] == (["v0", "v1", "v2", "v3"] if kind == "full" else ["b0", "b1", "b2"])
+    assert entry["input_rms"][0] == pytest.approx(float(np.sqrt(np.mean(emb.astype(np.float64) ** 2))), rel=1e-6)
+    assert entry["collapse"] == [] and max(r["max_weight"] for r in entry["rows"][1:]) < 0.9
+
+
+COLLAPSED_ROW = 2
+
+
+def _collapsing(seed=0):
+    """A Full probe whose row 2 query is huge along the embedding's direction: row 2 (sublayer
+    3, sources v0, v1, v2) puts ~all its weight on v0."""
+    cfg, params, w, _ = _probe("full", seed)
+    e0 = np.zeros(D, np.float32)
+    e0[0] = 1.0
+    params["queries"][COLLAPSED_ROW] = 60.0 * e0
+    emb = (3.0 * e0 + 0.1 * np.random.default_rng(seed + 1).standard_normal((4, 5, D))).astype(np.float32)
+    return cfg, params, w, mx.array(emb)
+
+
+def _train(model, monitor, optimizer, emb, steps, record_steps=(0,)):
+    loss_and_grad = nn.value_and_grad(model, lambda m, e: mx.mean(m(e, monitor.observer) ** 2))
+    for step in range(steps):
+        if step in record_steps:
+            with monitor.record(step):
+                _, grads = loss_and_grad(model, emb)
+        else:
+            _, grads = loss_and_grad(model, emb)
+        monitor.apply_update(optimizer, model, grads)
+        mx.eval(model.parameters(), optimizer.state)
+
+
+@pytest.mark.parametrize("policy", ["log", "raise", "lr_scale", "reset"])
+def test_a_healthy_run_answers_nothing(policy):
+    cfg, params, w, emb = _collapsing()
+    params["queries"][COLLAPSED_ROW] = 0.3
+    model = _Model(cfg, params, w)
+    monitor = T.DepthMonitor(model.router, on_collapse=policy)
+    before = np.array(model.router.queries)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, monitor, optim.Adam(1e-2), emb, 3, record_steps=(0, 1, 2))
+    assert all(e["collapse"] == [] for e in monitor.history) and len(monitor.history) == 3
+    assert not np.array_equal(np.array(model.router.queries), before)  # it trained
+
+
+def test_forced_collapse_log_and_raise():
+    cfg, params, w, emb = _collapsing()
+    model = _Model(cfg, params, w)
+    monitor = T.DepthMonitor(model.router, on_collapse="log")
+    before = np.array(model.router.queries)
+    with pytest.warns(T.DepthCollapseWarning, match=r"sublayer 3 \(row 2\).*3 sources \(mostly v0\)") as rec:
+        with monitor.record(0):
+            model(emb, monitor.observer)
+    assert rec[0].filename == __file__ and len(rec) == 1
+    entry = monitor.history[0]
+    assert entry["rows"][2]["max_weight"] > 0.99
+    assert entry["collapse"] == [{"row": 2, "max_weight": entry["rows"][2]["max_weight"], "action": "logged"}]
+    assert np.array_equal(np.array(model.router.queries), before)
+    monitor = T.DepthMonitor(model.router, on_collapse="raise")
+    with pytest.raises(T.DepthCollapseError, match=r"step 3: sublayer 3 \(row 2\)"):
+        with monitor.record(3):
+            model(emb, monitor.observer)
+    assert monitor.history[0]["step"] == 3
+
+
+@pytest.mark.parametrize("shrink", [1.0, 0.25])
+def test_forced_collapse_reset_rezeroes_the_row_its_gradient_and_adam_state(shrink):
+    cfg, params, w, emb = _collapsing()
+    model = _Model(cfg, params, w)
+    optimizer = optim.Adam(1e-2)
+    monitor = T.DepthMonitor(model.router, on_collapse=T.ResetPolicy(shrink))
+    _train(model, monitor, optimizer, emb, 1, record_steps=())  # Adam has state
+    before = np.array(model.router.queries)
+    loss_and_grad = nn.value_and_grad(model, lambda m, e: mx.mean(m(e, monitor.observer) ** 2))
+    with pytest.warns(T.DepthCollapseWarning, match=r"response \(reset\)"):
+        with monitor.record(1):
+            _, grads = loss_and_grad(model, emb)
+    assert monitor.history[0]["collapse"][0]["action"] == ("reset to uniform" if shrink == 1.0 else "query x0.75")
+    q = np.array(model.router.queries)
+    others = [r for r in range(L + 1) if r != COLLAPSED_ROW]
+    np.testing.assert_array_equal(q[COLLAPSED_ROW], before[COLLAPSED_ROW] * np.float32(1.0 - shrink))
+    np.testing.assert_array_equal(q[others], before[others])
+    monitor.apply_update(optimizer, model, grads)
+    assert np.count_nonzero(np.array(grads["router"]["queries"])[COLLAPSED_ROW]) == 0
+    assert np.count_nonzero(np.array(grads["router"]["queries"])[others]) > 0
+    state = optimizer.state["router"]["queries"]
+    for moment in ("m", "v"):  # zeroed before the update, which then saw a zero gradient
+        m = np.array(state[moment])
+        assert np.count_nonzero(m[COLLAPSED_ROW]) == 0 and np.count_nonzero(m[others]) > 0
+    np.testing.assert_array_equal(np.array(model.router.queries)[COLLAPSED_ROW], q[COLLAPSED_ROW])
+    if shrink == 1.0:  # the next pass: the row is the uniform average again
+        with monitor.record(2):
+            model(emb, monitor.observer)
+        assert monitor.history[-1]["rows"][COLLAPSED_ROW]["max_weight"] == pytest.approx(1 / 3, abs=1e-6)
+
+
+def test_forced_collapse_lr_scale_equals_the_row_in_its_own_optimizer():
+    """apply_update with lr_scale gives the collapsed row exactly the trajectory of a run where
+    the row is its own parameter under AdamW(lr * factor), everything else under AdamW(lr)."""
+    factor, lr, steps = 0.1, 5e-2, 4
+    cfg, params, w, emb = _collapsing()
+    model = _Model(cfg, params, w)
+    monitor = T.DepthMonitor(model.router, on_collapse=T.collapse_policy("lr_scale", factor=factor))
+    with pytest.warns(T.DepthCollapseWarning, match=r"response \(lr_scale\): lr x0.1"):
+        _train(model, monitor, optim.AdamW(lr, weight_decay=0.1), emb, steps, record_steps=(0,))
+    assert monitor.history[0]["collapse"][0]["action"] == "lr x0.1"
+    assert monitor.policy.factors == {COLLAPSED_ROW: factor}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", T.DepthCollapseWarning)  # other rows may collapse by now
+        with monitor.record(steps):
+            model(emb, monitor.observer)
+    assert {c["row"]: c["action"] for c in monitor.history[1]["collapse"]}[COLLAPSED_ROW] == "lr x0.1 (already)"
+
+    def loss(p):
+        q = mx.concatenate([p["top"], p["row"][None], p["bottom"]])
+        router = DepthRouter(cfg, L, D)
+        router.update({"queries": q, "norm_weights": p["norm_weights"]})
+        return mx.mean(router(emb, _subs(p["w"], cfg.eps)) ** 2)
+
+    q0 = mx.array(params["queries"])
+    p = {"top": q0[:COLLAPSED_ROW], "row": q0[COLLAPSED_ROW], "bottom": q0[COLLAPSED_ROW + 1:],
+         "norm_weights": mx.array(params["norm_weights"]), "w": mx.array(w)}
+    main, slow = optim.AdamW(lr, weight_decay=0.1), optim.AdamW(lr * factor, weight_decay=0.1)
+    for _ in range(steps):
+        grads = mx.grad(loss)(p)
+        rest = main.apply_gradients({k: g for k, g in grads.items() if k != "row"},
+                                    {k: v for k, v in p.items() if k != "row"})
+        p = {**rest, **slow.apply_gradients({"row": grads["row"]}, {"row": p["row"]})}
+    got = np.array(model.router.queries)
+    np.testing.assert_allclose(got[COLLAPSED_ROW], np.array(p["row"]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[:COLLAPSED_ROW], np.array(p["top"]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(model.w), np.array(p["w"]), rtol=1e-5, atol=1e-6)
+    moved = np.abs(got[COLLAPSED_ROW] - params["queries"][COLLAPSED_ROW]).max()
+    assert 0 < moved < lr * factor * steps * (1 + 0.1 * 60.0)
+
+
+def test_monitor_and_policy_errors():
+    with pytest.raises(ValueError, match="static query"):
+        T.DepthMonitor(DepthRouter(ResidualConfig.variant("input_query"), L, D))
+    router = DepthRouter(ResidualConfig.variant("full"), L, D)
+    with pytest.raises(ValueError, match="on_collapse: expected one of"):
+        T.DepthMonitor(router, on_collapse="shout")
+    with pytest.raises(ValueError, match="factor"):
+        T.LrScalePolicy(0.0)
+    with pytest.raises(ValueError, match="shrink"):
+        T.collapse_policy("reset", shrink=0.0)
+    monitor = T.DepthMonitor(router)
+    with pytest.raises(ValueError, match="model: does not hold the monitored router's 'queries'"):
+        monitor.apply_update(optim.SGD(1.0), DepthRouter(ResidualConfig.variant("full"), L, D), {})
+
+
+# -- converters --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("init", [True, False])
+def test_converters_round_trip_and_equal_the_reference(init):
+    n = 2
+    cfg = T.fla_config(4)
+    rng = np.random.default_rng(3)
+    rows = {k: np.asarray(v, np.float32) for k, v in cfg.init_params(2 * n, D).items()}
+    if not init:
+        rows = {"queries": rng.standard_normal((2 * n + 1, D)).astype(np.float32),
+                "norm_weights": (1 + 0.3 * rng.standard_normal((2 * n + 1, D))).astype(np.float32)}
+    fla = core.to_fla(rows)
+    router = DepthRouter(cfg, 2 * n, D)
+    T.load_into(router, T.from_fla({**fla, "model.embeddings.weight": np.zeros((3, D), np.float32)}))
+    for k, v in T.to_fla(router).items():
+        assert v.shape == fla[k].shape and np.array_equal(np.array(v), fla[k]), k
+    k3 = T.to_k3(router, proj_layout="einsum")
+    assert k3["model.layers.0.mlp_res_proj.weight"].shape == (D, 1)
+    assert all(np.array_equal(np.array(T.from_k3(k3)[k]), rows[k]) for k in rows)
+    w = (rng.standard_normal((2 * n, D, D)) / 3).astype(np.float32)
+    emb = rng.standard_normal((2, 4, D)).astype(np.float32)
+    want = ref_model.stack_forward(cfg, {k: v.astype(np.float64) for k, v in rows.items()},
+                                   emb.astype(np.float64), ref_model.probe_sublayers(w.astype(np.float64), cfg.eps))
+    got = np.array(router(mx.array(emb), _subs(mx.array(w), cfg.eps)))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match=r"params\['queries'\]: expected shape"):
+        T.load_into(router, {"queries": np.zeros((3, D)), "norm_weights": np.zeros((2 * n + 1, D))})

@@ -95,7 +95,11 @@ def test_recorded_statistics_match_the_reference_weights(kind, scale):
         with monitor.record(4, scale=scale):
             model(mx.array(emb), monitor.observer, scale=scale)
             model(mx.array(emb), monitor.observer, scale=scale)  # two passes: averaged
+            monitor.set_grad_norm([1.0, 2.0, 3.0])
     entry = monitor.history[0]
+    assert entry["grad_norm"] == [1.0, 2.0, 3.0]
+    with pytest.raises(RuntimeError, match="only inside"):
+        monitor.set_grad_norm([1.0] * L)
     w64 = {k: v.astype(np.float64) for k, v in params.items()}
     _, weights = ref_model.stack_forward(cfg, w64, emb.astype(np.float64),
                                          ref_model.probe_sublayers(w.astype(np.float64), cfg.eps),

@@ -213,9 +213,19 @@ class DepthMonitor(core.DepthMonitorBase):
                          policy=collapse_policy(on_collapse))
         self.router = router
         self.observer = _MonitorObserver(self)
-        self._scale = None
+        self._scale, self._grad_norm = None, None
         self._pending_rows: list = []
         self._pending_sublayers: list = []
+
+    def set_grad_norm(self, norms) -> None:
+        """Inside `record`: the L per-sublayer gradient norms of this step (the loop computes
+        them from the grads `nn.value_and_grad` returned), stored in the entry's "grad_norm"."""
+        if not self.recording:
+            raise RuntimeError("set_grad_norm: only inside `with monitor.record(step)`")
+        norms = [float(n) for n in norms]
+        if len(norms) != self.num_layers:
+            raise ValueError(f"norms: expected {self.num_layers} values (one per sublayer), got {len(norms)}")
+        self._grad_norm = norms
 
     @contextlib.contextmanager
     def record(self, step: int, *, scale: Optional[float] = None) -> Iterator[None]:
@@ -233,10 +243,10 @@ class DepthMonitor(core.DepthMonitorBase):
                                            "max_weight": max_weight.item()})
             for layer, h, v in subs:
                 self.add_sublayer(layer, h.item(), v.item())
-            entry = self.build_entry(magnitudes=bool(subs))
+            entry = self.build_entry(magnitudes=bool(subs), grad_norm=self._grad_norm)
         finally:
             self.stop_record()
-            self._scale, self._pending_rows, self._pending_sublayers = None, [], []
+            self._scale, self._grad_norm, self._pending_rows, self._pending_sublayers = None, None, [], []
         self.commit(entry, stacklevel=3)  # 3: the caller's `with monitor.record`
 
     def apply_update(self, optimizer, model, grads) -> None:

@@ -50,7 +50,7 @@ GOLDEN = "conformance/src/attnres_conformance/golden"
 BACKEND_INSTALL = {
     "numpy": (),
     "torch": (TORCH, *HF_STACK, "-e", "backend_torch[plots]"),
-    "jax": (JAX, FLAX, "-e", "backend_jax[flax]"),
+    "jax": (JAX, FLAX, "orbax-checkpoint>=0.11", "-e", "backend_jax[flax]"),
     "mlx": (MLX, MLX_LM, "-e", "backend_mlx"),
 }
 BACKEND_TESTS = {

@@ -284,6 +284,44 @@ def test_forced_collapse_lr_scale_equals_the_row_in_its_own_lower_lr_group():
     assert np.abs(np.asarray(unscaled["row"]) - got_q[COLLAPSED_ROW]).max() > 10 * lr * factor * 1e-2
 
 
+def test_the_documented_transformer_step_records_every_row():
+    """The docs' flow on the NNX Transformer: observer through `Transformer(observer=)` inside
+    one `nnx.jit` AdamW step (two forward passes, averaged), `update` on the host, the
+    `query_lr_scale` transform in the chain; the recorded rows equal a direct eager pass's."""
+    model = Transformer(ResidualConfig.variant("block"), vocab_size=13, dim=D, num_blocks=2,
+                        num_heads=2, rngs=nnx.Rngs(1))
+    q = model.router.queries
+    q[...] = jnp.asarray(np.random.default_rng(1).standard_normal(q[...].shape), jnp.float32)
+    tx = optax.chain(optax.adamw(1e-3), T.query_lr_scale(path=("router",)))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    monitor = T.DepthMonitor(model.router, on_collapse="raise")
+    tokens = jnp.arange(12).reshape(2, 6) % 13
+
+    eager = monitor.observer()
+    model(tokens, observer=eager)
+    want = monitor.update(-1, eager.stats())
+
+    @nnx.jit
+    def train_step(model, optimizer, tokens, factors):
+        obs = monitor.observer()
+
+        def loss_fn(model):
+            loss = jnp.mean(model(tokens, observer=obs) ** 2) + jnp.mean(model(tokens, observer=obs))
+            return loss, obs.stats()
+
+        (value, stats), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads, query_lr_factors=factors)
+        return value, stats
+
+    _, stats = train_step(model, optimizer, tokens, monitor.lr_factors())
+    entry = monitor.update(0, stats)
+    assert [r["row"] for r in entry["rows"]] == list(range(5)) and entry["collapse"] == []
+    for got, ref in zip(entry["rows"], want["rows"]):
+        assert got["labels"] == ref["labels"]
+        np.testing.assert_allclose(got["mean_weights"], ref["mean_weights"], rtol=1e-5, atol=1e-6)
+    assert len(entry["input_rms"]) == 4 and all(x > 0 for x in entry["output_rms"])
+
+
 def test_policy_argument_errors():
     router = DepthRouter(ResidualConfig.variant("full"), L, D)
     with pytest.raises(ValueError, match="on_collapse: expected one of"):

@@ -10,7 +10,8 @@ same code torch and JAX call); this module evaluates it on `mlx.core` and adds t
   array, so they compose with `mlx.optimizers.join_schedules` and trace.  Pass the value as the
   router's `mix=` / `scale=`.
 * `DepthMonitor(router, on_collapse=...)`: pass `monitor.observer` as the router's `observer=`
-  and run the step inside `with monitor.record(step):` (eagerly, not under `mx.compile`).  The
+  and run the step inside `with monitor.record(step):` (eagerly, not under `mx.compile`; direct
+  schedule: a two-phase pass reports no rows).  The
   MLX router's ops do not return depth weights (`MlxOps` refuses `return_weights`), so the
   observer computes each row's weights from the sources it is shown with the same op
   (`attnres_mlx.ops.depth_attention(..., return_weights=True)`, outside the gradient) and the

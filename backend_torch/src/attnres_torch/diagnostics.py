@@ -263,12 +263,10 @@ class DepthMonitor(core.DepthMonitorBase):
         if sublayers and len(sublayers) != router.num_layers:
             raise ValueError(f"sublayers: expected {router.num_layers} modules (one per sublayer), "
                              f"got {len(sublayers)}")
-        if not 0.0 < collapse_threshold < 1.0:
-            raise ValueError(f"collapse_threshold: expected a value in (0, 1), got {collapse_threshold!r}")
-        if router.observer is not None:
-            raise ValueError("router: already watched by another DepthMonitor (close() it first)")
         super().__init__(router.config, router.num_layers, collapse_threshold=collapse_threshold,
                          policy=collapse_policy(on_collapse))
+        if router.observer is not None:
+            raise ValueError("router: already watched by another DepthMonitor (close() it first)")
         if writer is not None:
             for name in ("add_scalar", "add_histogram"):
                 if not callable(getattr(writer, name, None)):

@@ -1,12 +1,16 @@
-"""The `torch.library` custom ops: opcheck (schema, fake/meta, autograd registration) and a
-`torch.compile(fullgraph=True)` trace of a model using them."""
+"""The `torch.library` custom ops of each kernel implementation (`attnres::<impl>_<kind>`,
+registered by `library.define`): opcheck (schema, fake/meta, autograd registration), a
+`torch.compile(fullgraph=True)` trace of a model using them, and the previous release's
+impl-argument ops as deprecated functions."""
 
 from __future__ import annotations
 
 import attnres_torch as at
 import pytest
 import torch
-from attnres_torch import library
+from attnres_torch import chunked, cpu_c, library
+
+IMPLS = {"cpu_c": cpu_c, "chunked": chunked}
 
 
 def _sources(n=3, shape=(4, 6), dtype=torch.float32, grad=True):
@@ -21,23 +25,61 @@ def test_opcheck_depth_attention(impl, per_token, gain, save):
     xs = _sources()
     q = torch.randn((4, 6) if per_token else (6,), requires_grad=True)
     g = torch.rand(6, requires_grad=True) + 0.5 if gain else None
-    torch.library.opcheck(library.depth_attention_op, (xs, q, g, 1e-6, 1.0, impl, save))
+    torch.library.opcheck(IMPLS[impl].OPS.depth_attention, (xs, q, g, 1e-6, 1.0, save))
 
 
 @pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
 def test_opcheck_backward_and_multi(impl):
     xs = _sources(grad=False)
     q, g = torch.randn(6), torch.rand(6) + 0.5
-    out, lse = library.depth_attention_op(xs, q, g, 1e-6, 1.0, impl, "auto")
+    ops = IMPLS[impl].OPS
+    out, lse = ops.depth_attention(xs, q, g, 1e-6, 1.0, "auto")
     for saved_out in (out, None):  # None: save="stats" (these kernels never read out)
-        torch.library.opcheck(library.depth_attention_backward_op,
+        torch.library.opcheck(ops.depth_attention_backward,
                               (xs, q, g, saved_out, lse, torch.randn(4, 6), torch.randn(4), 1e-6,
-                               1.0, impl))
+                               1.0))
     qs = torch.randn(2, 6, requires_grad=True)
     gs = torch.rand(2, 6) + 0.5
     for save in library.SAVE_MODES:
-        torch.library.opcheck(library.depth_attention_multi_op,
-                              (_sources(), qs, gs, 1e-6, 1.0, "chunked", save))
+        torch.library.opcheck(ops.depth_attention_multi, (_sources(), qs, gs, 1e-6, 1.0, save))
+        torch.library.opcheck(ops.depth_attention_weights, (_sources(), qs[0], gs[0], 1e-6, 1.0,
+                                                            save))
+
+
+def test_ops_are_named_per_implementation():
+    """Each kernel implementation registers its own ops in the `attnres` namespace; the chunked
+    kernel has no fused output norm op."""
+    for name, module in IMPLS.items():
+        for kind in library.KINDS[:4]:
+            assert getattr(module.OPS, kind) is not None
+            assert getattr(torch.ops.attnres, f"{name}_{kind}").default is not None
+    assert hasattr(cpu_c.OPS, "depth_attention_out_norm")
+    assert not hasattr(chunked.OPS, "depth_attention_out_norm")
+    with pytest.raises(ValueError, match="bodies: expected kinds"):
+        library.define("bogus", {"depth_attention": chunked.depth_attention}, lambda d, o: False)
+
+
+def test_previous_ops_are_deprecated_functions_of_the_named_implementation():
+    """`library.depth_attention_op(..., impl, save)` and its siblings warn and return exactly what
+    the named implementation's op returns."""
+    xs, q, g = _sources(grad=False), torch.randn(6), torch.rand(6) + 0.5
+    with pytest.warns(DeprecationWarning, match="depth_attention_op is deprecated"):
+        old = library.depth_attention_op
+    for impl, module in IMPLS.items():
+        got = old(xs, q, g, 1e-6, 1.0, impl, "auto")
+        want = module.OPS.depth_attention(xs, q, g, 1e-6, 1.0, "auto")
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.warns(DeprecationWarning, match="out_norm_backward_op"):
+        old_bwd = library.depth_attention_out_norm_backward_op
+    w = torch.rand(6) + 0.5
+    out, _, lse, _ = cpu_c.OPS.depth_attention_out_norm(xs, q, g, w, 1e-6, 1.0, 1e-5, False, "out")
+    args = (xs, q, g, w, out, lse, torch.randn(4, 6), torch.randn(4, 6), torch.randn(4), 1e-6, 1.0,
+            1e-5)
+    got = old_bwd(*args[:12], "cpu_c")
+    want = cpu_c.OPS.depth_attention_out_norm_backward(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(AttributeError):
+        library.no_such_op  # noqa: B018
 
 
 def test_compile_fullgraph_router_model():

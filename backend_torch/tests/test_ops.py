@@ -9,6 +9,7 @@ import torch
 from _helpers import DTYPES, assert_close, compute_dtype, f64, leaves, rand
 from attnres_conformance.tolerances import TOLERANCES
 from attnres_numpy import ops as ref
+from attnres_torch import chunked
 
 FAST = ("float32", "float16", "bfloat16")
 CASES = [  # (N, batch, D, per-token query, gain)
@@ -279,7 +280,7 @@ def test_use_impl_cpu_is_a_deprecated_alias_of_chunked():
             at.depth_attention([x, x + 1], q)
     assert at.last_impl() == "chunked"
     with pytest.warns(DeprecationWarning, match='"cpu"'):
-        assert at.dispatch.kernel("cpu") is at.dispatch.CHUNKED
+        assert at.dispatch.implementation("cpu") is chunked
 
 
 def test_tolerances_are_tight_enough_to_fail():
@@ -337,8 +338,3 @@ def test_merge_partial_goes_through_the_dispatch_choice():
         at.merge_partial(out1[0], lse1[0], xs[0], q.requires_grad_(True))
     assert at.last_impl() == "composite"
 
-
-def test_custom_ops_take_only_kernel_names():
-    assert at.dispatch.kernel("chunked") is at.dispatch.IMPLS["chunked"]
-    with pytest.raises(ValueError, match="impl: expected one of"):
-        at.dispatch.kernel("composite")

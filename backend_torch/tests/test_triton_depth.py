@@ -58,7 +58,7 @@ def kernels(monkeypatch, request):
     real = td._launch
 
     def spy(kernel, grid, *args, **meta):  # table fills apart: a cache hit launches none
-        (fills if kernel is td._k._fill_table_kernel else launches).append(kernel.fn.__name__)
+        (fills if kernel is td._fill_table_kernel else launches).append(kernel.fn.__name__)
         real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(td, "_launch", spy)
@@ -431,7 +431,7 @@ def tables(monkeypatch, kernels):
     real = td._launch
 
     def spy(kernel, grid, *args, **meta):
-        if kernel is td._k._fill_table_kernel:
+        if kernel is td._fill_table_kernel:
             fills.append(args[1:3])  # (start, count)
         real(kernel, grid, *args, **meta)
 
@@ -565,3 +565,25 @@ def test_phase1_split_reads_each_source_twice_not_s_times(kernels, n, num_q, dim
         assert all(torch.equal(o, xs[0]) for o in out)
     again = td._run_phase1_split(table, qs, gs, num_q, EPS, SCALE)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
+def test_public_call_reaches_the_triton_kernels_through_two_files():
+    """The flat path (see test_dispatch.py): at every launch the stack holds ops.py and
+    kernels/triton_depth.py only (support check, host code, kernels and custom ops in one
+    module); the backward: library.py's autograd formula and triton_depth.py; no file twice on
+    any stack."""
+    from test_dispatch import _trace
+
+    gen = torch.Generator().manual_seed(21)
+    xs = [rand(gen, (3, 16), torch.float32).requires_grad_(True) for _ in range(2)]
+    q = rand(gen, (16,), torch.float32).requires_grad_(True)
+    with at.use_impl("triton"):
+        stacks, seen = _trace(lambda: at.depth_attention(xs, q), [td._launch])
+        out = at.depth_attention(xs, q)
+    assert stacks and all(s == ["attnres_torch/ops.py", "attnres_torch/kernels/triton_depth.py"]
+                          for s in stacks), stacks
+    assert all(len(s) == len(set(s)) for s in seen)
+    stacks, seen = _trace(lambda: out.backward(torch.randn_like(out)), [td._launch])
+    assert stacks and all(s == ["attnres_torch/library.py", "attnres_torch/kernels/triton_depth.py"]
+                          for s in stacks), stacks
+    assert all(len(s) == len(set(s)) for s in seen)

@@ -1,5 +1,8 @@
-"""The chunked torch kernel of the default op (softmax, key norm, one head; spec 2.1-2.3, C10):
-implementation "chunked" of `dispatch.py`, the CPU fallback of the fused C kernel (`cpu_c.py`).
+"""Implementation "chunked": the chunked torch kernel of the default op (softmax, key norm, one
+head; spec 2.1-2.3, C10), the CPU fallback of the fused C kernel (`cpu_c.py`) and the kernel of
+sources strided along D.  This module owns its support check (`refusal`), its host code and its
+custom ops (`OPS`, `attnres::chunked_*`, registered at import by `library.define`).  No merge
+kernel (`merge` is None) and no fused output norm: such calls take the composition.
 
 Tokens are processed in chunks of C rows so that one chunk of a source (`[C, D]` fp32) plus the
 fp32 accumulator stay in cache: each source is read from memory once per pass, every statistic
@@ -7,8 +10,9 @@ is fp32, and no `[N, T, D]` stack or normalized copy of the sources is ever buil
 chunk buffers and `[N, C]` statistics are allocated, once per call.  Phase 1 (`multi_forward_into`)
 uses an online softmax over depth (running max m, running sum l, accumulators `[S, C, D]`).
 
-All functions take 2-D views: sources N x `[T, D]`, query*gain `qg` as `[D]` or per token
-`[T, D]` (fp32), and write into caller-provided buffers (so tests can NaN-poison them).
+The `*_into` functions take 2-D views: sources N x `[T, D]`, query*gain `qg` as `[D]` or per
+token `[T, D]` (fp32), and write into caller-provided buffers (so tests can NaN-poison them); the
+op bodies at the end flatten `[..., D]` arguments to them and allocate the outputs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,17 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+from torch import Tensor
+
+from . import _rows
+from ._args import autocast_off
+from .library import define
+
+NAME = "chunked"
+#: The device the automatic choice needs every tensor on (a forced call runs on any).
+DEVICE_TYPE = "cpu"
+#: No phase-2 merge kernel: merge_partial takes the composition.
+merge = None
 
 #: Bytes of one fp32 source chunk `[C, D]`; C = CHUNK_BYTES // (4 D), at least 1 row.
 CHUNK_BYTES = 1 << 21
@@ -49,7 +64,7 @@ def _f32(chunk: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return chunk if chunk.dtype == torch.float32 else buf[: chunk.shape[0]].copy_(chunk)
 
 
-def _rows(t: Optional[torch.Tensor], t0: int, t1: int) -> Optional[torch.Tensor]:
+def _token_rows(t: Optional[torch.Tensor], t0: int, t1: int) -> Optional[torch.Tensor]:
     """Token rows of a per-token tensor; a `[D]` pseudo-query is shared by every row."""
     return t if t is None or t.dim() == 1 else t[t0:t1]
 
@@ -73,7 +88,7 @@ def forward_into(sources: List[torch.Tensor], qg: torch.Tensor, eps: float, scal
     direct = out.dtype == torch.float32 and out.is_contiguous()
     for t0 in range(0, rows, step):
         t1 = min(rows, t0 + step)
-        q = _rows(qg, t0, t1)
+        q = _token_rows(qg, t0, t1)
         zc = z[:, : t1 - t0]
         for i, src in enumerate(sources):
             x = _f32(src[t0:t1], x_buf)
@@ -112,7 +127,7 @@ def backward_into(sources: List[torch.Tensor], qg: torch.Tensor, lse: torch.Tens
     g_buf, x_buf, dx_buf = (torch.empty(min(step, rows), dim, device=qg.device) for _ in range(3))
     for t0 in range(0, rows, step):
         t1 = min(rows, t0 + step)
-        q = _rows(qg, t0, t1)
+        q = _token_rows(qg, t0, t1)
         g = _f32(d_out[t0:t1], g_buf)
         lse_c = lse[t0:t1]
         stats = []  # (r, s, p, dp) per source, each [C]
@@ -173,3 +188,77 @@ def multi_forward_into(sources: List[torch.Tensor], qgs: torch.Tensor, eps: floa
             m = m_new
         out[:, t0:t1].copy_(acc.div_(l.unsqueeze(2)))
         lse[:, t0:t1] = m + torch.log(l)
+
+
+# -- the implementation: support check and custom-op bodies --------------------------------------
+
+def unavailable_reason() -> Optional[str]:
+    """None: plain torch, it serves calls everywhere."""
+    return None
+
+
+def refusal(call) -> Optional[str]:
+    """None when this kernel takes `call` (a `dispatch.Call`), else why not."""
+    if not call.default_op:
+        return ("the chunked kernel covers only softmax, key_norm, num_heads=1 and "
+                "float16/bfloat16/float32 sources")
+    if call.out_norm:
+        return "it has no fused output norm (out_norm_weight, C17); the composition serves such calls"
+    return None
+
+
+def _forward(sources, query, norm_weight, eps, scale, with_weights):
+    out, _, lse, weights = _rows.forward_outputs(sources, with_weights, False)
+    with autocast_off(out.device):
+        forward_into([_rows.flat(s) for s in sources], _rows.qg(query, norm_weight), eps, scale,
+                     _rows.flat(out), lse.view(-1),
+                     None if weights is None else weights.view(len(sources), -1))
+    return out, lse, weights
+
+
+def depth_attention(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor], eps: float,
+                    scale: float, save: str) -> tuple[Tensor, Tensor]:
+    """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1)."""
+    return _forward(sources, query, norm_weight, eps, scale, False)[:2]
+
+
+def depth_attention_weights(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
+                            eps: float, scale: float, save: str) -> tuple[Tensor, Tensor, Tensor]:
+    """`depth_attention` plus the weights `[N, ...]` fp32 of that lse (same logits, max, sum)."""
+    return _forward(sources, query, norm_weight, eps, scale, True)
+
+
+def depth_attention_backward(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
+                             out: Optional[Tensor], lse: Tensor, d_out: Tensor,
+                             d_lse: Optional[Tensor], eps: float, scale: float) -> List[Tensor]:
+    """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
+    d_norm_weight fp32 `[D]`] (spec 2.3); `out` is not read (delta comes from the sources)."""
+    d_src = _rows.source_grads(sources)
+    with autocast_off(query.device):
+        d_qg = backward_into([_rows.flat(s) for s in sources], _rows.qg(query, norm_weight),
+                             lse.reshape(-1).contiguous(),
+                             _rows.unit_rows(_rows.flat(d_out), sources[0].dtype),
+                             None if d_lse is None else d_lse.reshape(-1).float().contiguous(),
+                             eps, scale, [_rows.flat(d) for d in d_src])
+    return d_src + _rows.query_grads(d_qg, query, norm_weight)
+
+
+def depth_attention_multi(sources: List[Tensor], queries: Tensor, norm_weights: Optional[Tensor],
+                          eps: float, scale: float, save: str) -> tuple[Tensor, Tensor]:
+    """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
+    num_q, dim = queries.shape
+    out, lse = _rows.multi_outputs(sources, num_q)
+    with autocast_off(queries.device):
+        multi_forward_into([_rows.flat(s) for s in sources], _rows.qg(queries, norm_weights), eps,
+                           scale, out.view(num_q, -1, dim), lse.view(num_q, -1))
+    return out, lse
+
+
+def _reads_out(dtype: torch.dtype, out_norm: bool) -> bool:
+    return False  # delta is recomputed from the sources in fp32
+
+
+OPS = define(NAME, {"depth_attention": depth_attention,
+                            "depth_attention_weights": depth_attention_weights,
+                            "depth_attention_backward": depth_attention_backward,
+                            "depth_attention_multi": depth_attention_multi}, _reads_out)

@@ -1,4 +1,8 @@
-"""The fused C kernel of the default op on the CPU (`csrc/depth_cpu.c`; spec 2.1-2.3, C10, C15).
+"""Implementation "cpu_c": the fused C kernel of the default op on the CPU (`csrc/depth_cpu.c`;
+spec 2.1-2.3, C10, C15), with the fused output norm (C17) and the phase-2 merge (`merge`, no
+gradient).  This module owns its support check (`refusal`), the library's build and load, its
+host code and its custom ops (`OPS`, `attnres::cpu_c_*`, registered at import by
+`library.define`).
 
 Each source row is read from memory once (forward: one sweep for both row sums, the weighted sum
 from cache; backward: one sweep for three row sums, the gradients from cache), on
@@ -23,9 +27,10 @@ Opt-in (`ATTNRES_TORCH_HUGEPAGES=1` or `set_hugepages(True)`; Linux): outputs of
 fewer first-touch page faults on fresh outputs, at the cost of changing how that memory is backed
 (see the C file and docs/benchmarks.md).
 
-All functions take 2-D views with unit stride along D (any row stride): sources N x `[T, D]`
-(float32/bfloat16/float16), qg = query * gain in fp32 (`[D]` or `[T, D]`), and write into
-caller-provided buffers.
+The `*_into` functions take 2-D views with unit stride along D (any row stride): sources N x
+`[T, D]` (float32/bfloat16/float16), qg = query * gain in fp32 (`[D]` or `[T, D]`), and write
+into caller-provided buffers; the op bodies at the end flatten `[..., D]` arguments to them and
+allocate the outputs.
 """
 
 from __future__ import annotations
@@ -41,6 +46,15 @@ from pathlib import Path
 from typing import List, Optional
 
 import torch
+from torch import Tensor
+
+from . import _rows
+from ._args import autocast_off
+from .library import define
+
+NAME = "cpu_c"
+#: The device the automatic choice needs every tensor on.
+DEVICE_TYPE = "cpu"
 
 SOURCE = Path(__file__).parent / "csrc" / "depth_cpu.c"
 #: Tried in order: OpenMP (to share torch's libgomp thread pool, see the C file's run_blocks),
@@ -395,3 +409,133 @@ def merge_forward_into(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Te
                                    qg.data_ptr(), _qg_row_stride(qg), eps, scale, out.data_ptr(),
                                    out.stride(0), lse.data_ptr(), torch.get_num_threads())
     _done(rc, "attnres_merge_forward")
+
+
+# -- the implementation: support check, custom-op bodies, merge -----------------------------------
+
+def refusal(call) -> Optional[str]:
+    """None when the C kernel takes `call` (a `dispatch.Call`), else why not."""
+    if not call.default_op:
+        return ("the C kernel covers only softmax, key_norm, num_heads=1 and "
+                "float16/bfloat16/float32 sources")
+    sources = call.sources
+    if call.op == "merge_partial":
+        if torch.compiler.is_compiling():  # a ctypes call: torch.compile traces the composition
+            return "its merge_partial is a ctypes call that torch.compile cannot trace"
+        if call.device_types != {"cpu"} or sources[0].dtype != sources[1].dtype:
+            sources = []  # reported by the message below
+    if not sources or not supports(sources):
+        return ("the C kernel does not take this call (library: "
+                f"{unavailable_reason() or 'available'}; it needs CPU sources with unit stride "
+                "along D)")
+    return None
+
+
+def _forward(sources, query, norm_weight, eps, scale, with_weights, out_norm):
+    """(out, out_normed or None, lse, weights or None); `out_norm` = (gain, eps_o) or None."""
+    out, normed, lse, weights = _rows.forward_outputs(sources, with_weights, out_norm is not None)
+    extra = None if out_norm is None else (out_norm[0].float().contiguous(), out_norm[1],
+                                           _rows.flat(normed))
+    with autocast_off(out.device):
+        forward_into([_rows.flat(s) for s in sources], _rows.qg(query, norm_weight), eps, scale,
+                     _rows.flat(out), lse.view(-1),
+                     None if weights is None else weights.view(len(sources), -1), extra)
+    return out, normed, lse, weights
+
+
+def _backward(sources, query, norm_weight, lse, d_out, d_lse, eps, scale, out_norm):
+    """[d_sources.., d_query, d_norm_weight] (+ [d_out_norm_weight] with `out_norm` =
+    (gain, eps_o, d_out_normed))."""
+    dtype = sources[0].dtype
+    d_src = _rows.source_grads(sources)
+    extra = None if out_norm is None else (out_norm[0].float().contiguous(), out_norm[1],
+                                           _rows.unit_rows(_rows.flat(out_norm[2]), dtype))
+    with autocast_off(query.device):
+        res = backward_into([_rows.flat(s) for s in sources], _rows.qg(query, norm_weight),
+                            lse.reshape(-1).contiguous(), _rows.unit_rows(_rows.flat(d_out), dtype),
+                            None if d_lse is None else d_lse.reshape(-1).float().contiguous(), eps,
+                            scale, [_rows.flat(d) for d in d_src], extra)
+    if out_norm is None:
+        return d_src + _rows.query_grads(res, query, norm_weight)
+    return d_src + _rows.query_grads(res[0], query, norm_weight) + [res[1]]
+
+
+def depth_attention(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor], eps: float,
+                    scale: float, save: str) -> tuple[Tensor, Tensor]:
+    """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1)."""
+    out, _, lse, _ = _forward(sources, query, norm_weight, eps, scale, False, None)
+    return out, lse
+
+
+def depth_attention_weights(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
+                            eps: float, scale: float, save: str) -> tuple[Tensor, Tensor, Tensor]:
+    """`depth_attention` plus the weights `[N, ...]` fp32 of that lse (written by the kernel from
+    the same logits)."""
+    out, _, lse, weights = _forward(sources, query, norm_weight, eps, scale, True, None)
+    return out, lse, weights
+
+
+def depth_attention_backward(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
+                             out: Optional[Tensor], lse: Tensor, d_out: Tensor,
+                             d_lse: Optional[Tensor], eps: float, scale: float) -> List[Tensor]:
+    """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
+    d_norm_weight fp32 `[D]`] (spec 2.3); the kernel returns d(query * gain), `out` is not
+    read."""
+    return _backward(sources, query, norm_weight, lse, d_out, d_lse, eps, scale, None)
+
+
+def depth_attention_multi(sources: List[Tensor], queries: Tensor, norm_weights: Optional[Tensor],
+                          eps: float, scale: float, save: str) -> tuple[Tensor, Tensor]:
+    """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
+    num_q, dim = queries.shape
+    out, lse = _rows.multi_outputs(sources, num_q)
+    with autocast_off(queries.device):
+        multi_forward_into([_rows.flat(s) for s in sources], _rows.qg(queries, norm_weights), eps,
+                           scale, out.view(num_q, -1, dim), lse.view(num_q, -1))
+    return out, lse
+
+
+def depth_attention_out_norm(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
+                             out_norm_weight: Tensor, eps: float, scale: float, out_norm_eps: float,
+                             with_weights: bool, save: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """C17: (out, out_normed `[..., D]` sources' dtype, lse `[...]` fp32, weights `[N, ...]` fp32
+    or `[0]`); the kernel writes out_normed from the row's fp32 accumulator."""
+    out, normed, lse, w = _forward(sources, query, norm_weight, eps, scale, with_weights,
+                                   (out_norm_weight, out_norm_eps))
+    return out, normed, lse, lse.new_empty((0,)) if w is None else w
+
+
+def depth_attention_out_norm_backward(
+        sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor], out_norm_weight: Tensor,
+        out: Optional[Tensor], lse: Tensor, d_out: Tensor, d_out_normed: Tensor,
+        d_lse: Optional[Tensor], eps: float, scale: float, out_norm_eps: float) -> List[Tensor]:
+    """C17 VJP: `depth_attention_backward`'s list + d_out_norm_weight fp32 `[D]`.  The kernel
+    recomputes y per row in fp32 (the saved out is rounded for low-precision sources) and folds
+    d_out_normed into d_out in the same pass (csrc/depth_cpu.c)."""
+    return _backward(sources, query, norm_weight, lse, d_out, d_lse, eps, scale,
+                     (out_norm_weight, out_norm_eps, d_out_normed))
+
+
+def merge(out1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
+          norm_weight: Optional[Tensor], eps: float, scale: float) -> tuple[Tensor, Tensor]:
+    """Phase 2 (spec 3.2), no gradient: out `[..., D]` in partial's dtype and lse `[...]` fp32,
+    one pass over out1 and partial.  Not a custom op: `refusal` keeps it out of torch.compile
+    traces."""
+    out = torch.empty(partial.shape, dtype=partial.dtype)
+    lse = torch.empty(partial.shape[:-1], dtype=torch.float32)
+    merge_forward_into(_rows.flat(out1), lse1.float().reshape(-1).contiguous(), _rows.flat(partial),
+                       _rows.qg(query, norm_weight), eps, scale, _rows.flat(out), lse.view(-1))
+    return out, lse
+
+
+def _reads_out(dtype: torch.dtype, out_norm: bool) -> bool:
+    return False  # delta is recomputed from the sources (in float64 per row)
+
+
+OPS = define(NAME, {"depth_attention": depth_attention,
+                            "depth_attention_weights": depth_attention_weights,
+                            "depth_attention_backward": depth_attention_backward,
+                            "depth_attention_multi": depth_attention_multi,
+                            "depth_attention_out_norm": depth_attention_out_norm,
+                            "depth_attention_out_norm_backward": depth_attention_out_norm_backward},
+                     _reads_out)

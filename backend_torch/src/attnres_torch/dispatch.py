@@ -1,60 +1,84 @@
-"""Which implementation runs a call: the registry of implementation objects and the choice.
+"""The registry of implementations: which one serves an op call, forcing one, and the record.
 
-`IMPLS` maps a name to its `Impl` object; when nothing is forced, `choose(call)` takes the first
-one, in this order, whose device every tensor of the call is on and that supports the call:
+This is attnres_torch's part of the public backend contract (the same names in `attnres_jax.dispatch`
+and `attnres_mlx.dispatch`): `IMPLEMENTATIONS`, `availability()`, `use_impl()`, `Choice`,
+`last_choice()`, `impl_counts()`, `capabilities()`.
 
-* "triton" (`kernels/triton_depth.py`): every tensor on CUDA, Triton importable and
-  `triton_depth.supports(...)` (with the fused output norm, C17: D <= 8192).
-* "cpu_c" (`cpu_c.py`, `csrc/depth_cpu.c`): the fused C kernel, for the default op on the CPU
-  (softmax, key norm, one head, float16/bfloat16/float32 sources with unit stride along D) when
-  it could be built, with or without the fused output norm (C17); also `merge_partial` without
-  gradients.
+`IMPLEMENTATIONS`, in the order of the automatic choice; each kernel is one module that owns its
+support check (`refusal(call)`), its host code and its custom ops (`OPS`, see `library.py`):
+
+* "triton" (`kernels/triton_depth.py`, imported on the first CUDA call): the Triton kernels on
+  CUDA, every op with the fused output norm (C17) up to D = 8192 and the phase-2 merge.
+* "cpu_c" (`cpu_c.py`, `csrc/depth_cpu.c`): the fused C kernel of the default op (softmax, key
+  norm, one head, float16/bfloat16/float32 sources with unit stride along D) on the CPU, when it
+  could be built; with the fused output norm and the merge.
 * "chunked" (`chunked.py`): the chunked torch kernel of the same calls: the fallback without a C
   compiler (or with `ATTNRES_TORCH_CPU_C=0`) and for sources strided along D.  No merge kernel
-  and no fused output norm (such a call falls back to the composition).
-* "composite" (`composite.py`): the plain differentiable torch composition, every call: float64,
-  heads, sigmoid, no key norm, `merge_partial` with gradients, the output norm where no kernel
-  serves it; also the comparison baseline.
+  and no fused output norm.
+* "composite" (`composite.py`): the plain differentiable torch composition of every call:
+  float64, heads, sigmoid, no key norm, `merge_partial` with gradients, the output norm where no
+  kernel serves it; also the comparison baseline.
 
-The first three are kernels: `library.py` wraps their `forward` / `backward` / `multi_forward`
-in `torch.library` custom ops (the op's `impl` string argument is the name, looked up once per
-call with `kernel(name)`); `merge` (no gradient) is called by `ops.merge_partial` directly.
-"composite" has no entry points here: `ops.py` calls `composite.py` so that torch autograd
-records it.
+The automatic choice takes the first implementation whose device every tensor of the call is on
+and that takes the call; `last_choice()` says which served and why each one before it refused.
+The merge (`merge_partial`) is a kernel only without gradients, for float16/bfloat16/float32
+and plain tensors: no kernel has a merge backward.
 
-`use_impl(name)` forces an implementation in the current context (a `contextvars.ContextVar`,
-so threads and asyncio tasks do not see each other's forcing); a forced implementation that does
-not take a call raises (`Impl.refusal`), except that `merge_partial` falls back to the composition
-when the forced implementation has no merge kernel (chunked, composite) or the merge needs
-gradients or is float64 (no kernel has a merge backward).  `last_impl()` / `impl_counts()` say
-which implementation served the calls (kept under a lock: threads may call the ops at once).
+`use_impl(name)` forces `name` in the current context (a `contextvars.ContextVar`: threads and
+asyncio tasks do not see each other's forcing).  A forced implementation that cannot take a call
+raises ValueError naming it, the op and the reason, with one exception: `merge_partial` falls
+back to the composition when the forced implementation has no merge kernel (chunked) or the
+merge needs gradients or is float64.  The record (`last_choice`, `last_impl`, `impl_counts`) is
+kept under a lock (threads may call the ops at once) and skipped while torch.compile traces.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 import warnings
 from collections import Counter
-from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import chunked, cpu_c
+from . import chunked, composite, cpu_c
 
+#: Implementation names, in the order of the automatic choice.
+IMPLEMENTATIONS = ("triton", "cpu_c", "chunked", "composite")
 #: Source dtypes of the kernels (the compute dtype is fp32 for all three, C10).
 FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Removed names, accepted with a DeprecationWarning for one release: "cpu" was the chunked
+#: kernel's name until the C kernel ("cpu_c") joined it.
+DEPRECATED_NAMES = {"cpu": "chunked"}
 
 MERGE = "merge_partial"
 
 
+class Choice(NamedTuple):
+    """Which implementation served one op call.
+
+    op: "depth_attention", "depth_attention_multi" or "merge_partial".
+    impl: the implementation that served it.
+    refused: (name, reason) of each implementation before `impl` in `IMPLEMENTATIONS` that did
+      not take the call (forced: the forced one, where merge_partial fell back to the
+      composition).
+    """
+
+    op: str
+    impl: str
+    refused: Tuple[Tuple[str, str], ...] = ()
+
+
 @dataclass(frozen=True)
 class Call:
-    """One op call as the dispatch sees it (arguments already validated).
+    """One op call as the registry sees it (arguments already validated); plain data, so an
+    implementation's support check reads it without calling back into this module.
 
     op: "depth_attention", "depth_attention_multi" or "merge_partial".
     sources: N x `[..., D]` (merge_partial: `[out1, partial]`).
@@ -63,6 +87,9 @@ class Call:
     tensors: every tensor argument (for the device of the call).
     needs_grad: a gradient will flow (only merge_partial asks: its kernels have no backward).
     out_norm: depth_attention with the fused output norm (C17, `out_norm_weight` given).
+    default_op (set from the rest): softmax, key norm, one head, float16/bfloat16/float32
+      sources (merge: partial) -- the calls every kernel covers.
+    device_types: the device types of `tensors` (set from them).
     """
 
     op: str
@@ -75,317 +102,42 @@ class Call:
     key_norm: bool = True
     needs_grad: bool = False
     out_norm: bool = False
+    default_op: bool = field(init=False)
+    device_types: frozenset = field(init=False)
 
-    @property
-    def default_op(self) -> bool:
-        """Softmax, key norm, one head, float16/bfloat16/float32 sources (merge: partial)."""
-        return (self.activation == "softmax" and self.key_norm and self.num_heads == 1
-                and self.sources[-1].dtype in FAST_DTYPES)
+    def __post_init__(self):
+        object.__setattr__(self, "default_op", self.activation == "softmax" and self.key_norm
+                           and self.num_heads == 1 and self.sources[-1].dtype in FAST_DTYPES)
+        object.__setattr__(self, "device_types", frozenset(t.device.type for t in self.tensors))
 
     def on(self, device_type: str) -> bool:
-        return all(t.device.type == device_type for t in self.tensors)
+        """Whether every tensor of the call is on a device of `device_type`."""
+        return self.device_types == {device_type}
 
 
-# -- shared glue of the kernels -------------------------------------------------------------------
+# -- the implementation modules -------------------------------------------------------------------
 
-def _qg(query: Tensor, norm_weight: Optional[Tensor]) -> Tensor:
-    """query * gain in fp32, `[D]` or per-token flattened to `[T, D]`."""
-    q = query.float() if norm_weight is None else query.float() * norm_weight.float()
-    return q if q.dim() == 1 else q.reshape(-1, q.shape[-1])
-
-
-def _flat(t: Tensor) -> Tensor:
-    """`[..., D]` -> `[T, D]` (a view when the strides allow it)."""
-    return t.reshape(-1, t.shape[-1])
-
-
-def _unit_rows(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """`[T, D]` in `dtype` with unit stride along D (a broadcast d_out may arrive with stride 0)."""
-    t = t.to(dtype)
-    return t if t.numel() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous()
-
-
-def _query_grads(d_qg: Tensor, query: Tensor, norm_weight: Optional[Tensor]) -> List[Tensor]:
-    """[d_query fp32 (query's shape), d_norm_weight fp32 `[D]`] from a CPU kernel's d(query * gain)
-    (`[D]` summed over tokens, or `[T, D]` for a per-token query)."""
-    dim = query.shape[-1]
-    gain = torch.ones(dim, device=query.device) if norm_weight is None else norm_weight.float()
-    d_query = (d_qg * gain).reshape(query.shape)
-    d_gain = (d_qg * query.float().reshape(d_qg.shape)).reshape(-1, dim).sum(0)
-    return [d_query, d_gain]
-
-
-_triton: list = []
+_triton: list = []  # [module] or [reason it cannot be imported], filled on first use
 _triton_lock = threading.Lock()
 
 
-def triton_kernels():
-    """The Triton kernel module (`kernels.triton_depth`), or None when Triton is unavailable.
-    Imported on first use only: importing Triton takes a while and CPU calls never need it."""
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _load_triton():
+    """The Triton implementation module, or the reason (str) it cannot be imported.  Imported on
+    first use only: importing Triton takes a while and CPU calls never need it."""
     if not _triton:
         with _triton_lock:
             if not _triton:
-                from .kernels import triton_depth  # imports without Triton, then has triton None
-
-                _triton.append(triton_depth if triton_depth.triton is not None else None)
+                try:
+                    from .kernels import triton_depth
+                except ImportError as err:
+                    _triton.append(f"Triton cannot be imported ({err})")
+                else:
+                    _triton.append(triton_depth)
     return _triton[0]
-
-
-# -- the implementations --------------------------------------------------------------------------
-
-class Impl:
-    """One implementation.  `device_type`: the device every tensor must be on for the automatic
-    choice to consider it (None: any); `refusal(call)`: None when it takes the call, else the
-    error a call forced onto it raises; `merge`: the no-gradient phase-2 kernel, or None."""
-
-    name: str = ""
-    device_type: Optional[str] = None
-    merge = None
-
-    def refusal(self, call: Call) -> Optional[Exception]:
-        return None
-
-    def supports(self, call: Call) -> bool:
-        return self.refusal(call) is None
-
-    def __repr__(self) -> str:
-        return f"<attnres_torch impl {self.name!r}>"
-
-
-def _merge_refusal(impl: Impl, call: Call) -> Optional[Exception]:
-    """The refusals every merge kernel shares (forced calls never reach them: see `choose`)."""
-    if impl.merge is None:
-        return ValueError(f"impl: {impl.name!r} has no merge_partial kernel")
-    if call.needs_grad or not call.default_op:
-        return ValueError(f"impl: {impl.name!r} merges only without gradients and for "
-                          "float16/bfloat16/float32 sources")
-    if any(is_traceable_wrapper_subclass(t) for t in call.tensors):  # not a custom op: raw storage
-        return ValueError(f"impl: {impl.name!r} merges plain tensors only (a DTensor or other "
-                          "tensor subclass takes the composition)")
-    return None
-
-
-class TritonImpl(Impl):
-    """The Triton kernels (`kernels/triton_depth.py`) on CUDA (on the CPU only under
-    TRITON_INTERPRET=1, when forced)."""
-
-    name, device_type = "triton", "cuda"
-
-    def refusal(self, call: Call) -> Optional[Exception]:
-        if call.op == MERGE and (err := _merge_refusal(self, call)) is not None:
-            return err
-        kernels = triton_kernels()
-        if kernels is None:
-            return RuntimeError("impl: 'triton' was forced but attnres_torch.kernels.triton_depth "
-                                "cannot be imported")
-        sources = call.sources[-1:] if call.op == MERGE else call.sources  # merge: the partial sum
-        if not kernels.supports(sources, call.query, call.norm_weight, num_heads=call.num_heads,
-                                activation=call.activation, key_norm=call.key_norm,
-                                out_norm=call.out_norm):
-            return ValueError("impl: 'triton' was forced but the Triton kernels do not support "
-                              "this call (see kernels.triton_depth.supports)")
-        return None
-
-    @staticmethod
-    def forward(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor], eps: float,
-                scale: float, with_weights: bool = False) -> Tuple[Tensor, ...]:
-        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1), and with `with_weights`
-        the weights `[N, ...]` fp32 of that lse."""
-        res = triton_kernels().forward(sources, query, norm_weight, eps, scale,
-                                       with_weights=with_weights)
-        return tuple(t.contiguous() for t in res)
-
-    @staticmethod
-    def backward(sources, query, norm_weight, out, lse, d_out, d_lse, eps, scale) -> List[Tensor]:
-        """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
-        d_norm_weight fp32 `[D]`] (spec 2.3)."""
-        d_src, d_q, d_g = triton_kernels().backward(sources, query, norm_weight, out, lse, d_out,
-                                                    d_lse, eps, scale)
-        if d_g is None:
-            d_g = torch.zeros(query.shape[-1], dtype=torch.float32, device=query.device)
-        return [d.contiguous() for d in d_src] + [d_q.float().contiguous(), d_g.float().contiguous()]
-
-    @staticmethod
-    def out_norm_forward(sources, query, norm_weight, out_norm_weight, eps, scale, out_norm_eps,
-                         with_weights=False) -> Tuple[Optional[Tensor], ...]:
-        """C17: (out, out_normed `[..., D]` sources' dtype, lse `[...]` fp32, weights `[N, ...]`
-        fp32 or None), out_normed from the forward kernel's own fp32 accumulator."""
-        res = triton_kernels().forward(sources, query, norm_weight, eps, scale,
-                                       with_weights=with_weights,
-                                       out_norm=(out_norm_weight, out_norm_eps))
-        out, lse, w, normed = res
-        return out, normed, lse, w
-
-    @staticmethod
-    def out_norm_backward(sources, query, norm_weight, out_norm_weight, out, lse, d_out, d_normed,
-                          d_lse, eps, scale, out_norm_eps) -> List[Tensor]:
-        """C17 VJP: `backward`'s list + d_out_norm_weight fp32 `[D]`."""
-        d_src, d_q, d_g, d_w = triton_kernels().backward(
-            sources, query, norm_weight, out, lse, d_out, d_lse, eps, scale,
-            out_norm=(out_norm_weight, out_norm_eps, d_normed))
-        if d_g is None:
-            d_g = torch.zeros(query.shape[-1], dtype=torch.float32, device=query.device)
-        return ([d.contiguous() for d in d_src]
-                + [d_q.float().contiguous(), d_g.float().contiguous(), d_w.float().contiguous()])
-
-    @staticmethod
-    def multi_forward(sources, queries, norm_weights, eps, scale) -> Tuple[Tensor, Tensor]:
-        """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
-        out, lse = triton_kernels().multi_forward(sources, queries, norm_weights, eps, scale)
-        return out.contiguous(), lse.contiguous()
-
-    @staticmethod
-    def merge(out1, lse1, partial, query, norm_weight, eps, scale) -> Tuple[Tensor, Tensor]:
-        """Phase 2 (spec 3.2), no gradient: out `[..., D]` (partial's dtype), lse `[...]` fp32."""
-        return triton_kernels().merge_forward(out1, lse1, partial, query, norm_weight, eps, scale)
-
-
-class CpuKernelImpl(Impl):
-    """A CPU kernel module with the `forward_into` / `backward_into` / `multi_forward_into`
-    interface on `[T, D]` row views (`chunked.py`, `cpu_c.py`): allocates the outputs and flattens
-    the token axes around it."""
-
-    device_type = "cpu"
-
-    def __init__(self, name: str, module, out_norm: bool = False):
-        self.name, self.kernels, self.out_norm = name, module, out_norm
-
-    def refusal(self, call: Call) -> Optional[Exception]:
-        if call.op == MERGE and (err := _merge_refusal(self, call)) is not None:
-            return err
-        if not call.default_op:
-            return ValueError(f"impl: {self.name!r} was forced but the CPU kernels cover only "
-                              "softmax, key_norm, num_heads=1 and float16/bfloat16/float32 sources")
-        if call.out_norm and not self.out_norm:
-            return ValueError(f"impl: {self.name!r} was forced but it has no fused output norm "
-                              "(out_norm_weight, C17); the composition serves such calls")
-        return None
-
-    def _forward(self, sources, query, norm_weight, eps, scale, with_weights, out_norm):
-        """(out, out_normed or None, lse, weights or None); `out_norm` = (gain, eps_o) or None."""
-        x0 = sources[0]
-        out = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
-        lse = torch.empty(x0.shape[:-1], dtype=torch.float32, device=x0.device)
-        weights = (torch.empty((len(sources),) + tuple(x0.shape[:-1]), dtype=torch.float32,
-                               device=x0.device) if with_weights else None)
-        normed, extra = None, {}
-        if out_norm is not None:  # only kernels with the output norm take the argument
-            normed = torch.empty(x0.shape, dtype=x0.dtype, device=x0.device)
-            extra["out_norm"] = (out_norm[0].float().contiguous(), out_norm[1], _flat(normed))
-        self.kernels.forward_into([_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
-                                  eps, scale, _flat(out), lse.view(-1),
-                                  None if weights is None else weights.view(len(sources), -1),
-                                  **extra)
-        return out, normed, lse, weights
-
-    def forward(self, sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],
-                eps: float, scale: float, with_weights: bool = False) -> Tuple[Tensor, ...]:
-        """out `[..., D]` (sources' dtype), lse `[...]` fp32 (spec 2.1), and with `with_weights`
-        the weights `[N, ...]` fp32 of that lse (written by the kernel from the same logits)."""
-        out, _, lse, weights = self._forward(sources, query, norm_weight, eps, scale, with_weights,
-                                             None)
-        return (out, lse) if weights is None else (out, lse, weights)
-
-    def out_norm_forward(self, sources, query, norm_weight, out_norm_weight, eps, scale,
-                         out_norm_eps, with_weights=False) -> Tuple[Optional[Tensor], ...]:
-        """C17: (out, out_normed `[..., D]` sources' dtype, lse `[...]` fp32, weights `[N, ...]`
-        fp32 or None); the kernel writes out_normed from the row's fp32 accumulator."""
-        return self._forward(sources, query, norm_weight, eps, scale, with_weights,
-                             (out_norm_weight, out_norm_eps))
-
-    def _backward(self, sources, query, norm_weight, lse, d_out, d_lse, eps, scale, out_norm):
-        """[d_sources.., d_query, d_norm_weight] (+ [d_out_norm_weight] with `out_norm` =
-        (gain, eps_o, d_out_normed))."""
-        dtype = sources[0].dtype
-        d_src = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
-        extra = {} if out_norm is None else {"out_norm": (
-            out_norm[0].float().contiguous(), out_norm[1], _unit_rows(_flat(out_norm[2]), dtype))}
-        res = self.kernels.backward_into(
-            [_flat(s) for s in sources], _qg(query, norm_weight).contiguous(),
-            lse.reshape(-1).contiguous(), _unit_rows(_flat(d_out), dtype),
-            None if d_lse is None else d_lse.reshape(-1).float().contiguous(), eps, scale,
-            [_flat(d) for d in d_src], **extra)
-        if out_norm is None:
-            return d_src + _query_grads(res, query, norm_weight)
-        return d_src + _query_grads(res[0], query, norm_weight) + [res[1]]
-
-    def backward(self, sources, query, norm_weight, out, lse, d_out, d_lse, eps,
-                 scale) -> List[Tensor]:
-        """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
-        d_norm_weight fp32 `[D]`] (spec 2.3); the kernel returns d(query * gain)."""
-        return self._backward(sources, query, norm_weight, lse, d_out, d_lse, eps, scale, None)
-
-    def out_norm_backward(self, sources, query, norm_weight, out_norm_weight, out, lse, d_out,
-                          d_normed, d_lse, eps, scale, out_norm_eps) -> List[Tensor]:
-        """C17 VJP: `backward`'s list + d_out_norm_weight fp32 `[D]`.  The kernel recomputes y
-        per row in fp32 (the saved out is rounded for low-precision sources) and folds
-        d_out_normed into d_out in the same pass (csrc/depth_cpu.c)."""
-        return self._backward(sources, query, norm_weight, lse, d_out, d_lse, eps, scale,
-                              (out_norm_weight, out_norm_eps, d_normed))
-
-    def multi_forward(self, sources, queries, norm_weights, eps, scale) -> Tuple[Tensor, Tensor]:
-        """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
-        x0 = sources[0]
-        num_q = queries.shape[0]
-        out = torch.empty((num_q,) + tuple(x0.shape), dtype=x0.dtype, device=x0.device)
-        lse = torch.empty((num_q,) + tuple(x0.shape[:-1]), dtype=torch.float32, device=x0.device)
-        qgs = queries.float() if norm_weights is None else queries.float() * norm_weights.float()
-        self.kernels.multi_forward_into([_flat(s) for s in sources], qgs.contiguous(), eps, scale,
-                                        out.view(num_q, -1, x0.shape[-1]), lse.view(num_q, -1))
-        return out, lse
-
-
-class CpuCImpl(CpuKernelImpl):
-    """The fused C kernel (`cpu_c.py`): also needs the built library and CPU sources with unit
-    stride along D, and has the phase-2 merge."""
-
-    def __init__(self):
-        super().__init__("cpu_c", cpu_c, out_norm=True)
-
-    def refusal(self, call: Call) -> Optional[Exception]:
-        err = super().refusal(call)
-        if err is not None:
-            return err
-        sources = call.sources
-        if call.op == MERGE:
-            if torch.compiler.is_compiling():  # a ctypes call: torch.compile traces the composition
-                return ValueError("impl: 'cpu_c' was forced but its merge_partial is a ctypes call "
-                                  "that torch.compile cannot trace")
-            if not call.on("cpu") or sources[0].dtype != sources[1].dtype:
-                sources = []  # reported by the message below
-        if not sources or not cpu_c.supports(sources):
-            return ValueError("impl: 'cpu_c' was forced but the C kernel does not take this call "
-                              f"(library: {cpu_c.unavailable_reason() or 'available'}; it needs "
-                              "CPU sources with unit stride along D)")
-        return None
-
-    def merge(self, out1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
-              norm_weight: Optional[Tensor], eps: float, scale: float) -> Tuple[Tensor, Tensor]:
-        """Phase 2 (spec 3.2), no gradient: out `[..., D]` in partial's dtype and lse `[...]`
-        fp32, one pass over out1 and partial.  Not a custom op: `refusal` keeps it out of
-        torch.compile traces."""
-        out = torch.empty(partial.shape, dtype=partial.dtype)
-        lse = torch.empty(partial.shape[:-1], dtype=torch.float32)
-        cpu_c.merge_forward_into(_flat(out1), lse1.float().reshape(-1).contiguous(), _flat(partial),
-                                 _qg(query, norm_weight).contiguous(), eps, scale, _flat(out),
-                                 lse.view(-1))
-        return out, lse
-
-
-class CompositeImpl(Impl):
-    """The differentiable composition (`composite.py`): takes every call; `ops.py` runs it
-    itself (autograd records it), so it has no kernel entry points."""
-
-    name = "composite"
-
-
-TRITON, CPU_C, CHUNKED, COMPOSITE = (TritonImpl(), CpuCImpl(), CpuKernelImpl("chunked", chunked),
-                                     CompositeImpl())
-#: Every implementation by name, in the order of the automatic choice.
-IMPLS = {impl.name: impl for impl in (TRITON, CPU_C, CHUNKED, COMPOSITE)}
-#: Removed names, accepted with a DeprecationWarning for one release: "cpu" was the chunked
-#: kernel's name until the C kernel ("cpu_c") joined it.
-DEPRECATED_NAMES = {"cpu": "chunked"}
 
 
 def _current_name(name, stacklevel: int):
@@ -398,14 +150,46 @@ def _current_name(name, stacklevel: int):
     return new
 
 
-def kernel(name: str) -> Impl:
-    """The kernel implementation a custom op's `impl` argument names ("triton", "cpu_c" or
-    "chunked")."""
-    impl = IMPLS.get(_current_name(name, 2))
-    if impl is None or impl is COMPOSITE:
-        raise ValueError(f"impl: expected one of {tuple(n for n in IMPLS if n != 'composite')} "
-                         f"for a custom op, got {name!r}")
-    return impl
+def _check_name(name) -> str:
+    if not isinstance(name, str) or name not in IMPLEMENTATIONS:
+        raise ValueError(f"impl: expected one of {IMPLEMENTATIONS}, got {name!r}")
+    return name
+
+
+def implementation(name: str):
+    """The module of implementation `name` ("triton" imports Triton); ValueError for an unknown
+    name or a Triton that cannot be imported."""
+    name = _check_name(_current_name(name, 2))
+    if name == "triton":
+        module = _load_triton()
+        if isinstance(module, str):
+            raise ValueError(f"impl: 'triton' is unavailable: {module}")
+        return module
+    return composite if name == "composite" else _CPU[name]
+
+
+def availability() -> Dict[str, Optional[str]]:
+    """Every implementation name -> None when it can serve calls on this machine and install,
+    else a one-line reason."""
+    triton = None
+    if not torch.cuda.is_available() and not _interpret():
+        triton = "no CUDA device"
+    elif isinstance(_load_triton(), str):
+        triton = _load_triton()
+    return {"triton": triton, "cpu_c": cpu_c.unavailable_reason(), "chunked": None,
+            "composite": None}
+
+
+def capabilities() -> dict:
+    """{"dtypes", "devices", "fused_kernel", "deterministic"} of the ops here: the source dtypes
+    they accept, the devices they run on, whether a fused kernel (not a composition) serves the
+    default op on a device here (the C kernel on the CPU, the Triton kernels on CUDA), and that
+    every result is bitwise the same from run to run (C15)."""
+    cuda = torch.cuda.is_available()
+    fused = cpu_c.available() or (cuda and not isinstance(_load_triton(), str))
+    return {"dtypes": ("float64", "float32", "float16", "bfloat16"),
+            "devices": ("cpu", "cuda") if cuda else ("cpu",), "fused_kernel": fused,
+            "deterministic": True}
 
 
 # -- forcing and the record -----------------------------------------------------------------------
@@ -414,14 +198,17 @@ _forced: contextvars.ContextVar = contextvars.ContextVar("attnres_torch_impl", d
 
 
 @contextlib.contextmanager
-def use_impl(name: str) -> Iterator[None]:
-    """Force every op call inside the block (in this thread / task) to use implementation `name`
-    (one of IMPLS; tests, and the Triton tests on CPU tensors under TRITON_INTERPRET=1; a
-    `DEPRECATED_NAMES` entry warns and forces its new name)."""
+def use_impl(name: str, **options) -> Iterator[None]:
+    """Force every op call inside the block (in this thread / task) onto implementation `name`
+    (one of `IMPLEMENTATIONS`, or "auto": the automatic choice; a `DEPRECATED_NAMES` entry warns
+    and forces its new name).  The torch implementations take no options.  Used by tests, and
+    by the Triton tests on CPU tensors under TRITON_INTERPRET=1."""
     name = _current_name(name, 3)  # the caller's `with` line: contextmanager's __enter__ between
-    if name not in IMPLS:
-        raise ValueError(f"impl: expected one of {tuple(IMPLS)}, got {name!r}")
-    token = _forced.set(name)
+    if name != "auto":
+        _check_name(name)
+    if options:
+        raise TypeError(f"use_impl: the torch implementations take no options, got {sorted(options)}")
+    token = _forced.set(None if name == "auto" else name)
     try:
         yield
     finally:
@@ -437,47 +224,129 @@ def forced() -> Optional[str]:
 
 _lock = threading.Lock()
 _counts: Counter = Counter()
-_last: List[Optional[str]] = [None]
+_last: list = [None]
 
 
-def record(impl: Impl) -> Impl:
-    """Note that `impl` serves a call (skipped while torch.compile traces: a Python side effect)."""
+def _record(choice: Choice) -> Choice:
+    """Note that `choice` serves a call (skipped while torch.compile traces: a side effect)."""
     if not torch.compiler.is_compiling():
         with _lock:
-            _counts[impl.name] += 1
-            _last[0] = impl.name
-    return impl
+            _counts[choice.impl] += 1
+            _last[0] = choice
+    return choice
 
 
-def last_impl() -> Optional[str]:
-    """The name of the implementation of the last call (any thread)."""
+def last_choice() -> Optional[Choice]:
+    """The `Choice` of the most recent op call in this process (any thread), or None."""
     with _lock:
         return _last[0]
 
 
+def last_impl() -> Optional[str]:
+    """The name of the implementation of the last call (any thread): `last_choice().impl`."""
+    choice = last_choice()
+    return None if choice is None else choice.impl
+
+
 def impl_counts() -> Counter:
-    """A copy of how many calls each implementation served."""
+    """A copy of how many op calls each implementation served since import."""
     with _lock:
         return Counter(_counts)
 
 
-def choose(call: Call) -> Impl:
-    """The implementation of `call` (recorded for `last_impl` / `impl_counts`).
+# -- the choice -----------------------------------------------------------------------------------
 
-    Forced: that implementation, or its refusal raised; merge_partial under a forced
-    implementation without a merge kernel, or with gradients or float64, is the composition's.
-    Otherwise: the first of IMPLS whose device every tensor is on and that supports the call.
+#: The CPU kernel modules by name (imported with this module: they are cheap to import).
+_CPU = {"cpu_c": cpu_c, "chunked": chunked}
+
+
+def _merge_fallback(name: str, call: Call) -> Optional[str]:
+    """Why no kernel of implementation `name` merges `call` (None: one may): no merge kernel, or
+    gradients / float64.  A forced implementation falls back to the composition for these."""
+    if name in _CPU and _CPU[name].merge is None:
+        return "it has no merge_partial kernel"
+    if call.needs_grad or not call.default_op:
+        return "its merge runs only without gradients and for float16/bfloat16/float32 sources"
+    return None
+
+
+def _refusal(name: str, call: Call, forced_call: bool) -> Tuple[Optional[str], object]:
+    """(None, module) when implementation `name` takes `call`, else (reason, None)."""
+    if name == "composite":
+        return None, composite
+    if call.op == MERGE:
+        reason = _merge_fallback(name, call)
+        if reason is None and any(is_traceable_wrapper_subclass(t) for t in call.tensors):
+            reason = ("its merge takes plain tensors only (a DTensor or other subclass takes the "
+                      "composition)")  # the merge is no custom op: it reads raw storage
+        if reason is not None:
+            return reason, None
+    if name == "triton":
+        if not forced_call and not call.on("cuda"):
+            return "not every tensor is on a CUDA device", None
+        module = _load_triton()
+        if isinstance(module, str):
+            return module, None
+    else:
+        module = _CPU[name]
+        if not forced_call and not call.on(module.DEVICE_TYPE):
+            return f"not every tensor is on the {module.DEVICE_TYPE}", None
+    reason = module.refusal(call)
+    return (reason, None) if reason is not None else (None, module)
+
+
+def choose(call: Call):
+    """The module that serves `call` (its choice recorded, see `last_choice`).
+
+    Forced: that implementation, or a ValueError naming it, the op and its reason; merge_partial
+    under a forced implementation without a merge kernel, or with gradients or float64, is the
+    composition's.  Otherwise: the first of `IMPLEMENTATIONS` that takes the call.
     """
     name = forced()
     if name is not None:
-        impl = IMPLS[name]
-        if call.op == MERGE and (impl.merge is None or call.needs_grad or not call.default_op):
-            return record(COMPOSITE)
-        err = impl.refusal(call)
-        if err is not None:
-            raise err
-        return record(impl)
-    for impl in IMPLS.values():
-        if (impl.device_type is None or call.on(impl.device_type)) and impl.supports(call):
-            return record(impl)
+        reason, module = _refusal(name, call, True)
+        if reason is None:
+            _record(Choice(call.op, name))
+            return module
+        if call.op == MERGE and _merge_fallback(name, call) is not None:
+            _record(Choice(call.op, "composite", ((name, reason),)))
+            return composite
+        raise ValueError(f"impl: {name!r} was forced but cannot take this {call.op} call: {reason}")
+    refused = []
+    for name in IMPLEMENTATIONS:
+        reason, module = _refusal(name, call, False)
+        if reason is None:
+            _record(Choice(call.op, name, tuple(refused)))
+            return module
+        refused.append((name, reason))
     raise AssertionError("unreachable: the composition takes every call")
+
+
+# -- names of the previous release, deprecated ----------------------------------------------------
+
+def _triton_or_none():
+    """The Triton implementation module, or None when Triton cannot be imported."""
+    module = _load_triton()
+    return None if isinstance(module, str) else module
+
+
+def _deprecated_impls() -> dict:
+    return {name: implementation(name) for name in IMPLEMENTATIONS
+            if name != "triton" or not isinstance(_load_triton(), str)}
+
+
+_DEPRECATED = {
+    "IMPLS": ("IMPLEMENTATIONS and implementation(name)", _deprecated_impls),
+    "kernel": ("implementation(name)", lambda: implementation),
+    "triton_kernels": ("availability()['triton'] and implementation('triton')",
+                       lambda: _triton_or_none),
+}
+
+
+def __getattr__(attr: str):
+    if attr not in _DEPRECATED:
+        raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+    new, value = _DEPRECATED[attr]
+    warnings.warn(f"attnres_torch.dispatch.{attr} is deprecated and will be removed in the next "
+                  f"release: use {new}", DeprecationWarning, stacklevel=2)
+    return value()

@@ -1,5 +1,6 @@
 """DTensor sharding strategies of the attnres custom ops (`library.py`; docs/distributed.md,
-"DTensor").  Registered on `import attnres_torch` where `torch.distributed` is available.
+"DTensor").  `library.define` registers them for each implementation's ops when it defines
+them (at the implementation's import), where `torch.distributed` is available.
 
 Every op reduces over the hidden dim D only, token by token (C1-C12, C17).  So for sources
 sharded over a token dim `d` (any dim of `[..., D]` but the last) each rank runs the op on its own
@@ -31,11 +32,13 @@ import warnings
 
 import torch
 
-from . import library  # noqa: F401  (defines the ops registered below)
-
-#: The op names registered here (namespace `attnres`), in `library.py`'s order.
+#: The op kinds with strategies here, in `library.py`'s order; implementation `impl`'s op of
+#: kind `k` is `attnres::<impl>_<k>`.
 OPS = ("depth_attention", "depth_attention_weights", "depth_attention_backward",
        "depth_attention_multi", "depth_attention_out_norm", "depth_attention_out_norm_backward")
+
+#: Qualified op name ("attnres::cpu_c_depth_attention") -> its kind, for every registered op.
+_KINDS: dict = {}
 
 
 def _placements(op: str, args: dict, d):
@@ -80,7 +83,7 @@ def _strategy(op_schema):
     and for all-replicated, expanded over the mesh dims."""
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
-    op = op_schema.op._schema.name.split("::")[1]
+    op = _KINDS[op_schema.op._schema.name]
     names = [a.name for a in op_schema.op._schema.arguments]
     args = dict(zip(names, op_schema.args_schema))
     args.update(op_schema.kwargs_schema)
@@ -116,7 +119,7 @@ def _replicate_plain_cotangents(cls, func, types, args, kwargs):
     if not isinstance(out, DTensor):
         return NotImplemented
     changed = False
-    for name in _COTANGENTS[schema.name.split("::")[1]]:
+    for name in _COTANGENTS[_KINDS[schema.name]]:
         t = values.get(name)
         if (isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
                 and tuple(t.shape) == tuple(out.shape[: t.dim()]) and t.dim() <= out.dim()):
@@ -128,31 +131,49 @@ def _replicate_plain_cotangents(cls, func, types, args, kwargs):
     return func(*[values[n] for n in names])
 
 
-def register() -> bool:
-    """Register the strategies of `OPS` with DTensor (idempotent).  False, with a warning, where
-    this torch lacks the DTensor internals used here; False where torch.distributed is absent."""
+def supported() -> bool:
+    """Whether this torch has torch.distributed and the DTensor internals used here."""
     if not torch.distributed.is_available():
         return False
     try:
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+        from torch.distributed.tensor import DTensor  # noqa: F401
+        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo  # noqa: F401
         from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy  # noqa: F401
-    except ImportError as err:  # private modules: a later torch may move them
-        warnings.warn(f"attnres_torch: no DTensor sharding strategies registered ({err})", stacklevel=2)
+    except ImportError:  # private modules: a later torch may move them
         return False
+    return True
+
+
+def register(ops: dict) -> bool:
+    """Register the strategies of the ops `{name: kind}` (names in namespace `attnres`, kinds
+    among `OPS`) with DTensor, each once.  False, with a warning, where this torch lacks the
+    DTensor internals used here; False where torch.distributed is absent."""
+    if not torch.distributed.is_available():
+        return False
+    if not REGISTERED:
+        warnings.warn("attnres_torch: no DTensor sharding strategies registered (this torch lacks "
+                      "the DTensor internals used by attnres_torch.dtensor)", stacklevel=2)
+        return False
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
     propagator = DTensor._op_dispatcher.sharding_propagator
-    for name in OPS:
+    for name, kind in ops.items():
+        if kind not in OPS:
+            raise ValueError(f"ops: kind {kind!r} of {name!r} is not one of {OPS}")
+        qualified = f"attnres::{name}"
+        if qualified in _KINDS:
+            continue
+        _KINDS[qualified] = kind
         op = getattr(torch.ops.attnres, name).default
         arguments = op._schema.arguments
         # Every non-tensor argument from the first on (eps, ..., with_weights) keys the cache.
         static = next(i for i, a in enumerate(arguments) if a.name == "eps")
         propagator.register_op_strategy(op, _strategy, RuntimeSchemaInfo(static, needs_pytree=True))
-        if name in _COTANGENTS and not _registered:
+        if kind in _COTANGENTS:
             torch.library.register_torch_dispatch(op, DTensor, _replicate_plain_cotangents)
-    _registered.append(True)
     return True
 
 
-_registered: list = []
-REGISTERED = register()
+#: Whether strategies are registered for the ops (this torch has what `register` uses).
+REGISTERED = supported()

@@ -2,10 +2,11 @@
 `depth_attention_multi`, `merge_partial`.
 
 Each call is validated with `attnres_numpy.validation` (same messages as every backend), then
-`dispatch.choose` picks its implementation: a kernel ("triton", "cpu_c", "chunked"; run through
-the `torch.library` custom ops of `library.py`, explicit backward) or the differentiable
-composition (`composite.py`).  `merge_partial` without gradients calls the kernel's merge
-directly.  Inputs are never modified; nothing is capped (C16).
+`dispatch.choose` picks its implementation module: a kernel ("triton": `kernels/triton_depth.py`,
+"cpu_c": `cpu_c.py`, "chunked": `chunked.py`), whose custom ops (`module.OPS`, explicit backward,
+see `library.py`) run the call, or the differentiable composition (`composite.py`).
+`merge_partial` without gradients calls the kernel's `merge` directly.  Inputs are never
+modified; nothing is capped (C16).
 
 Under `torch.autocast` (any device type) sources of different floating dtypes (`merge_partial`:
 out1 and partial) are first cast to the widest of them, as autocast does for `torch.cat`, and the
@@ -102,7 +103,7 @@ def _depth_attention(xs, query, norm_weight, out_norm_weight, tensors, geo, eps,
                                          num_heads=geo.num_heads, activation=activation,
                                          key_norm=key_norm, out_norm=fused))
     normed = None
-    if impl is dispatch.COMPOSITE:
+    if impl is composite:
         if fused:
             out, normed, lse, weights = composite.depth_attention_out_norm(
                 xs, query, norm_weight, out_norm_weight, eps=eps, scale=scale,
@@ -115,16 +116,16 @@ def _depth_attention(xs, query, norm_weight, out_norm_weight, tensors, geo, eps,
         if lse is not None and geo.num_heads == 1:
             lse = lse[..., 0]
     elif fused:  # the kernel writes out_normed in its forward pass (C17)
-        out, normed, lse, weights = library.depth_attention_out_norm_op(
-            xs, query, norm_weight, out_norm_weight, eps, scale, geo.out_norm_eps, impl.name,
-            return_weights, save)
+        out, normed, lse, weights = impl.OPS.depth_attention_out_norm(
+            xs, query, norm_weight, out_norm_weight, eps, scale, geo.out_norm_eps, return_weights,
+            save)
         weights = weights.unsqueeze(-1) if return_weights else None
     elif return_weights:  # the kernel's own weights: the p of its lse (same logits, max, sum)
-        out, lse, weights = library.depth_attention_weights_op(xs, query, norm_weight, eps, scale,
-                                                               impl.name, save)
+        out, lse, weights = impl.OPS.depth_attention_weights(xs, query, norm_weight, eps, scale,
+                                                             save)
         weights = weights.unsqueeze(-1)
     else:
-        out, lse = library.depth_attention_op(xs, query, norm_weight, eps, scale, impl.name, save)
+        out, lse = impl.OPS.depth_attention(xs, query, norm_weight, eps, scale, save)
         weights = None
     return out, normed, lse, weights
 
@@ -153,9 +154,8 @@ def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=
         impl = dispatch.choose(dispatch.Call("depth_attention_multi", xs, queries[0],
                                              None if norm_weights is None else norm_weights[0],
                                              tensors))
-        if impl is not dispatch.COMPOSITE:
-            return library.depth_attention_multi_op(xs, queries, norm_weights, eps, scale, impl.name,
-                                                    save)
+        if impl is not composite:
+            return impl.OPS.depth_attention_multi(xs, queries, norm_weights, eps, scale, save)
         outs, lses = [], []
         for s in range(queries.shape[0]):
             out, lse, _ = composite.depth_attention(
@@ -192,7 +192,7 @@ def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor,
     with autocast_off(partial.device):  # C3a
         impl = dispatch.choose(dispatch.Call("merge_partial", [out1, partial], query, norm_weight,
                                              tensors, needs_grad=needs_grad))
-        if impl is dispatch.COMPOSITE:
+        if impl is composite:
             out, lse = composite.merge_partial(out1, lse1, partial, query, norm_weight, eps=eps,
                                                scale=scale)
         else:

@@ -1,3 +1,3 @@
-"""Fused kernels of the fast paths.  `triton_depth` is the host side of the Triton kernels (it
-imports without Triton and then reports `supports(...) == False`); `_depth_kernels` holds the
-`@triton.jit` code itself and is imported only when Triton is."""
+"""Fused GPU kernels of the fast paths: `triton_depth` is the whole Triton implementation
+("triton" of `attnres_torch.dispatch`: support check, `@triton.jit` kernels, host code, custom
+ops); importing it imports Triton."""

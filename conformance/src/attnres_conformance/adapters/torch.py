@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from attnres_numpy.config import VARIANT_KINDS
-from attnres_torch import cpu_c, dispatch, ops
+from attnres_torch import dispatch, ops
 from attnres_torch.modules import DepthRouter
 
 from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
@@ -41,19 +41,18 @@ class TorchAdapter(Adapter):
         self._since = dict(dispatch.impl_counts())
 
     def devices(self) -> tuple:
-        return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+        return dispatch.capabilities()["devices"]
 
     def capabilities(self) -> Capabilities:
-        # A fused kernel serves the default op on a declared device: the C kernel on the CPU
-        # (built here, on first use, unless ATTNRES_TORCH_CPU_C=0 or it cannot be built: then the
-        # chunked torch kernel, not fused), the Triton kernels on CUDA.
+        # The backend contract's own answer (attnres_torch.dispatch.capabilities): a fused kernel
+        # serves the default op on the default device (the C kernel on the CPU unless
+        # ATTNRES_TORCH_CPU_C=0 or it cannot be built, the Triton kernels on CUDA).
+        caps = dispatch.capabilities()
         return Capabilities(
-            dtypes=("float64", "float32", "float16", "bfloat16"), devices=self.devices(),
-            ops=frozenset(OPS), options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
-            schedules=frozenset(SCHEDULES),
-            fused_kernel=cpu_c.available() or (torch.cuda.is_available()
-                                               and dispatch.triton_kernels() is not None),
-            deterministic=True)
+            dtypes=caps["dtypes"], devices=caps["devices"], ops=frozenset(OPS),
+            options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
+            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
+            deterministic=caps["deterministic"])
 
     def versions(self) -> Dict[str, str]:
         out = {"torch": torch.__version__}

@@ -1,0 +1,232 @@
+"""The public backend contract in `attnres_torch.dispatch` (IMPLEMENTATIONS, availability,
+use_impl, Choice, last_choice, impl_counts, capabilities), its deprecated names, and the flat
+kernel path: from the public op to a kernel at most 3 files on the stack, none entered twice."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from pathlib import Path
+
+import attnres_torch as at
+import pytest
+import torch
+from attnres_torch import chunked, composite, cpu_c, dispatch
+
+needs_c = pytest.mark.skipif(not cpu_c.available(), reason="the C kernel could not be built")
+
+
+def test_contract_names_and_types():
+    assert dispatch.IMPLEMENTATIONS == ("triton", "cpu_c", "chunked", "composite")
+    avail = dispatch.availability()
+    assert tuple(avail) == dispatch.IMPLEMENTATIONS
+    assert avail["chunked"] is None and avail["composite"] is None
+    assert avail["cpu_c"] == cpu_c.unavailable_reason()
+    for reason in avail.values():
+        assert reason is None or (isinstance(reason, str) and reason and "\n" not in reason)
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        assert avail["triton"] == "no CUDA device"
+    caps = dispatch.capabilities()
+    assert set(caps) == {"dtypes", "devices", "fused_kernel", "deterministic"}
+    assert set(caps["dtypes"]) == {"float64", "float32", "float16", "bfloat16"}
+    assert caps["devices"] == (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))
+    assert caps["deterministic"] is True
+    if not torch.cuda.is_available():
+        assert caps["fused_kernel"] == cpu_c.available()
+    assert dispatch.Choice._fields == ("op", "impl", "refused")
+
+
+@needs_c
+def test_last_choice_names_the_implementation_and_every_refusal_before_it():
+    x, q = torch.randn(4, 8), torch.randn(8)
+    at.depth_attention([x, x + 1], q)
+    choice = dispatch.last_choice()
+    assert choice == dispatch.Choice("depth_attention", "cpu_c", (("triton", choice.refused[0][1]),))
+    assert "CUDA" in choice.refused[0][1] and at.last_impl() == "cpu_c"
+    strided = torch.randn(4, 16)[:, ::2]  # stride 2 along D: the C kernel refuses
+    at.depth_attention([strided, strided], q)
+    choice = dispatch.last_choice()
+    assert choice.impl == "chunked" and [n for n, _ in choice.refused] == ["triton", "cpu_c"]
+    assert "unit stride" in choice.refused[1][1]
+    at.depth_attention_multi([x.double()], q[None].double())
+    choice = dispatch.last_choice()
+    assert choice.op == "depth_attention_multi" and choice.impl == "composite"
+    assert [n for n, _ in choice.refused] == ["triton", "cpu_c", "chunked"]
+    out1, lse1 = at.depth_attention_multi([x], q[None])
+    at.merge_partial(out1[0], lse1[0], x, q.requires_grad_(True))
+    choice = dispatch.last_choice()
+    assert choice.op == "merge_partial" and choice.impl == "composite"
+    assert "gradients" in dict(choice.refused)["cpu_c"]
+    assert "no merge_partial kernel" in dict(choice.refused)["chunked"]
+
+
+def test_impl_counts_count_each_served_call():
+    x, q = torch.randn(4, 8), torch.randn(8)
+    before = dispatch.impl_counts()
+    with at.use_impl("chunked"):
+        at.depth_attention([x], q)
+        at.depth_attention([x], q)
+    with at.use_impl("composite"):
+        at.depth_attention([x], q)
+    diff = dispatch.impl_counts() - before
+    assert diff == {"chunked": 2, "composite": 1}
+    assert dispatch.last_choice() == dispatch.Choice("depth_attention", "composite", ())
+
+
+def test_use_impl_auto_unknown_names_options_and_forced_refusals():
+    x, q = torch.randn(4, 8), torch.randn(8)
+    with at.use_impl("composite"):
+        with at.use_impl("auto"):
+            assert dispatch.forced() is None
+            at.depth_attention([x], q)
+            assert at.last_impl() != "composite" or not cpu_c.available()
+        assert dispatch.forced() == "composite"
+    with pytest.raises(ValueError, match=r"impl: expected one of \('triton', 'cpu_c'"):
+        with at.use_impl("fast"):
+            pass
+    with pytest.raises(TypeError, match="take no options.*interpret"):
+        with at.use_impl("triton", interpret=True):
+            pass
+    with at.use_impl("chunked"), pytest.raises(
+            ValueError, match=r"impl: 'chunked' was forced but cannot take this depth_attention "
+                              r"call: .*num_heads=1"):
+        at.depth_attention([x], q, num_heads=2)
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        with at.use_impl("triton"), pytest.raises(ValueError, match="impl: 'triton'.*Triton"):
+            at.depth_attention([x.to(torch.float64)], q.to(torch.float64))
+
+
+def test_forced_merge_without_a_kernel_falls_back_and_says_why():
+    xs, q = [torch.randn(4, 8) for _ in range(2)], torch.randn(8)
+    with torch.no_grad():
+        out1, lse1 = at.depth_attention_multi(xs, q[None])
+        with at.use_impl("chunked"):
+            at.merge_partial(out1[0], lse1[0], xs[0], q)
+    choice = dispatch.last_choice()
+    assert choice.impl == "composite" and choice.refused[0][0] == "chunked"
+    assert "no merge_partial kernel" in choice.refused[0][1]
+
+
+def test_implementation_modules():
+    assert dispatch.implementation("cpu_c") is cpu_c
+    assert dispatch.implementation("chunked") is chunked
+    assert dispatch.implementation("composite") is composite
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        dispatch.implementation("nope")
+    for module in (cpu_c, chunked):
+        assert module.NAME in dispatch.IMPLEMENTATIONS and module.DEVICE_TYPE == "cpu"
+
+
+def test_previous_names_are_deprecated_aliases():
+    with pytest.warns(DeprecationWarning, match="dispatch.IMPLS is deprecated"):
+        impls = dispatch.IMPLS
+    assert impls["chunked"] is chunked and impls["cpu_c"] is cpu_c
+    with pytest.warns(DeprecationWarning, match="dispatch.kernel is deprecated"):
+        assert dispatch.kernel("chunked") is chunked
+    with pytest.warns(DeprecationWarning, match="dispatch.triton_kernels is deprecated"):
+        triton_kernels = dispatch.triton_kernels
+    module = triton_kernels()
+    assert module is None or module.NAME == "triton"
+    with pytest.raises(AttributeError):
+        dispatch.no_such_name  # noqa: B018
+
+
+# -- the flat path ----------------------------------------------------------------------------------
+
+PACKAGES = {Path(at.__file__).parent, Path(sys.modules["attnres_numpy"].__file__).parent}
+
+
+def _ours(frame) -> str | None:
+    """The file of `frame` relative to its package root, when it is attnres_torch's or
+    attnres_numpy's; None for every other file (torch's, the test's)."""
+    path = Path(frame.f_code.co_filename)
+    for root in PACKAGES:
+        if root in path.parents:
+            return f"{root.name}/{path.relative_to(root)}"
+    return None
+
+
+def _stack_files(frame) -> list:
+    """Our files on the stack, outermost first, consecutive frames of one file collapsed."""
+    files = []
+    while frame is not None:
+        name = _ours(frame)
+        if name is not None and (not files or files[-1] != name):
+            files.append(name)
+        frame = frame.f_back
+    return files[::-1]
+
+
+def _trace(fn, kernels) -> tuple:
+    """Runs `fn` under a profiler: (the stacks of our files at each call of a function in
+    `kernels`, every stack of our files seen at a Python call)."""
+    at_kernel, seen = [], []
+    codes = {inspect.unwrap(k).__code__ for k in kernels}  # under torch.no_grad()'s wrapper
+
+    def profile(frame, event, arg):
+        if event != "call" or _ours(frame) is None:
+            return
+        stack = _stack_files(frame)
+        seen.append(stack)
+        if frame.f_code in codes:
+            at_kernel.append(stack)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return at_kernel, seen
+
+
+@pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
+def test_public_call_reaches_the_kernel_through_at_most_three_files(impl):
+    """ops.py -> (dispatch.py returns the module) -> the implementation module: on the stack at
+    the kernel, ops.py and the implementation only; dispatch.py is entered on the way; no file
+    appears twice on any stack (nothing calls back into a file it came from).  The backward:
+    library.py's autograd formula -> the implementation's backward op."""
+    if impl == "cpu_c" and not cpu_c.available():
+        pytest.skip("the C kernel could not be built")
+    module = {"cpu_c": cpu_c, "chunked": chunked}[impl]
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+    q = torch.randn(8, requires_grad=True)
+    with at.use_impl(impl):
+        stacks, seen = _trace(lambda: at.depth_attention(xs, q), [module.forward_into])
+        out = at.depth_attention(xs, q)
+    root = f"attnres_torch/{impl}.py"
+    assert stacks == [["attnres_torch/ops.py", root]], stacks
+    assert ["attnres_torch/ops.py", "attnres_torch/dispatch.py"] in seen
+    assert all(len(s) == len(set(s)) for s in seen), [s for s in seen if len(s) != len(set(s))]
+    d_out = torch.randn_like(out)
+    stacks, seen = _trace(lambda: out.backward(d_out), [module.backward_into])
+    assert stacks == [["attnres_torch/library.py", root]], stacks
+    assert all(len(s) == len(set(s)) for s in seen)
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in xs)
+
+
+def _imports(path: Path) -> set:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names.update(f"{base}.{a.name}" if not node.module else base for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_no_implementation_imports_another_or_the_registry():
+    """Each implementation module owns its path: it imports neither another implementation nor
+    `dispatch` nor `ops` (shared leaf helpers `_args`, `_rows` and the registration helper
+    `library` only)."""
+    root = Path(at.__file__).parent
+    others = {"cpu_c", "chunked", "composite", "dispatch", "ops", "triton_depth"}
+    for rel in ("cpu_c.py", "chunked.py", "kernels/triton_depth.py", "composite.py"):
+        own = Path(rel).stem
+        imported = _imports(root / rel)
+        bad = {i for i in imported for o in others - {own} if i.rstrip(".").split(".")[-1] == o}
+        assert not bad, (rel, bad)

@@ -142,6 +142,8 @@ def capture_launches(case: Case) -> list:
 
     n, t, d, s = case.n, case.t, case.d, case.s
     f32 = torch.float32
+    # The three private names of triton_depth patched here (_alloc, _launch, _TABLES) are the one
+    # reach-in left into attnres_torch: it has no public capture hook for its launches yet.
     with mock.patch.object(td, "_alloc", alloc), mock.patch.object(td, "_launch", launch), \
             mock.patch.object(td, "_TABLES", type(td._TABLES)()):  # cold: every case fills its tables
         xs = [meta(t, d) for _ in range(n)]
@@ -196,6 +198,7 @@ def compile_launch(kernel, args, meta):
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, spec, opts = binder(*args, **meta)
+    # Triton's own (third-party) private packer: what its launcher runs before a compile.
     options, signature, constexprs, attrs = kernel._pack_args(backend, meta, bound, spec, opts)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                           options=options.__dict__)
@@ -437,8 +440,8 @@ PALLAS_TARGETS = (
 
 
 def pallas_request(case: PallasCase, platform: str):
-    """The dispatch `Request` a public call of this kernel makes on `platform` ("gpu"/"tpu")."""
-    from attnres_jax._args import Request
+    """The registry's `Request` a public call of this kernel makes on `platform` ("gpu"/"tpu")."""
+    from attnres_jax.dispatch import Request
     op = {"forward": "depth_attention", "backward": "depth_attention", "phase1": "depth_attention_multi",
           "merge": "merge_partial"}[case.kernel]
     return Request(op, platform, "bfloat16", case.d, 1, case.n, case.s, False)
@@ -447,7 +450,7 @@ def pallas_request(case: PallasCase, platform: str):
 def pallas_plan(case: PallasCase, platform: str):
     """(None or the reason the plan routes the call to XLA, the `Pallas` implementation resolved
     for the call: its tile TB and kernel settings)."""
-    from attnres_jax.pallas.impl import Pallas
+    from attnres_jax.pallas.kernels import Pallas
     request = pallas_request(case, platform)
     return Pallas().supports(request), Pallas().resolve(request)
 
@@ -468,7 +471,7 @@ def pallas_lowering(case: PallasCase, platform: str, impl, mosaic_gpu: Optional[
     n, t, d, s = case.n, case.t, case.d, case.s
     f32, bf16 = jnp.float32, jnp.bfloat16
     a = jax.ShapeDtypeStruct
-    common = impl._kw(f32)                 # exactly what the Pallas entry points pass
+    common = impl.kernel_options(f32)      # exactly what the Pallas entry points pass
     if case.kernel == "forward":
         fn = lambda xs, qg: kernels.forward(xs, qg, per_token=False, eps=EPS, scale=SCALE, softmax=True,
                                             key_norm=True, **common)
@@ -551,6 +554,7 @@ def pallas_triton_ir(lowered) -> List[tuple]:
     """[(Triton IR as text, num_warps)] of every Triton-lowered kernel call in `lowered` (the
     `__gpu$xla.gpu.triton` custom calls carry the kernel as MLIR bytecode in their backend
     config; JAX's own Triton dialect prints it, so Triton's compiler can take it from there)."""
+    # JAX's own (third-party) internals: its Triton dialect and MLIR bindings have no public home.
     from jax._src.lib import triton as jax_triton
     from jax._src.lib.mlir import ir
 

@@ -18,15 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attnres_conformance.tolerances import TOLERANCES, rel_err
-from attnres_jax import _xla
-from attnres_jax.pallas import dispatch
+from attnres_jax import _xla, dispatch
 
 D = 16
 IMPLS = ["xla", "interpret"]
 
 
 def _impl(name):
-    return dispatch.use("interpret", tile=4) if name == "interpret" else dispatch.use("xla")
+    return dispatch.use_impl("auto", interpret=True, tile=4) if name == "interpret" else dispatch.use_impl("xla")
 
 
 def _f32(a):

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attnres_jax import _xla, depth_attention
-from attnres_jax._args import Request
-from attnres_jax.pallas import dispatch, kernels
-from attnres_jax.pallas.impl import Pallas
+from attnres_jax import _xla, depth_attention, dispatch
+from attnres_jax.dispatch import Request
+from attnres_jax.pallas import kernels
+from attnres_jax.pallas.kernels import Pallas
 from attnres_numpy import ops as ref
 from jax_helpers import DTYPES, assert_close, precision, rounded
 
@@ -24,9 +24,17 @@ def _coarser(a: str, b: str) -> str:
     return a if PRECISION[a] < PRECISION[b] else b
 
 
+def _use(mode: str):
+    """The block of a test mode: "xla", or the kernels in the generic ("interpret") or the TPU
+    ("interpret_tpu") interpreter, tile 4, outputs poisoned (calls they cannot run: XLA)."""
+    if mode == "xla":
+        return dispatch.use_impl("xla")
+    return dispatch.use_impl("auto", interpret={"interpret": True, "interpret_tpu": "tpu"}[mode], tile=4, poison=True)
+
+
 def _case(rng, dtype, *, n=5, tokens=(2, 3), dim=8, heads=1, act="softmax", key_norm=True, per_token=False,
           stacked=False, lse=False, weights=False, eps_o=None, w_dtype=None, mode="xla", check_out=True):
-    """Forward + VJP of depth_attention with the output norm under `dispatch.use(mode)`, compared
+    """Forward + VJP of depth_attention with the output norm under `_use(mode)`, compared
     with the reference: every output, and every gradient for random cotangents on out, out_normed
     (and lse).  Returns the jitted results (for the callers' extra checks)."""
     w_dtype = w_dtype or dtype
@@ -43,7 +51,7 @@ def _case(rng, dtype, *, n=5, tokens=(2, 3), dim=8, heads=1, act="softmax", key_
     def f(src, q, g, w):
         return depth_attention(src, q, g, return_lse=lse, return_weights=weights, out_norm_weight=w, **okw)
 
-    with dispatch.use(mode, tile=4, poison=True):
+    with _use(mode):
         got, vjp = jax.vjp(jax.jit(f), src, q, g, w)
         d_out, d_out64 = rounded(rng, tokens + (dim,), dtype)
         d_nrm, d_nrm64 = rounded(rng, tokens + (dim,), dtype)
@@ -110,7 +118,7 @@ def test_single_source_softmax(rng, mode):
     """C6: N = 1 softmax returns the source bitwise; out_normed is rmsnorm(source) * w."""
     x, x64 = rounded(rng, (5, 8), "bfloat16")
     q, w = jnp.ones(8), jnp.asarray(rng.standard_normal(8), jnp.float32)
-    with dispatch.use(mode, tile=4, poison=True):
+    with _use(mode):
         out, normed = jax.jit(lambda s, w: depth_attention(s, q, out_norm_weight=w))([x], w)
     assert out.dtype == jnp.bfloat16 and np.array_equal(np.asarray(out), np.asarray(x))
     want = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-6) * np.asarray(w, np.float64)
@@ -141,7 +149,7 @@ def test_pallas_multi_head_falls_back_to_xla_and_says_why(rng):
     xs = [jnp.asarray(rng.standard_normal((4, 8)), jnp.float32) for _ in range(2)]
     q, w = jnp.ones(8), jnp.ones(8)
     kernels.CALLS.clear()
-    with dispatch.use("interpret", tile=4, poison=True):
+    with _use("interpret"):
         depth_attention(xs, q, num_heads=2, out_norm_weight=w)
         assert not kernels.CALLS
         with pytest.raises(ValueError, match=r"impl='pallas' cannot run .*num_heads=1"):
@@ -210,7 +218,7 @@ def test_overflow_safe_and_nonfinite_tokens(rng, mode):
     x = jnp.asarray(xs, jnp.float32)
     x64 = np.asarray(x, np.float64)
     q, w = jnp.asarray(rng.standard_normal(8), jnp.float32), jnp.asarray(rng.standard_normal(8), jnp.float32)
-    with dispatch.use(mode, tile=4, poison=True):
+    with _use(mode):
         out, normed = jax.jit(lambda x, q, w: depth_attention(x, q, out_norm_weight=w))(x, q, w)
     want_out, want = ref.depth_attention(x64, np.asarray(q, np.float64), out_norm_weight=np.asarray(w, np.float64))
     assert np.all(np.isfinite(np.asarray(normed)[1])) and np.abs(np.asarray(out)[1]).max() > 1e19
@@ -239,7 +247,7 @@ def test_deterministic_and_inputs_unmodified(rng, mode):
         out, normed = depth_attention(xs, q, out_norm_weight=w)
         return jnp.sum(out * c1) + jnp.sum(normed * c2)
 
-    with dispatch.use(mode, tile=4, poison=True):
+    with _use(mode):
         runs = [jax.grad(loss, argnums=(0, 1, 2))(xs, q, w) for _ in range(2)]
     for a, b in zip(*runs):
         assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -316,7 +324,7 @@ print("SHARD-OK")
 
 def test_shard_map_gradient_of_the_replicated_gain():
     """Under shard_map over tokens, d_out_norm_weight of a replicated gain is the sum over the
-    shards (`_vjp._like_primals`), equal to the reference's."""
+    shards (`dispatch._like_primals`), equal to the reference's."""
     import os
     import subprocess
     import sys

@@ -1,10 +1,11 @@
 """Pallas kernels in interpret mode at tiny shapes vs the float64 reference.
 
-Every call runs under `dispatch.use("interpret", tile=4, poison=True)`: T = 10 tokens give two
-full tiles and a partial one, and every output buffer starts NaN (aliased), so an element a
-kernel never writes fails the comparison.  `kernels.CALLS` proves which kernels ran.  The last
-tests check the dispatch (`pallas.dispatch`): the choice per call, the `impl=` keyword, the
-ContextVar of `use`, and the automatic choice for GPU/TPU requests (no device needed).
+Every call runs under `dispatch.use_impl("auto", interpret=True, tile=4, poison=True)`: T = 10
+tokens give two full tiles and a partial one, and every output buffer starts NaN (aliased), so an
+element a kernel never writes fails the comparison.  `kernels.CALLS` proves which kernels ran.
+The last tests check the registry (`attnres_jax.dispatch`): the choice per call, the `impl=`
+keyword, the ContextVar of `use_impl`, and the automatic choice for GPU/TPU requests (no device
+needed).  The public contract itself is tested in `test_dispatch.py`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attnres_jax import depth_attention, depth_attention_multi, merge_partial, probe_forward
-from attnres_jax._args import Request
-from attnres_jax.pallas import dispatch, kernels
-from attnres_jax.pallas.impl import Pallas
+from attnres_jax import depth_attention, depth_attention_multi, dispatch, merge_partial, probe_forward
+from attnres_jax.dispatch import Request
+from attnres_jax.pallas import kernels
+from attnres_jax.pallas.kernels import Pallas
 from attnres_numpy import model as ref_model
 from attnres_numpy import ops as ref
 from attnres_numpy.config import ResidualConfig
@@ -31,7 +32,7 @@ TOKENS, D = (2, 5), 8
 
 def _interpret():
     kernels.CALLS.clear()
-    return dispatch.use("interpret", tile=4, poison=True)
+    return dispatch.use_impl("auto", interpret=True, tile=4, poison=True)
 
 
 def _finite(tree):
@@ -137,7 +138,7 @@ def test_kernels_under_the_tpu_interpreter(rng, per_token):
         qs, qs64 = rounded(rng, (2, dim), "float32")
         d_out, d_out64 = rounded(rng, tokens + (dim,), "float32")
         kernels.CALLS.clear()
-        with dispatch.use("interpret_tpu", tile=8, poison=True):
+        with dispatch.use_impl("auto", interpret="tpu", tile=8, poison=True):
             (out, lse), vjp = jax.vjp(lambda s, q, g: depth_attention(s, q, g, return_lse=True),
                                       [x for x, _ in xs], q, g)
             d_src, d_q, d_g = vjp((d_out, jnp.zeros_like(lse)))
@@ -256,7 +257,7 @@ def test_cpu_auto_mode_uses_xla(rng):
     xs = [jnp.asarray(rng.standard_normal((4, D)), jnp.float32) for _ in range(3)]
     jax.grad(lambda q: jnp.sum(depth_attention(xs, q)))(jnp.ones(D))
     assert jax.default_backend() != "cpu" or not kernels.CALLS
-    with dispatch.use("interpret"):  # multi-head calls stay on XLA even when kernels are forced
+    with dispatch.use_impl("auto", interpret=True):  # multi-head calls stay on XLA under "auto"
         depth_attention(xs, jnp.ones(D), num_heads=2)
     assert not kernels.CALLS
 
@@ -311,7 +312,7 @@ def test_impl_pallas_where_the_kernels_cannot_run_raises(rng):
 
 
 def test_forced_mode_lives_in_the_callers_context(rng):
-    """`use` sets a ContextVar, not a process global: a call made in another context inside the
+    """`use_impl` sets a ContextVar, not a process global: a call made in another context inside the
     block (another thread's or asyncio task's) makes its own automatic choice."""
     xs = [jnp.asarray(rng.standard_normal((4, D)), jnp.float32) for _ in range(2)]
     with _interpret():
@@ -339,19 +340,28 @@ def _request(platform, dtype="float32", dim=128, num_heads=1, num_sources=9, num
 def test_automatic_choice_by_platform_dtype_and_shape(request_, want):
     got = dispatch.select(None, request_)
     assert got == (dispatch.REGISTRY["xla"] if want is None else want)
-    with dispatch.use("xla"):
+    with dispatch.use_impl("xla"):
         assert dispatch.select(None, request_) == dispatch.REGISTRY["xla"]
-    with dispatch.use("interpret_tpu", tile=16, poison=True):
+    with dispatch.use_impl("auto", interpret="tpu", tile=16, poison=True):
         forced = dispatch.select(None, request_)
     assert forced == (dispatch.REGISTRY["xla"] if request_.num_heads > 1 else
                       Pallas(interpret="tpu", tile=16, poison=True, platform=request_.platform))
     hash(got), hash(forced)  # static arguments of the custom VJP
 
 
-def test_use_rejects_unknown_modes_and_tiles():
-    with pytest.raises(ValueError, match="mode: expected one of"):
-        with dispatch.use("triton"):
+def test_use_impl_rejects_unknown_names_and_options():
+    with pytest.raises(ValueError, match=r"use_impl: expected 'auto' or one of \('pallas', 'xla'\), got 'triton'"):
+        with dispatch.use_impl("triton"):
             pass
     with pytest.raises(ValueError, match="tile: expected an int >= 1"):
-        with dispatch.use("interpret", tile=0):
+        with dispatch.use_impl("pallas", interpret=True, tile=0):
+            pass
+    with pytest.raises(ValueError, match="interpret: expected False, True or 'tpu'"):
+        with dispatch.use_impl("auto", interpret="generic"):
+            pass
+    with pytest.raises(TypeError, match="unknown option"):
+        with dispatch.use_impl("pallas", tiles=4):
+            pass
+    with pytest.raises(TypeError, match="'xla' takes no options"):
+        with dispatch.use_impl("xla", tile=4):
             pass

@@ -88,7 +88,7 @@ def normed_kernels(monkeypatch):
 
 def _check_normed(case, plan_platform, platform, refusal_lowering):
     from attnres_jax.pallas import kernels
-    from attnres_jax.pallas.impl import Pallas
+    from attnres_jax.pallas.kernels import Pallas
 
     request = report.pallas_request(case, plan_platform)._replace(out_norm=True)
     reason, impl = Pallas().supports(request), Pallas().resolve(request)
@@ -117,12 +117,12 @@ def test_tpu_grid_is_parallel():
     (rows, or one per-tile partial).  The lowering tests above lower every benchmark shape with
     these parameters."""
     from attnres_jax.pallas import kernels
-    from attnres_jax.pallas.impl import Pallas
+    from attnres_jax.pallas.kernels import Pallas
 
-    params = Pallas(platform="tpu", tile=8)._kw(None)["compiler_params"]
+    params = Pallas(platform="tpu", tile=8).kernel_options(None)["compiler_params"]
     assert tuple(params.dimension_semantics) == ("parallel",)
-    assert Pallas(platform="gpu", tile=8)._kw(None)["compiler_params"].__class__.__name__ == "CompilerParams"
-    assert Pallas(interpret="generic", tile=8)._kw(None)["compiler_params"] is None
+    assert Pallas(platform="gpu", tile=8).kernel_options(None)["compiler_params"].__class__.__name__ == "CompilerParams"
+    assert Pallas(interpret="generic", tile=8).kernel_options(None)["compiler_params"] is None
     assert kernels._rows(8, 16).index_map(3) == (3, 0)  # tile t writes rows 8t .. 8t + 7 only
 
 

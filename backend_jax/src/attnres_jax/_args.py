@@ -1,8 +1,10 @@
 """Argument handling and call metadata of the ops: canonical inputs, the compute dtype (C10), the
-static options of one call and the `Request` an implementation is chosen from.
+static options of one call and the `Request` an implementation is chosen from (public as
+`attnres_jax.dispatch.Request`).
 
-Nothing here computes the op; `_xla` holds the formulas, `pallas.impl` the kernel glue,
-`pallas.dispatch` the choice between them, `_vjp` the custom VJPs and `ops` the public functions.
+A leaf module: nothing here computes the op or calls the rest of the package.  `ops` holds the
+public functions, `dispatch` the registry, the choice and the custom VJPs, `_xla` and
+`pallas.kernels` the two implementations, `_math` what both share.
 """
 
 from __future__ import annotations
@@ -112,3 +114,4 @@ class Request(NamedTuple):
     num_sets: int  # S query sets (1 unless depth_attention_multi)
     per_token: bool  # per-token query `[..., D]`
     out_norm: bool = False  # C17: the fused output norm (out_norm_weight given)
+    masked: bool = False  # a masked read of stacked sources (`num_valid` given)

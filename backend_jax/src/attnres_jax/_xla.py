@@ -1,5 +1,6 @@
 """The XLA implementation: the spec's forward formulas and VJP rules in jnp (spec 2.1, 2.3, 3.1,
-3.2), and `XLA`, their entry points for `pallas.dispatch`.
+3.2), and `XLA`, their entry points for the registry (`attnres_jax.dispatch`).  The query side,
+the column layout and the numerics the Pallas implementation shares are in `_math`.
 
 Notation (spec 2.1), per token and head:
     r_i = 1 / sqrt(mean(x_i ** 2) + eps)    (1 when key_norm=False)
@@ -26,48 +27,18 @@ needs `out` or any `[N, ..., D]` temporary.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from ._args import MergeOptions, Options, Request, sum_to
+from ._math import HIGHEST, Query, inv_rms, join_columns, merge_weights, split_columns, tile_sets
+from ._math import at as _at
+from ._math import lead as _lead
+from ._math import trail as _trail
 
-HIGHEST = jax.lax.Precision.HIGHEST
-
-
-# Indexing through lax: `a[i]`, `a[None]` and `a[..., None]` go through jnp's general indexing,
-# ~0.2 ms of Python each while tracing; these emit the same HLO for a fraction of that (a probe
-# network traces thousands of them).
-
-
-def _at(a, i: int):
-    """`a[i]` (leading axis)."""
-    return jax.lax.index_in_dim(a, i, 0, keepdims=False)
-
-
-def _lead(a):
-    """`a[None]`."""
-    return jax.lax.expand_dims(a, (0,))
-
-
-def _trail(a):
-    """`a[..., None]`."""
-    return jax.lax.expand_dims(a, (a.ndim,))
-
-
-# -- column layout helpers ------------------------------------------------------------------------
-#
-# S = 1 and H = 1 (the common case) avoid every reshape, transpose and size-1 axis around a
-# reduction: XLA:CPU lowers a row sum of `[1, T, D]` or `[T, 1, D]` about 40x slower than the
-# same sum of `[T, D]`.
-
-
-def block_diag(qg, num_heads: int):
-    """qg `[S, D]` -> `Qm [D, S*H]` with Qm[h*Dh + j, s*H + h] = qg[s, h*Dh + j], zero elsewhere."""
-    s, d = qg.shape
-    m = qg.reshape(s, num_heads, d // num_heads)[..., None] * jnp.eye(num_heads, dtype=qg.dtype)[:, None]
-    return m.transpose(1, 2, 0, 3).reshape(d, s * num_heads)  # [H, Dh, S, H'] -> [D, K]
+# -- column layout helpers (S = 1 and H = 1 take no reshape: `_math`) -------------------------------
 
 
 def block_diag_rows(m, s: int, num_heads: int):
@@ -75,21 +46,6 @@ def block_diag_rows(m, s: int, num_heads: int):
     d = m.shape[1]
     m = m.reshape(s, num_heads, num_heads, d // num_heads)  # [S, H', H, Dh]
     return jnp.einsum("shhj->shj", m).reshape(s, d)
-
-
-def split_columns(v, s: int):
-    """`[..., K]` -> `[S, ..., H]`."""
-    if s == 1:
-        return _lead(v)
-    return jnp.moveaxis(v.reshape(v.shape[:-1] + (s, v.shape[-1] // s)), -2, 0)
-
-
-def join_columns(v):
-    """`[S, ..., H]` -> `[..., K]`."""
-    if v.shape[0] == 1:
-        return _at(v, 0)
-    v = jnp.moveaxis(v, 0, -2)
-    return v.reshape(v.shape[:-2] + (v.shape[-2] * v.shape[-1],))  # no -1: T = 0 is legal
 
 
 def _expand(v, s: int, num_heads: int, dim: int):
@@ -160,27 +116,6 @@ def _times_columns(v, qm):
     return v * qm[:, 0] if qm.shape[1] == 1 else jnp.matmul(v, qm.T, precision=HIGHEST)
 
 
-def tile_sets(r, sets: int):
-    """r `[N, ..., H]` -> `[N, ..., K]` (the same head statistic for every query set)."""
-    return jnp.tile(r, (1,) * (r.ndim - 1) + (sets,))
-
-
-def inv_rms(x, reduce, count: int, eps: float):
-    """r = 1 / sqrt(reduce(x^2) / count + eps) in x's dtype (spec 2.1), overflow-safe (C10.6).
-
-    `reduce` sums the squares over each key's channels (`count` of them).  Where that sum
-    overflows (fp32: |x| >= ~1.8e19), r comes from the squares of x * 2^-k instead (k = 80 for
-    fp32, 528 for float64: finite for every finite x; eps is far below the mean there).  The key
-    norm is scale-invariant, so huge sources keep their weights instead of going uniform."""
-    k = jnp.finfo(x.dtype).maxexp // 2 + 16
-    lo = jnp.asarray(2.0 ** -k, x.dtype)
-    ms = reduce(x * x) / count
-    y = x * lo
-    big = jnp.isinf(ms)
-    ms_lo = jnp.where(big, reduce(y * y) / count, 1.0)
-    return jnp.where(big, lo * jax.lax.rsqrt(ms_lo), jax.lax.rsqrt(ms + eps))
-
-
 def inv_rms_cond(x, reduce, count: int, eps: float, raw=None):
     """`inv_rms` with its overflow branch behind one `lax.cond`: the rescaled second sum of
     squares runs only when some mean overflowed (C10.6), not on every call (as a `jnp.where`
@@ -205,34 +140,6 @@ def _head_rms(x, opts: Options, raw=None):
     pairwise = raw is not None and low_precision(raw)
     return inv_rms_cond(x, lambda v: _head_sums(v, opts.num_heads, pairwise), x.shape[-1] // opts.num_heads,
                         opts.eps, raw)
-
-
-# -- the query side --------------------------------------------------------------------------------
-
-
-class Query(NamedTuple):
-    """The query side in compute dtype: pseudo-queries (`qm [D, K]`) or a per-token query."""
-
-    q: jax.Array  # [S, D] (pseudo) or [..., D] (per token)
-    g: jax.Array  # [S or 1, D] (pseudo) or [1.., D] (per token); ones when norm_weight is None
-    qm: Optional[jax.Array]  # [D, K] block-diagonal (pseudo-queries only)
-    num_sets: int  # S
-
-    @property
-    def qg(self):
-        """query * norm_weight: `[S, D]` or `[..., D]`."""
-        return self.q * self.g
-
-
-def query_side(query, norm_weight, opts: Options, dim: int, ct) -> Query:
-    """query `[D]`, `[S, D]` (multi) or `[..., D]`; norm_weight `[D]`, `[S, D]` or None."""
-    per_token = not opts.multi and query.ndim > 1
-    q = query.astype(ct) if per_token else query.astype(ct).reshape(-1, dim)
-    rows = query.shape[0] if opts.multi else 1
-    gshape = (1,) * (q.ndim - 1) + (dim,) if per_token else (rows, dim)
-    g = jnp.ones(gshape, ct) if norm_weight is None else norm_weight.astype(ct).reshape(gshape)
-    qm = None if per_token else block_diag(q * g, opts.num_heads)
-    return Query(q, g, qm, rows)
 
 
 # -- depth attention: forward and VJP rule ---------------------------------------------------------
@@ -405,13 +312,6 @@ def backward_normed(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, 
 # -- phase 2: merge ----------------------------------------------------------------------------------
 
 
-def merge_weights(l1, z2):
-    """w1 = e^{lse1} / (e^{lse1} + e^{z2}) = sigmoid(lse1 - z2) and w2 = sigmoid(z2 - lse1), each
-    from its own logistic (spec 3.2, C10.7): w2 = 1 - w1 loses every bit of a small w2 (lse1 - z2
-    ~ 10 leaves 1 - w1 ~ 4.5e-5 with fp32 rounding error ~6e-8 absolute, 1e-3 relative)."""
-    return 1.0 / (1.0 + jnp.exp(z2 - l1)), 1.0 / (1.0 + jnp.exp(l1 - z2))
-
-
 def merge(opts: MergeOptions, out1, lse1, partial, query, norm_weight, ct):
     """Spec 3.2.  out1, partial `[..., D]`; lse1 `[...]`; query `[D]` or `[..., D]`.  Returns
     out `[..., D]` (partial's dtype) and lse, r, s, w1 `[...]` (compute dtype)."""
@@ -463,12 +363,19 @@ def merge_backward(opts: MergeOptions, out1, lse1, partial, query, norm_weight, 
 
 @dataclasses.dataclass(frozen=True)
 class Xla:
-    """The XLA formulas as an implementation (`pallas.dispatch.Impl`): runs every call."""
+    """The XLA formulas as an implementation of the registry (`attnres_jax.dispatch`): runs every
+    call on every platform, float64 and multi-head included.  Hashable: a static argument of the
+    custom VJPs."""
 
     name = "xla"
 
+    @staticmethod
+    def unavailable(platform: str) -> Optional[str]:
+        """None: XLA compiles for every platform JAX runs on."""
+        return None
+
     def supports(self, request: Request) -> Optional[str]:
-        """None: XLA runs every call on every platform."""
+        """None: XLA runs every call."""
         return None
 
     def resolve(self, request: Request) -> "Xla":

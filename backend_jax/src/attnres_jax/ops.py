@@ -3,16 +3,18 @@
 
 Pure functions: they work under `jax.jit`, `jax.grad`, `jax.vjp`, `jax.vmap`, `jax.checkpoint`
 and `shard_map`, and validate shapes and dtypes at trace time with the shared checks of
-`attnres_numpy.validation`.  Each call: (1) checks its arguments, (2) chooses an implementation
-(`pallas.dispatch.select`, from its `impl` keyword, the platform and the shapes), (3) runs the
-custom VJP of `_vjp` with that implementation as a static argument.
+`attnres_numpy.validation`.  Each call checks its arguments and hands them, with the `Request`
+an implementation is chosen from, to the registry (`dispatch.attend` / `dispatch.merge`), which
+chooses the implementation (from the `impl` keyword, a `dispatch.use_impl` block, the platform
+and the shapes) and runs the custom VJP with it as a static argument.
 
-Layout of the package:
+Layout of the package (a call: ops -> dispatch -> one implementation):
+  ops               the public functions (this module)
+  dispatch          the registry, the per-call choice, the custom VJPs, the public contract
+  _xla              the `xla` implementation: the XLA formulas and VJP rules
+  pallas/kernels    the `pallas` implementation: `Pallas` and the Pallas kernels
+  _math             what both implementations share (query side, column layout, numerics)
   _args             argument handling, static options, the compute dtype (C10), `Request`
-  _xla              the XLA formulas and VJP rules (the `xla` implementation)
-  pallas/impl       the Pallas implementation: layout glue around `pallas/kernels`
-  pallas/dispatch   the registry of implementations and the per-call choice
-  _vjp              the custom VJPs, keyed by (implementation, options)
 
 Numerics (C10): every intermediate in the compute dtype (float32, float64 for float64 sources),
 one final cast to the sources' dtype.  float64 needs `jax_enable_x64` (e.g.
@@ -27,7 +29,7 @@ from typing import Optional, Sequence, Union
 import jax
 from attnres_numpy import validation
 
-from . import _vjp
+from . import dispatch
 from ._args import (
     MergeOptions,
     Options,
@@ -39,8 +41,7 @@ from ._args import (
     meta,
     optional,
 )
-from ._xla import HIGHEST
-from .pallas import dispatch
+from ._math import HIGHEST
 
 __all__ = ["depth_attention", "depth_attention_multi", "merge_partial", "dtype_name", "canonical_sources",
            "compute_dtype", "HIGHEST", "Sources"]
@@ -49,9 +50,9 @@ Sources = Union[jax.Array, Sequence[jax.Array]]
 
 
 def _request(op: str, shape, dtype: str, *, num_heads: int = 1, num_sources: int = 2, num_sets: int = 1,
-             per_token: bool = False, out_norm: bool = False) -> Request:
+             per_token: bool = False, out_norm: bool = False, masked: bool = False) -> Request:
     return Request(op, jax.default_backend(), dtype, shape[-1], num_heads, num_sources, num_sets, per_token,
-                   out_norm)
+                   out_norm, masked)
 
 
 def depth_attention(
@@ -90,7 +91,7 @@ def depth_attention(
         attended, the others are masked (logit -inf: weight and gradient exact zeros, so the
         result is that of the n rows alone when the masked rows are finite).  XLA only.
       impl: None (automatic: Pallas kernels where they apply on GPU/TPU, else XLA), "xla" or
-        "pallas" (ValueError if the kernels cannot run the call); see `pallas.dispatch`.
+        "pallas" (ValueError if the kernels cannot run the call); see `attnres_jax.dispatch`.
 
     Returns: out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)` in that
     order (out_normed `[..., D]` in the sources' dtype).
@@ -111,16 +112,16 @@ def depth_attention(
                              "got a list of arrays")
         if impl == "pallas":
             raise ValueError("impl='pallas' cannot run a masked read (num_valid); use impl=None or 'xla'")
-        num_valid, impl = as_array(num_valid), "xla"
+        num_valid = as_array(num_valid)
         if num_valid.shape != () or not jax.numpy.issubdtype(num_valid.dtype, jax.numpy.integer):
             raise ValueError(f"num_valid: expected an int or a 0-d integer array, got shape "
                              f"{num_valid.shape} dtype {num_valid.dtype}")
     opts = Options(float(eps), float(scale), geo.num_heads, activation, key_norm, multi=False,
                    out_norm_eps=float(geo.out_norm_eps) if normed else None)
-    chosen = dispatch.select(impl, _request("depth_attention", shapes[0], dtypes[0], num_heads=geo.num_heads,
-                                            num_sources=len(shapes), per_token=query.ndim > 1, out_norm=normed))
-    out, out_normed, lse, p = _vjp.attend(chosen, opts, sources, query, norm_weight, out_norm_weight,
-                                          num_valid)
+    request = _request("depth_attention", shapes[0], dtypes[0], num_heads=geo.num_heads, num_sources=len(shapes),
+                       per_token=query.ndim > 1, out_norm=normed, masked=num_valid is not None)
+    out, out_normed, lse, p = dispatch.attend(impl, request, opts, sources, query, norm_weight, out_norm_weight,
+                                              num_valid)
     extra = [out_normed[0]] if normed else []
     if return_lse:
         extra.append(lse[0] if geo.num_heads > 1 else lse[0, ..., 0])
@@ -144,9 +145,9 @@ def depth_attention_multi(sources: Sources, queries, norm_weights=None, *, eps: 
     validation.check_multi(shapes, dtypes, queries.shape, dtype_name(queries),
                            *meta(norm_weights), stacked=stacked, eps=eps, scale=scale)
     opts = Options(float(eps), float(scale), 1, "softmax", True, multi=True)
-    chosen = dispatch.select(impl, _request("depth_attention_multi", shapes[0], dtypes[0],
-                                            num_sources=len(shapes), num_sets=queries.shape[0]))
-    out, _, lse, _ = _vjp.attend(chosen, opts, sources, queries, norm_weights, None)
+    request = _request("depth_attention_multi", shapes[0], dtypes[0], num_sources=len(shapes),
+                       num_sets=queries.shape[0])
+    out, _, lse, _ = dispatch.attend(impl, request, opts, sources, queries, norm_weights, None)
     return out, lse[..., 0]
 
 
@@ -165,8 +166,7 @@ def merge_partial(out1, lse1, partial, query, norm_weight=None, *, eps: float = 
     validation.check_merge(out1.shape, dtype_name(out1), lse1.shape, dtype_name(lse1), partial.shape,
                            dtype_name(partial), query.shape, dtype_name(query), *meta(norm_weight),
                            eps=eps, scale=scale)
-    chosen = dispatch.select(impl, _request("merge_partial", partial.shape, dtype_name(partial),
-                                            per_token=query.ndim > 1))
-    out, lse = _vjp.merge(chosen, MergeOptions(float(eps), float(scale)), out1, lse1, partial, query,
-                          norm_weight)
+    request = _request("merge_partial", partial.shape, dtype_name(partial), per_token=query.ndim > 1)
+    out, lse = dispatch.merge(impl, request, MergeOptions(float(eps), float(scale)), out1, lse1, partial, query,
+                              norm_weight)
     return (out, lse) if return_lse else out

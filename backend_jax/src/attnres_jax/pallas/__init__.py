@@ -1,2 +1,3 @@
-"""Pallas kernels (`kernels`), the Pallas implementation around them (`impl`), and the choice
-between it and XLA (`dispatch`)."""
+"""The Pallas implementation (`kernels`: `Pallas` and the kernels it runs).  The registry that
+chooses between it and XLA is `attnres_jax.dispatch`; `dispatch` and `impl` here are deprecated
+aliases."""

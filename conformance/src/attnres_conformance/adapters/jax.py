@@ -1,6 +1,9 @@
 """The primitives of attnres_jax for `base.Adapter` (registry name "jax").
 
-Calls run on the CPU device.  float64 calls (and float64/int64 overrides) run inside
+Only public names of attnres_jax are used: the ops, `ops.compute_dtype`, `router.probe_forward`
+and the backend contract of `attnres_jax.dispatch` (capabilities, and `impl_counts()` for which
+implementation served each call).  Calls run on JAX's default device (the contract's first
+device).  float64 calls (and float64/int64 overrides) run inside
 `jax.enable_x64(True)`, a thread-local context, so the process-wide setting never changes.
 
 Strided inputs: JAX arrays have no strides (XLA owns layouts), so `strided=True` builds a
@@ -23,9 +26,7 @@ from typing import Dict
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attnres_jax import ops
-from attnres_jax._args import compute_dtype
-from attnres_jax.pallas import kernels
+from attnres_jax import dispatch, ops
 from attnres_jax.router import probe_forward
 from attnres_numpy.config import VARIANT_KINDS
 
@@ -69,7 +70,7 @@ class JaxAdapter(Adapter):
     ops = ops
     #: The forward cell of a gradient case reads the outputs of the case's gradient call
     #: (`checks.check_reference`): attnres_jax's custom VJPs compute their primal with their fwd
-    #: rule (`_vjp.attend` returns `_attend_fwd(...)[0]`), so the forward-only program and the
+    #: rule (`attnres_jax.dispatch`), so the forward-only program and the
     #: forward of the gradient program trace the same code, and a case compiles once instead of
     #: twice.  Forward-only cases and the determinism and invariant checks still call the
     #: forward alone; backend_jax's own tests hold jitted forward-only calls to the reference.
@@ -89,9 +90,11 @@ class JaxAdapter(Adapter):
             return False
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(dtypes=DTYPES, devices=("cpu",), ops=frozenset(OPS), options=frozenset(OPTIONS),
-                            variants=frozenset(VARIANT_KINDS), schedules=frozenset(SCHEDULES),
-                            fused_kernel=False, deterministic=True)
+        caps = dispatch.capabilities()
+        return Capabilities(dtypes=tuple(d for d in DTYPES if d in caps["dtypes"]), devices=caps["devices"][:1],
+                            ops=frozenset(OPS), options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
+                            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
+                            deterministic=caps["deterministic"])
 
     def versions(self) -> Dict[str, str]:
         from attnres_jax import __version__
@@ -105,8 +108,8 @@ class JaxAdapter(Adapter):
         return out
 
     def implementations_used(self) -> Dict[str, int]:
-        """Op calls per implementation: "pallas" when the call built a Pallas kernel
-        (`pallas.kernels.CALLS` grew while it traced), else "xla"."""
+        """Adapter calls per implementation: "pallas" when an op call traced in it was served by
+        the Pallas kernels (`dispatch.impl_counts()` grew there), else "xla"."""
         return dict(self._counts)
 
     def context(self, call):
@@ -123,7 +126,7 @@ class JaxAdapter(Adapter):
     def to_numpy(self, x) -> np.ndarray:
         # Read back in the compute dtype (C10): float64 stays, bf16/fp16 widen exactly to float32.
         x = np.asarray(x)
-        return x.astype(compute_dtype(x.dtype))
+        return x.astype(ops.compute_dtype(x.dtype))
 
     def dtype_name(self, x) -> str:
         return str(x.dtype)
@@ -134,10 +137,11 @@ class JaxAdapter(Adapter):
         return False
 
     def _count(self, full, run):
-        """run(), counted under its implementation (decided when `full` first traced)."""
-        before = sum(kernels.CALLS.values())
+        """run(), counted under its implementation (decided when `full` first traced: a cached
+        executable traces no op call)."""
+        before = dispatch.impl_counts()
         out = run()
-        impl = self._impl.get(full) or ("pallas" if sum(kernels.CALLS.values()) > before else "xla")
+        impl = self._impl.get(full) or ("pallas" if dispatch.impl_counts()["pallas"] > before["pallas"] else "xla")
         if full is not None:
             self._impl[full] = impl
         self._counts[impl] = self._counts.get(impl, 0) + 1

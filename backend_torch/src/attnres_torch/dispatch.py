@@ -176,7 +176,8 @@ def availability() -> Dict[str, Optional[str]]:
         triton = "no CUDA device"
     elif isinstance(_load_triton(), str):
         triton = _load_triton()
-    return {"triton": triton, "cpu_c": cpu_c.unavailable_reason(), "chunked": None,
+    c_reason = cpu_c.unavailable_reason()  # a compiler's error may span lines: one line here
+    return {"triton": triton, "cpu_c": c_reason and " ".join(c_reason.split()), "chunked": None,
             "composite": None}
 
 

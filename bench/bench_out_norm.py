@@ -147,7 +147,7 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--keep-large-blocks", action="store_true",
-                   help="attnres_torch.cpu.keep_large_blocks() first (fresh gradients reuse pages)")
+                   help="attnres_torch.cpu_alloc.keep_large_blocks() first (fresh gradients reuse pages)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds")
     args = p.parse_args(argv)
     if args.quick:

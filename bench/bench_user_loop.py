@@ -6,7 +6,7 @@ gets a fresh output, and under autograd N fresh source gradients (`torch.autogra
 run in the same run, call by call:
 
   torch ours          attnres_torch.depth_attention as dispatched (`last_impl()` recorded)
-  torch ours keep     the same in a process where `attnres_torch.cpu.keep_large_blocks()` ran
+  torch ours keep     the same in a process where `attnres_torch.cpu_alloc.keep_large_blocks()` ran
   torch ours out=     inference only: the kernel writing into one reused output buffer
                       (`cpu_c.forward_into`: what an `out=` argument could give at most)
   torch composite     the plain differentiable torch composition (attnres_torch.composite)
@@ -75,9 +75,9 @@ def torch_rows(args, case, dtype_name, keep):
     torch.set_num_threads(args.threads)
     kept = None
     if keep:
-        from attnres_torch import cpu
+        from attnres_torch import cpu_alloc
 
-        kept = cpu.keep_large_blocks()  # False off glibc: the "keep" rows are then plain ones
+        kept = cpu_alloc.keep_large_blocks()  # False off glibc: the "keep" rows are then plain ones
     dtype = getattr(torch, dtype_name)
     n, t, d = args.sources, args.tokens, args.dim
     xs_np, q_np, g_np, do_np = np_inputs(n, t, d)

@@ -10,7 +10,7 @@ from attnres_conformance.adapters.torch import backend
 from attnres_conformance.backend import Backend, OpCall
 from attnres_numpy import ops as ref
 from attnres_numpy.config import VARIANT_KINDS
-from attnres_torch import cpu_c, dispatch
+from attnres_torch import dispatch
 
 
 def test_protocol_and_capabilities():
@@ -24,8 +24,8 @@ def test_protocol_and_capabilities():
 def test_fused_kernel_declared_where_one_serves():
     """`fused_kernel`: the C kernel serves the CPU (unless unavailable), Triton serves CUDA."""
     caps = backend.capabilities()
-    triton = torch.cuda.is_available() and dispatch.triton_kernels() is not None
-    assert caps.fused_kernel == (cpu_c.available() or triton)
+    triton = torch.cuda.is_available() and dispatch.availability()["triton"] is None
+    assert caps.fused_kernel == (dispatch.availability()["cpu_c"] is None or triton)
 
 
 def test_fused_kernel_true_exactly_when_it_serves_the_calls():

@@ -141,7 +141,7 @@ def test_triton_stats_rerun_compiles_fullgraph():
     with torch.compile: one graph, no break, bitwise the eager gradients."""
     from attnres_torch import dispatch
 
-    dispatch.triton_kernels()  # imported before the trace: its first import takes a lock
+    dispatch.implementation("triton")  # imported before the trace: its first import takes a lock
     torch._dynamo.reset()
     xs, q, g, _, cot = _inputs("depth_attention", False, True, torch.float32, seed=2)
     xs = [x.requires_grad_() for x in xs]

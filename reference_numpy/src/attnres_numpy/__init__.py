@@ -5,6 +5,9 @@ The spec core (numpy only, shared by every backend):
   `validation`  the argument checks (same messages everywhere; spec "Errors").
   `numerics`    the compute-dtype rule (C10) and exact rounding to fp32/fp16/bf16.
   `schedule`    the residual schedule of every scheme, written once, over a backend's ops object.
+  `probe`       the spec's probe network (section 6), written once over an ops object.
+  `training`    the training tools' framework-neutral part: M10 curves, collapse statistics and
+                policy decisions, the FLA/K3 checkpoint key mappings.
 
 The float64 oracle beside it:
   `ops`      the depth-attention operators and their hand-written VJPs (spec sections 2-3).

@@ -187,8 +187,8 @@ def _norm(stack):
 
 def test_kernel_path_is_ops_dispatch_implementation(rng):
     """Forward: ops.py -> dispatch.py -> pallas/kernels.py at the `pallas_call` (kernels._call);
-    backward: dispatch.py (the custom VJP's rule) -> pallas/kernels.py.  Phase 1's backward,
-    which has no kernel, runs XLA's rule: dispatch.py -> _xla.py."""
+    backward: dispatch.py (the custom VJP's rule) -> pallas/kernels.py.  Phase 1's and the
+    merge's backwards, which have no kernel, run XLA's rules: dispatch.py -> _xla.py."""
     xs, q = _xs(rng), jnp.asarray(rng.standard_normal(D), jnp.float32)
     path = _Path("pallas" + os.sep + "kernels.py", "_call")
     with dispatch.use_impl("pallas", interpret=True, tile=4, poison=True):
@@ -204,6 +204,14 @@ def test_kernel_path_is_ops_dispatch_implementation(rng):
         xla.run(lambda: pull(jnp.ones_like(out)))
     assert {_norm(s) for s in xla.stacks} == {("dispatch.py", "_xla.py")}
     assert not xla.leaf_calls, xla.leaf_calls
+
+    merge = _Path("_xla.py", "merge_backward")  # the merge kernel's backward: XLA's rule, as phase 1's
+    with dispatch.use_impl("pallas", interpret=True, tile=4):
+        out, pull = merge.run(lambda: jax.vjp(lambda o, p: merge_partial(o, jnp.zeros(5), p, q), xs[0], xs[1]))
+        merge.run(lambda: pull(jnp.ones_like(out)))
+    assert dispatch.last_choice() == ("merge_partial", "pallas", ())
+    assert {_norm(s) for s in merge.stacks} == {("dispatch.py", "_xla.py")}
+    assert not merge.leaf_calls, merge.leaf_calls
 
 
 def test_xla_path_is_ops_dispatch_xla(rng):

@@ -25,8 +25,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 # Indexing through lax: `a[i]`, `a[None]` and `a[..., None]` go through jnp's general indexing,
-# ~0.2 ms of Python each while tracing; these emit the same HLO for a fraction of that (a probe
-# network traces thousands of them).
+# slow Python while tracing; these emit the same HLO for a fraction of that (a probe network
+# traces thousands of them).
 
 
 def at(a, i: int):
@@ -47,8 +47,8 @@ def trail(a):
 # -- column layout ---------------------------------------------------------------------------------
 #
 # S = 1 and H = 1 (the common case) avoid every reshape, transpose and size-1 axis around a
-# reduction: XLA:CPU lowers a row sum of `[1, T, D]` or `[T, 1, D]` about 40x slower than the
-# same sum of `[T, D]`.
+# reduction: XLA:CPU lowers a row sum of `[1, T, D]` or `[T, 1, D]` far slower than the same sum
+# of `[T, D]`.
 
 
 def block_diag(qg, num_heads: int):

@@ -67,14 +67,12 @@ def channel_sum(w, pairwise: bool = False):
     (C10.5, C15): one reduce, or with `pairwise` a halving `w[:n/2] + w[n/2:]` (zero-padded to
     a power of two; one reduce for n <= `LEAF`).
 
-    Never a matmul: XLA:CPU lowers a matvec `x @ qg` as one sequential accumulation (fp32,
-    D = 1024: the forward off by 1.1e-6..1.7e-6 against the float64 reference); a reduce over
-    the minor axis accumulates in vector lanes and halving pairwise, both ~2e-7..3e-7.  Which of
-    the two is faster depends on the summand (jitted N = 9, T = 8192, D = 1024 forward on
-    XLA:CPU): fp32 sources, the reduce (55 vs 110 ms: the halving is emitted as scalar code per
-    token); bf16/fp16 sources, whose summands are converts fused into the sum, the halving (90
-    vs 293 ms: the reduce of a fused convert is not vectorized).  Callers pass
-    `pairwise=low_precision(source)`."""
+    Never a matmul: XLA:CPU lowers a matvec `x @ qg` as one sequential accumulation (error
+    growing with D); a reduce over the minor axis accumulates in vector lanes, and the halving
+    pairwise, both far more accurate.  Which of the two is faster depends on the summand on
+    XLA:CPU: for fp32 sources the reduce (the halving is emitted as scalar code per token); for
+    bf16/fp16 sources, whose summands are converts fused into the sum, the halving (the reduce of
+    a fused convert is not vectorized).  Callers pass `pairwise=low_precision(source)`."""
     n = w.shape[-1]
     if not pairwise or n <= LEAF:
         return jnp.sum(w, axis=-1, keepdims=True)
@@ -119,12 +117,12 @@ def _times_columns(v, qm):
 def inv_rms_cond(x, reduce, count: int, eps: float, raw=None):
     """`inv_rms` with its overflow branch behind one `lax.cond`: the rescaled second sum of
     squares runs only when some mean overflowed (C10.6), not on every call (as a `jnp.where`
-    does: that extra pass over x ran the jitted N = 9, T = 8192, D = 1024 fp32 forward 1.7x
-    slower).  Under `vmap` the cond becomes a select and both sides run, as in `inv_rms`.
+    does: an extra pass over x).  Under `vmap` the cond becomes a select and both sides run, as
+    in `inv_rms`.
 
     raw: x before its cast to the compute dtype (`x == raw.astype(x.dtype)`), if it was cast.
-    The branch takes raw and casts it itself: a branch operand is materialized, and an upcast
-    bf16 source made the jitted bf16 forward 2.3x slower (323 vs 143 ms at the shape above)."""
+    The branch takes raw and casts it itself: a branch operand is materialized, and the upcast
+    of a 16-bit source as the operand would be a second, float32 copy of it."""
     ms = reduce(x * x) / count
     operand = x if raw is None else raw
     return jax.lax.cond(jnp.any(jnp.isinf(ms)),
@@ -147,10 +145,10 @@ def _head_rms(x, opts: Options, raw=None):
 
 #: Up to this many sources the per-source formulas are unrolled (one fused pass per source, no
 #: copy); above it they run once, vmapped over the stacked sources `[N, ..., D]`, so the program
-#: has the same size for every N: an unrolled N = 130 gradient took ~15 s of XLA compile, and a
-#: Full-AttnRes model of L sublayers compiles O(L^2) source passes.  The price is a copy of the
-#: sources and of the N gradients: at N = 9, T = 8192, D = 1024 fp32 the stacked program ran
-#: 1.6-1.8x slower on this CPU, hence unrolled up to 16 (the output sum stays unrolled either way).
+#: has the same size for every N (an unrolled program grows with N, and a Full-AttnRes model of L
+#: sublayers compiles O(L^2) source passes).  The price is a copy of the sources and of the N
+#: gradients, which makes the stacked program slower at small N, hence unrolled up to 16 (the
+#: output sum stays unrolled either way).
 UNROLL_MAX = 16
 
 
@@ -198,7 +196,7 @@ def forward(xs: list, qs: Query, opts: Options, ct, num_valid=None):
         p = jax.nn.sigmoid(z)
         lse = None
     # One elementwise sum over the sources in a fixed order (C10.5), also when stacked: XLA:CPU
-    # reduces the leading axis of `[N, ..., D]` ~7x slower than this fused chain of adds.
+    # reduces the leading axis of `[N, ..., D]` much slower than this fused chain of adds.
     out = sum(_expand(_at(p, i), sets, h, dim) * _lead(x.astype(ct)) for i, x in enumerate(xs))
     return out, lse, p, r, s
 

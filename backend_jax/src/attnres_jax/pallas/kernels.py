@@ -21,8 +21,8 @@ A kernel's per-token statistics (lse, r_i, s_i, ...) travel packed in ONE `[T, K
 `(TB, K)`), one statistic per column as its `Columns` layout says, K the count padded up to a
 power of two, pad columns written as zeros.  Why packed: on TPU a 2-D f32 array is laid out in
 (8, 128) tiles with the last dim on the 128 lanes, so a `[T, 1]` column is padded 128x in HBM
-and VMEM (4 MiB at T = 8192 for 32 KiB of data); the forward wrote 1 + 2N of them, phase 1
-S + N + N S, the backward read 1 + 3N.  Packed, K <= 128 columns cost what one column did.
+and VMEM (4 MiB at T = 8192 for 32 KiB of data), and the forward has 1 + 2N statistics, phase
+1 S + N + N S, the backward's inputs 1 + 3N.  Packed, K <= 128 columns cost what one column does.
 Every block shape is (TB or 1) x (D or K or 1): legal for Mosaic (full last dim) and for Triton
 (powers of two where `Pallas.supports` checks D; K is one).  In the kernel a column is put into
 the `[TB, K]` tile by a select on a lane iota and read back by a select and a lane sum (`_put`,
@@ -402,9 +402,8 @@ def _auto_tile(request: Request) -> int:
     """Token rows per program.  TPU: a tile of every source (plus S accumulators, plus out_normed
     or its cotangent with the output norm) within ~4 MiB of fp32 VMEM.  GPU (Triton): the values
     live in registers, so one `[TB, D]` fp32 tile is at most 4096 elements, 8 per thread at
-    `_GPU_WARPS` warps (sm_90 compile of the Triton-lowered kernels at D = 4096, N = 10: TB = 1
-    at 16 warps gives 64 / 94 / 32 registers for forward / backward / merge and no spills, where
-    the ~4 MiB rule's TB = 16 at 4 warps spilled 127 KB / 252 KB / 26 KB per thread)."""
+    `_GPU_WARPS` warps (the VMEM rule's larger tiles spill registers in the sm_90 compile;
+    `bench/kernel_report.py` reports registers and spills per kernel)."""
     if request.platform == "tpu":
         rows = (1 << 20) // max(1, request.dim * (request.num_sources + request.num_sets + request.out_norm))
         return max(8, min(256, _pow2_floor(rows)))
@@ -412,9 +411,8 @@ def _auto_tile(request: Request) -> int:
 
 
 _GPU_WARPS = 16  # most warps of a Triton-lowered program (512 threads)
-_GPU_MAX_DIM = 8192  # widest row the GPU kernels take: at D = 16384 the sm_90 compile spills
-# (forward 108 B, backward 1284 B per thread at TB = 1, 16 warps); D = 8192: forward none,
-# backward 28 B
+_GPU_MAX_DIM = 8192  # widest row the GPU kernels take: wider rows spill in the sm_90 compile
+# (`bench/kernel_report.py`, its D = 16384 edge case)
 
 
 def _gpu_warps(tile: int, dim: int) -> int:
@@ -500,7 +498,7 @@ class Pallas:
 
             # The one grid axis walks token tiles, and every output block is the tile's own
             # (rows, or a per-tile partial summed outside): the programs are independent, so
-            # Mosaic may split the axis over a megacore chip's two TensorCores (issue 13).
+            # Mosaic may split the axis over a megacore chip's two TensorCores.
             params = pltpu.CompilerParams(dimension_semantics=("parallel",))
         return dict(tb=self.tile, ct=ct, interpret=interpret, poison=self.poison, compiler_params=params)
 

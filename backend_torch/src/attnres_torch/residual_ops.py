@@ -50,6 +50,9 @@ class TorchOps(ResidualOps):
     def sigmoid(self, x):
         return torch.sigmoid(x)
 
+    def tanh(self, x):
+        return torch.tanh(x)
+
     def rmsnorm_gain(self, x, weight, eps):
         """M15 composed: `rmsnorm(x) * weight` in the compute dtype, rounded once (C10)."""
         c = compute_dtype(x.dtype)

@@ -123,8 +123,7 @@ def probe(golden, *, backward: bool) -> dict:
     (`attnres_numpy.schedule`) on a float64 tape whose every step rounds.  Returns {"out", and
     with `backward` one entry per gradient name of the golden case}."""
     from attnres_numpy.config import ResidualConfig
-    from attnres_numpy.model import probe_tape_sublayers
-    from attnres_numpy.schedule import run_schedule
+    from attnres_numpy.probe import run_probe
     from attnres_numpy.tape import Tape
 
     dtype = golden.dtype
@@ -134,12 +133,10 @@ def probe(golden, *, backward: bool) -> dict:
               if k.startswith("input.") and k not in ("input.embedding", "input.sublayer_weights")}
     tape = Tape(params, record=backward, transform=lambda v: round_to(v, dtype))
     emb, w = tape.var(a["input.embedding"]), tape.var(a["input.sublayer_weights"])
-    num_layers = a["input.sublayer_weights"].shape[0]
-    sublayers = probe_tape_sublayers(tape, w, num_layers, config.eps, prenorm=not config.fuse_out_norm)
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        out = run_schedule(config, tape, emb, sublayers, schedule=golden.attrs["schedule"],
-                           mix=golden.attrs.get("mix"), scale=golden.attrs.get("scale"))
+        out = run_probe(config, tape, emb, w, schedule=golden.attrs["schedule"],
+                        mix=golden.attrs.get("mix"), scale=golden.attrs.get("scale"))
         result = {"out": out.value}
         if backward:
             wrt = [emb, w, *tape.leaves.values()]

@@ -11,10 +11,11 @@ from typing import Dict
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from attnres_numpy.config import VARIANT_KINDS
+from attnres_numpy.probe import probe_sublayers
 from attnres_torch import dispatch, ops
 from attnres_torch.modules import DepthRouter
+from attnres_torch.residual_ops import TorchOps
 
 from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
 from .base import Adapter, implementation_counts
@@ -106,9 +107,7 @@ class TorchAdapter(Adapter):
         num_layers, dim = sublayer_weights.shape[0], embedding.shape[-1]
         router = DepthRouter(config, num_layers, dim, schedule=schedule).to(
             device=embedding.device, dtype=embedding.dtype)
-        prenorm = (lambda h: h) if config.fuse_out_norm else (lambda h: F.rms_norm(h, (dim,), eps=config.eps))
-        sublayers = [lambda h, l=l: torch.tanh(prenorm(h) @ sublayer_weights[l])  # M15: no own prenorm
-                     for l in range(num_layers)]
+        sublayers = probe_sublayers(config, TorchOps(), sublayer_weights)  # attnres_numpy.probe
         return torch.func.functional_call(router, params, (embedding, sublayers),
                                           dict(mix=mix, scale=scale))
 

@@ -100,3 +100,40 @@ def test_fixed_cache_and_compiled_step_match_reference(variant, schedule):
     assert len(traces) == 2  # T = 3 prefill, then one trace for every T = 1 step
     with pytest.raises(ValueError, match="cache: offset= needs a fixed-size"):
         model(tokens[:, :1], None, offset=0)
+
+
+@pytest.mark.parametrize("kind", ["full", "block"])
+def test_transformer_observer_sees_every_read_with_the_reference_weights(kind):
+    """`Transformer(..., observer=)` reaches the router: every depth read (L + 1 rows) is seen,
+    and with `wants_weights` its weights are the float64 reference's weights of the same
+    sources and query (MlxOps hands the ops' weights through)."""
+    from attnres_numpy import ops as ref_ops
+    from attnres_numpy.schedule import ScheduleObserver
+
+    cfg = ResidualConfig.variant(kind, block_size=2) if kind == "block" else ResidualConfig.variant(kind)
+    model = _model(cfg)
+
+    class Seen(ScheduleObserver):
+        wants_weights = True
+
+        def __init__(self):
+            self.rows, self.layers = [], []
+
+        def depth_attention(self, row, labels, sources, weights):
+            self.rows.append((row, [to_np(s) for s in sources], to_np(weights)))
+
+        def sublayer(self, layer, h, v):
+            self.layers.append(layer)
+
+    seen = Seen()
+    tokens = mx.array(np.random.default_rng(1).integers(0, V, (2, T)))
+    model(tokens, observer=seen)
+    L = 2 * BLOCKS
+    assert seen.layers == list(range(1, L + 1))
+    assert [r for r, _, _ in seen.rows] == list(range(L + 1))
+    params = {k: to_np(v) for k, v in model.router.parameters().items()}
+    for row, sources, weights in seen.rows:
+        _, want = ref_ops.depth_attention(sources, params["queries"][row], params["norm_weights"][row],
+                                          eps=cfg.eps, return_weights=True)
+        assert weights.shape == want.shape and np.all(np.isfinite(weights))
+        np.testing.assert_allclose(weights, want, rtol=2e-5, atol=2e-6, err_msg=f"row {row}")

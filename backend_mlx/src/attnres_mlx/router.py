@@ -144,9 +144,6 @@ class MlxOps(ResidualOps):
 
     def depth_attention(self, sources, stats, query, norm_weight, config, *, return_weights,
                         out_norm_weight=None):
-        if return_weights:
-            raise ValueError("observer: the MLX depth-attention ops do not return depth weights; "
-                             "observe with wants_weights=False")
         stacked = self._stacked(sources, stats, config)
         if stacked is None:
             xs, rs = list(sources), list(stats) if config.key_norm else None
@@ -155,8 +152,9 @@ class MlxOps(ResidualOps):
         result = ops.depth_attention(xs, query, norm_weight, eps=config.eps,
                                      scale=config.scale, num_heads=config.num_heads,
                                      activation=config.activation, key_norm=config.key_norm,
-                                     inv_rms=rs, out_norm_weight=out_norm_weight)
-        return split_result(result, out_norm_weight, False)
+                                     inv_rms=rs, out_norm_weight=out_norm_weight,
+                                     return_weights=return_weights)
+        return split_result(result, out_norm_weight, return_weights)
 
     def depth_attention_multi(self, sources, stats, queries, norm_weights, config):
         return ops.depth_attention_multi(list(sources), queries, norm_weights, eps=config.eps,

@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from attnres_numpy.config import ResidualConfig
+from attnres_numpy.schedule import ScheduleObserver
 
 from .router import DepthRouter
 
@@ -121,14 +122,16 @@ class Transformer(nn.Module):
         return layers
 
     def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, *, offset=None,
-                 schedule: str = "direct", mix=None, scale=None):
+                 schedule: str = "direct", mix=None, scale=None,
+                 observer: Optional[ScheduleObserver] = None):
         """tokens `[B, T]` -> (logits `[B, T, V]`, cache for the next call).  mix, scale: the
-        router's M10 per-call inputs.  offset: None (cache grown by concatenation), or the
+        router's M10 per-call inputs; observer: a `ScheduleObserver` that sees every depth read
+        and sublayer (e.g. `attnres_mlx.training.DepthMonitor`).  offset: None (cache grown by concatenation), or the
         position of tokens[:, 0] (an int or a 0-d integer array) in a fixed-size cache from
         `make_cache`, which the returned cache updates in place of."""
         new_cache: KVCache = [None] * len(self.attns)
         out = self.router(self.embed(tokens), self.sublayers(cache, new_cache, offset),
-                          schedule=schedule, mix=mix, scale=scale)
+                          schedule=schedule, mix=mix, scale=scale, observer=observer)
         return self.head(self.norm(out)), new_cache
 
     def make_cache(self, batch: int, max_len: int, dtype: mx.Dtype = mx.float32) -> KVCache:

@@ -3,12 +3,14 @@
 The model of issue 32: `attnres_jax.modules.Transformer` (dim 128, 4 heads, MLP ratio 4, vocab
 256), batch 4 x 64 tokens, one `jax.jit` AdamW step (optax), PreNorm ("standard") against Full
 and Block (S = 8), L = 2 x num_blocks sublayers, unrolled (`stack_apply`) and layer-scanned
-(`scan_layers=True`).  compile = lower + XLA compile of the step; step = median wall time of
+(`scan_layers=True`; "scanned-replay" / "scanned-carry": the same with `scan_backward=`
+"replay" / "scan").  compile = lower + XLA compile of the step; step = median wall time of
 `--steps` steps after two warm-up steps.  Ratios are against PreNorm of the same form, in this
 one run.  The machine load (`os.getloadavg`) is printed before and after.
 
     python bench/bench_jax_depth.py                         # L = 8 16 32 64, both forms
     python bench/bench_jax_depth.py --depths 8 16 --forms scanned --steps 5
+    python bench/bench_jax_depth.py --depths 32 --forms scanned-replay scanned-carry  # the two backwards
 
 Unrolled Full/Block compile grows with L (the issue measured Full L = 64 > 900 s), so the
 unrolled form runs up to `--unrolled-max` (default 32) sublayers.
@@ -38,11 +40,17 @@ KINDS = {
 }
 
 
-def measure(kind: str, num_layers: int, scan: bool, steps: int, *, dim=128, heads=4, batch=4, seq=64,
+FORMS = {"unrolled": {"scan_layers": False},
+         "scanned": {"scan_layers": True},  # the default backward: block replays, full scans
+         "scanned-replay": {"scan_layers": True, "scan_backward": "replay"},  # the final buffer, steps replayed
+         "scanned-carry": {"scan_layers": True, "scan_backward": "scan"}}  # lax.scan keeps every carry
+
+
+def measure(kind: str, num_layers: int, form: str, steps: int, *, dim=128, heads=4, batch=4, seq=64,
             vocab=256) -> dict:
     """Compile seconds and median step seconds of one configuration."""
     model = Transformer(KINDS[kind], vocab_size=vocab, dim=dim, num_blocks=num_layers // 2, num_heads=heads,
-                        rngs=nnx.Rngs(0), scan_layers=scan)
+                        rngs=nnx.Rngs(0), **FORMS[form])
     graphdef, params = nnx.split(model)
     tx = optax.adamw(1e-3)
     opt_state = tx.init(params)
@@ -77,7 +85,7 @@ def load() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64])
-    ap.add_argument("--forms", nargs="+", default=["unrolled", "scanned"], choices=["unrolled", "scanned"])
+    ap.add_argument("--forms", nargs="+", default=["unrolled", "scanned"], choices=list(FORMS))
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--unrolled-max", type=int, default=32)
@@ -90,9 +98,9 @@ def main() -> None:
             if form == "unrolled" and L > args.unrolled_max:
                 continue
             for kind in args.kinds:
-                r = measure(kind, L, form == "scanned", args.steps)
+                r = measure(kind, L, form, args.steps)
                 rows[form, L, kind] = r
-                print(f"  {form:8s} L={L:3d} {kind:8s} compile {r['compile']:7.2f} s  step "
+                print(f"  {form:13s} L={L:3d} {kind:8s} compile {r['compile']:7.2f} s  step "
                       f"{1e3 * r['step']:8.1f} ms (fastest {1e3 * r['fastest']:7.1f})", flush=True)
     print(f"# after: {load()}")
     print("\n| form | L | compile PreNorm | compile Full (x) | compile Block (x) | step PreNorm | "

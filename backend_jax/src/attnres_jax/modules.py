@@ -99,11 +99,12 @@ class DepthRouter(nnx.Module):
                            mix=mix, scale=scale, observer=observer, remat=remat)
 
     def scan(self, embedding, sublayers: Sequence, layer_params, *, mix=None, scale=None,
-             remat: Optional[str] = None, unroll: int = 1, stages: Optional[int] = None):
+             remat: Optional[str] = None, unroll: int = 1, stages: Optional[int] = None,
+             backward: Optional[str] = None):
         """The layer-scanned form (`scan_apply`): sublayers `f_j(p, h)` over the slices p of
         `layer_params` (leaves `[n, ...]`, L = n * len(sublayers))."""
         return scan_apply(self.config, self.params(), embedding, sublayers, layer_params, mix=mix,
-                          scale=scale, remat=remat, unroll=unroll, stages=stages)
+                          scale=scale, remat=remat, unroll=unroll, stages=stages, backward=backward)
 
 
 def _identity(h):
@@ -205,12 +206,14 @@ class Transformer(nnx.Module):
     and supports every kind, schedule and observer; see docs/benchmarks.md for where the
     scanned form wins on the CPU.
     remat: None, "recompute" or "offload" (`attnres_jax.router.remat_policy`) for every call.
+    scan_backward: None, "replay" or "scan": the scanned form's backward (`scan_apply(backward=)`).
     param_dtype: the dtype of every parameter (the stream runs in the embedding's, M1a).
     """
 
     def __init__(self, config: ResidualConfig, *, vocab_size: int, dim: int, num_blocks: int,
                  num_heads: int, rngs: nnx.Rngs, eps: float = 1e-6, mlp_ratio: int = 4,
-                 scan_layers: bool = False, remat: Optional[str] = None, param_dtype=jnp.float32):
+                 scan_layers: bool = False, remat: Optional[str] = None, param_dtype=jnp.float32,
+                 scan_backward: Optional[str] = None):
         fused = config.fuse_out_norm  # M15
         if fused and eps != config.eps:
             raise ValueError(f"eps: with fuse_out_norm the router's norms use config.eps = "
@@ -228,7 +231,7 @@ class Transformer(nnx.Module):
             self.final_norm = _identity if fused else nnx.RMSNorm(dim, epsilon=eps, param_dtype=param_dtype,
                                                                   rngs=rngs)
             self.head = _linear(dim, vocab_size, _COLUMN, rngs, param_dtype)
-        self.scan_layers, self.remat = scan_layers, remat
+        self.scan_layers, self.remat, self.scan_backward = scan_layers, remat, scan_backward
 
     def __call__(self, tokens, *, schedule: str = "direct", mix=None, scale=None,
                  observer: Optional[ScheduleObserver] = None):
@@ -247,5 +250,6 @@ class Transformer(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
         sublayers = (lambda p, h: nnx.merge(graphdef, p).attention(h),
                      lambda p, h: nnx.merge(graphdef, p).mlp(h))
-        h = self.router.scan(x, sublayers, state, mix=mix, scale=scale, remat=self.remat)
+        h = self.router.scan(x, sublayers, state, mix=mix, scale=scale, remat=self.remat,
+                             backward=self.scan_backward)
         return self.head(self.final_norm(h))

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from attnres_numpy import validation
+from attnres_numpy import probe, validation
 from attnres_numpy.config import ResidualConfig
 from attnres_numpy.schedule import (
     FixedResidualStream,
@@ -69,6 +69,9 @@ class JaxOps(ResidualOps):
 
     def sigmoid(self, x):
         return jax.nn.sigmoid(x)
+
+    def tanh(self, x):
+        return jnp.tanh(x)
 
     def to_compute(self, x):
         return x.astype(compute_dtype(x.dtype))
@@ -215,7 +218,7 @@ def _static(*values) -> tuple:
 
 def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Sequence[Callable],
                layer_params, *, mix=None, scale=None, remat: Optional[str] = None, unroll: int = 1,
-               stages: Optional[int] = None):
+               stages: Optional[int] = None, backward: Optional[str] = None):
     """`stack_apply` as one `jax.lax.scan` over groups of sublayers: the program holds one group
     whatever L is (compile time flat in L), the schedule's state has a fixed shape
     (`attnres_numpy.schedule.FixedResidualStream`: Full a history buffer `[L + 1, ..., D]`,
@@ -238,6 +241,15 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
       stages: the scan is split into this many consecutive scans (None: 4 for kind="full", else
         1), each holding only the buffer rows its sublayers touch: the rows read per sublayer
         are ~(stages + 1) / (2 stages) of L instead of L, each stage one more body in the program.
+      backward: how the gradient of a Full or Block stack is formed.  "replay": the forward
+        keeps only the final buffer (and, per step, the small carries: the open block's partial
+        row, the M10 PreNorm sum), and the backward is a reverse scan that rebuilds each step's
+        entry buffer from it and takes that step's VJP: O(L) saved rows instead of a buffer per
+        step (O(L^2)), at the cost of one more forward of each step (remat "recompute" is then
+        implied).  "scan": `lax.scan`'s own autodiff, which saves every step's carry.  None
+        (default): "replay" for block (less memory and faster), "scan" for full (on XLA:CPU its
+        replay steps slower with two sublayers per step; choose "replay" where the O(L^2)
+        history does not fit; docs/benchmarks.md).  remat="offload" always uses "scan".
 
     Returns: out `[..., D]` (h_{L+1}, before any final norm) in the embedding's dtype.
     """
@@ -253,20 +265,33 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
     _check(config, params, embedding, n * period, "direct")
     if hasattr(mix, "shape"):
         mix = jnp.asarray(mix, dtype=compute_dtype(embedding.dtype))
+    scale = _as_scale(scale, embedding)
     stream = FixedResidualStream(config, JaxOps(params), embedding, num_layers=n * period, mix=mix,
-                                 scale=_as_scale(scale, embedding))
-    policy = remat_policy(remat)
+                                 scale=scale)
+    if backward is not None and backward not in SCAN_BACKWARDS:
+        raise ValueError(f"backward: expected one of {SCAN_BACKWARDS} or None, got {backward!r}")
+    if backward is None:
+        backward = "replay" if config.kind == "block" else "scan"
+    replay = backward == "replay" and remat != "offload" and stream.buffer is not None
+    policy = None if replay else remat_policy(remat)
     fs = list(sublayers) if policy is None else [_named(f) for f in sublayers]
+    # The traced call inputs travel as explicit arguments of each step (the replayed scan's
+    # custom VJP differentiates only its arguments); Python values stay static.
+    traced = (params, embedding, mix if hasattr(mix, "shape") else None,
+              scale if hasattr(scale, "shape") else None)
 
-    def body(state, step):
-        i, p = step
-        stream.load(state, i * period + 1)
+    def step(inputs, state, i, p):
+        """One scan step: sublayers i * P + 1 .. i * P + P from `state`; returns the next state."""
+        p_router, emb, mix_t, scale_t = inputs
+        s = FixedResidualStream(config, JaxOps(p_router), emb, num_layers=n * period,
+                                mix=mix if mix_t is None else mix_t, scale=scale if scale_t is None else scale_t)
+        s.load(state, i * period + 1)
         for f in fs:
-            stream.push(f(p, stream.input()))
-        return stream.state, None
+            s.push(f(p, s.input()))
+        return s.state
 
     if policy is not None:
-        body = jax.checkpoint(body, policy=policy)
+        step = jax.checkpoint(step, policy=policy)
     stages = min(n, 4 if config.kind == "full" else 1) if stages is None else stages
     if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= n:
         raise ValueError(f"stages: expected an int in [1, {n}] (the scan steps) or None, got {stages!r}")
@@ -275,33 +300,118 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
         stop = n * (stage + 1) // stages
         h, buffer, standard = state
         rows = buffer if buffer is None else buffer[:stream.count(stop * period + 1)]  # rows touched
-        steps = (jnp.arange(start, stop), jax.tree_util.tree_map(lambda x: x[start:stop], layer_params))
-        (h, rows, standard), _ = jax.lax.scan(body, (h, rows, standard), steps, unroll=unroll)
-        state = (h, buffer if buffer is None else buffer.at[:rows.shape[0]].set(rows), standard)
+        stage_params = jax.tree_util.tree_map(lambda x: x[start:stop], layer_params)
+        if replay:
+            h, rows, standard = _replayed_scan(step, traced, (h, rows, standard), start, stage_params,
+                                               _entry_row(config, period), unroll)
+        else:
+            (h, rows, standard), _ = jax.lax.scan(
+                lambda c, x: (step(traced, c, *x), None), (h, rows, standard),
+                (jnp.arange(start, stop), stage_params), unroll=unroll)
+        if buffer is not None:  # the rows back into the buffer (no copy when the stage held all)
+            buffer = rows if rows.shape[0] == buffer.shape[0] else buffer.at[:rows.shape[0]].set(rows)
+        state = (h, buffer, standard)
         start = stop
     stream.load(state, n * period + 1)
     return stream.output()
 
 
+SCAN_BACKWARDS = ("replay", "scan")
+
+
+def _entry_row(config: ResidualConfig, period: int) -> Callable:
+    """i -> (r, open): at the entry of scan step i (sublayer l = i * P + 1) the buffer rows < r
+    are final (written once, so equal to the final buffer's) and the rows > r not yet written
+    (zero, and masked by every read of the step); row r is written by this step (full: row l)
+    or, for block (`open`), holds the running partial of the block this step continues (M3),
+    which the replay saves."""
+    if config.kind == "full":
+        return lambda i: (i * period + 1, False)
+    S = config.block_size
+    return lambda i: ((i * period) // S + 1, True)
+
+
+def _replayed_scan(step: Callable, inputs, state: tuple, start: int, layer_params, entry_row: Callable,
+                   unroll: int) -> tuple:
+    """`lax.scan` of `state = step(inputs, state, i, p_i)` over i = start, start + 1, ... and the
+    slices p_i of `layer_params` (leaves `[n, ...]`), whose backward replays each step from the
+    final buffer instead of keeping every step's carry (`scan_apply(backward="replay")`).
+
+    state: (h, buffer `[R, ..., D]`, standard), h / standard None or `[..., D]`.  Values and
+    gradients are those of the plain scan: the replayed step sees the rows it read in the forward
+    (the final buffer's rows < r, the saved partial at r, `entry_row`) and masks the later rows
+    as the forward did (weight and gradient exactly 0 for finite rows; a non-finite buffer means
+    a non-finite loss either way).
+    Closed-over traced values of the user's sublayers are hoisted into explicit arguments
+    (`jax.closure_convert`), so their gradients flow as well.
+    """
+    n = jax.tree_util.tree_leaves(layer_params)[0].shape[0]
+    p0 = jax.tree_util.tree_map(lambda x: x[0], layer_params)
+    converted, consts = jax.closure_convert(
+        lambda inputs, state, i, p: step(inputs, state, i, p), inputs, state, jnp.int32(start), p0)
+
+    def forward(args, state, layer_params):
+        inputs, consts = args
+
+        def body(carry, x):
+            i, p = x
+            h, buffer, standard = carry
+            r, is_open = entry_row(i)
+            kept = (h, jax.lax.dynamic_index_in_dim(buffer, r, 0, keepdims=False) if is_open else None, standard)
+            return converted(inputs, carry, i, p, *consts), kept
+
+        steps = (jnp.arange(start, start + n, dtype=jnp.int32), layer_params)
+        return jax.lax.scan(body, state, steps, unroll=unroll)
+
+    @jax.custom_vjp
+    def run(args, state, layer_params):
+        return forward(args, state, layer_params)[0]
+
+    def run_fwd(args, state, layer_params):
+        final, kept = forward(args, state, layer_params)
+        return final, (args, layer_params, final[1], kept)
+
+    def run_bwd(res, d_final):
+        (inputs, consts), layer_params, buffer, kept = res
+
+        def body(carry, x):
+            d_state, d_args = carry
+            i, p, (h, partial, standard) = x
+            r, is_open = entry_row(i)
+            # The step's entry buffer: the rows < r are the final buffer's; the rows > r hold
+            # later outputs where the forward had zeros, but every read of this step masks them
+            # (num_valid: weight exactly 0, gradient exactly 0 for finite rows), so the step
+            # computes the same values; masking them here instead cost a buffer copy per step.
+            # Row r is written by the step (full) or holds the saved partial (block).
+            entry = jax.lax.dynamic_update_index_in_dim(buffer, partial.astype(buffer.dtype), r, 0) \
+                if is_open else buffer
+            _, vjp = jax.vjp(lambda a, s, p: converted(a[0], s, i, p, *a[1]), (inputs, consts),
+                             (h, entry, standard), p)
+            d_a, d_s, d_p = vjp(d_state)
+            return (d_s, jax.tree_util.tree_map(jnp.add, d_args, d_a)), d_p
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, (inputs, consts))
+        steps = (jnp.arange(start, start + n, dtype=jnp.int32), layer_params, kept)
+        (d_state, d_args), d_layer_params = jax.lax.scan(body, (d_final, zeros), steps, reverse=True,
+                                                         unroll=unroll)
+        return d_args, d_state, d_layer_params
+
+    run.defvjp(run_fwd, run_bwd)
+    return run((inputs, consts), state, layer_params)
+
+
 def probe_sublayers(sublayer_weights, eps: float, *, prenorm: bool = True) -> list:
-    """The probe's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])`; W `[L, D, D]`;
-    prenorm=False (fuse_out_norm, M15: the stream hands the normed input) drops the rmsnorm."""
-    norm = (lambda h: rmsnorm(h, eps)) if prenorm else (lambda h: h)
-    return [lambda h, w=sublayer_weights[l]: jnp.tanh(matmul(norm(h), w))
-            for l in range(sublayer_weights.shape[0])]
+    """The probe's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])` on `JaxOps`
+    (`attnres_numpy.probe.probe_sublayers`, with eps and fuse_out_norm = not prenorm); W `[L, D, D]`."""
+    config = ResidualConfig(eps=eps, fuse_out_norm=not prenorm)
+    return probe.probe_sublayers(config, JaxOps(), jnp.asarray(sublayer_weights))
 
 
 def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, *,
                   schedule: str = "direct", mix=None, scale: Optional[float] = None):
-    """The spec's probe network (spec section 6): embedding `[..., D]`, sublayer_weights
-    `[L, D, D]`; returns out `[..., D]`."""
-    w = jnp.asarray(sublayer_weights)
-    embedding = jnp.asarray(embedding)
-    validation.check_floating("sublayer_weights", dtype_name(w))
-    dim = embedding.shape[-1] if embedding.ndim else 0
-    if w.ndim != 3 or w.shape[0] < 1 or w.shape[1:] != (dim, dim):
-        raise ValueError(f"sublayer_weights: expected shape [L, D, D] with L >= 1 and D = {dim}, "
-                         f"got shape {w.shape}")
-    sublayers = probe_sublayers(w, config.eps, prenorm=not config.fuse_out_norm)  # M15
-    return stack_apply(config, params, embedding, sublayers, schedule=schedule,
-                       mix=mix, scale=scale)
+    """The spec's probe network (spec section 6; the shared `attnres_numpy.probe` on `JaxOps`):
+    embedding `[..., D]`, sublayer_weights `[L, D, D]`; returns out `[..., D]`."""
+    w, embedding = jnp.asarray(sublayer_weights), jnp.asarray(embedding)
+    probe.check_sublayer_weights(w, embedding.shape[-1] if embedding.ndim else 0, dtype_name)
+    return stack_apply(config, params, embedding, probe.probe_sublayers(config, JaxOps(), w),
+                       schedule=schedule, mix=mix, scale=scale)

@@ -81,7 +81,7 @@ def _rms_factors(x: mx.array, eps: float, keepdims: bool = False):
     ms = mx.mean(x * x, axis=-1, keepdims=True)
     big = mx.isinf(ms)
     # The rescaled squares only for overflowed rows, zero elsewhere: (x 2^-k)^2 of ordinary x is
-    # subnormal, and subnormal arithmetic made this pass 5x slower than mean(x^2) on the CPU.
+    # subnormal, and subnormal arithmetic is slow on CPUs.
     y = x * mx.where(big, lo, zero)
     ms_lo = mx.where(big, mx.mean(y * y, axis=-1, keepdims=True), 1.0)
     pre = mx.where(big, lo, mx.array(1.0, dtype=x.dtype))

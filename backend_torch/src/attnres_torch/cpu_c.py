@@ -61,8 +61,8 @@ SOURCE = Path(__file__).parent / "csrc" / "depth_cpu.c"
 #: then pthreads, then without -march=native for compilers that lack it.
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
 #: The second build, for bfloat16 sources on hosts with AVX-512 (F and BW): 16-lane vectors (the C
-#: file's VW; 1.2-1.35x faster bf16 kernels on a 2-core Intel Xeon VM, no gain for fp32, a loss for
-#: fp16, so those keep the base build).  Its row sums are blocked by 32, not 16: other last bits.
+#: file's VW; faster for bf16 only, so fp32 and fp16 keep the base build: docs/benchmarks.md).
+#: Its row sums are blocked by 32, not 16: other last bits.
 WIDE_DEFINES = ("-DATTNRES_WIDE",)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 

@@ -10,7 +10,7 @@ reference runs on exactly those values.  Op and probe cases are `GoldenCase`s of
 Beyond the option grid: non-finite inputs (C12), large logits (C10.4), sizes large in each
 axis (C16), empty token axes, tuple sources, a query dtype other than the sources' (C10.1);
 every op case also checks C10.3's result dtypes and C7a (no result aliases an input).  Round 3
-(issue 33, `_round3_cases`): return_weights past 40 sources, the output norm at one token and at
+(`_round3_cases`): return_weights past 40 sources, the output norm at one token and at
 fp16-subnormal magnitudes, C10.6 in the two-phase ops, a merge whose partial weight is tiny at
 every token, `forward_only` rows (a call without cotangents, no gradient column, checked even
 where a backend declares `forward_in_gradient_call`), and the per-call scale next to a config
@@ -388,7 +388,7 @@ def _multi_merge_cases(dtypes) -> List[Case]:
 
 
 def _hole_cases(dtypes) -> List[Case]:
-    """The categories a broken port slipped through before (issue 17): C12 non-finite inputs,
+    """The categories a broken port slipped through before: C12 non-finite inputs,
     large logits (C10.4), merge_partial's eps / scale, sizes large in each axis (C16), empty
     token axes, tuple sources, and a query dtype other than the sources' (C10.1)."""
     da, mu, me = "depth_attention", "depth_attention_multi", "merge_partial"
@@ -471,7 +471,7 @@ def _hole_cases(dtypes) -> List[Case]:
     return cases
 
 
-#: Round 3 (issue 33).  A partial whose weight is e^-GAP at every token (lse1 = z2 + GAP): 1 - w1
+#: Round 3.  A partial whose weight is e^-GAP at every token (lse1 = z2 + GAP): 1 - w1
 #: rounds it to 0 in float32 (w1 = 1 - 2e-9) and keeps 5e-8 of it in float64, so every gradient
 #: of the partial's weight is lost or off by far more than its tolerance (fp16 cannot show it:
 #: those gradients, ~e^-20, underflow there).

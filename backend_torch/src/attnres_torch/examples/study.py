@@ -1,4 +1,4 @@
-"""The depth study (issue 16): does AttnRes help more as the model gets deeper, and at what cost?
+"""The depth study: does AttnRes help more as the model gets deeper, and at what cost?
 
 Trains the example byte-level LM (`examples.train.train_model`, same data, same pairing: for one
 seed every variant starts from the same sublayer / embedding / head weights and sees the same

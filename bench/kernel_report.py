@@ -7,7 +7,7 @@ Two parts, each in its own environment (torch+Triton and JAX are separate nox en
 
 * `--part triton` (run it with the torch env, e.g. `.nox/tests-torch/bin/python`): captures every
   kernel launch of `attnres_torch.kernels.triton_depth` at the benchmark shapes (on "meta"
-  tensors: `_alloc` and `_launch` are patched, nothing is allocated or run), binds the arguments
+  tensors, `triton_depth.record_launches`: nothing is allocated or run), binds the arguments
   with Triton's own launcher specialization (divisibility-16 and ==1 attributes, constexprs,
   num_warps exactly as a launch on a GPU would), compiles each specialization with
   `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` and runs the `ptxas`
@@ -123,29 +123,17 @@ SPILL_BOUNDS = {("fwd+bwd out-norm D=8192", "_depth_bwd_kernel"): 64,
 # ------------------------------------------------------------------------------- Triton part
 
 def capture_launches(case: Case) -> list:
-    """[(kernel, grid, args, meta)] of the host call `case`, on meta tensors (nothing runs)."""
-    from unittest import mock
-
+    """[(kernel, grid, args, meta)] of the host call `case`, on meta tensors (nothing runs;
+    `triton_depth.record_launches`)."""
     import torch
     from attnres_torch.kernels import triton_depth as td
-
-    launches = []
 
     def meta(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    def alloc(shape, dtype, device):
-        return meta(shape, dtype=dtype)
-
-    def launch(kernel, grid, *args, **kw):
-        launches.append((kernel, grid, args, kw))
-
     n, t, d, s = case.n, case.t, case.d, case.s
     f32 = torch.float32
-    # The three private names of triton_depth patched here (_alloc, _launch, _TABLES) are the one
-    # reach-in left into attnres_torch: it has no public capture hook for its launches yet.
-    with mock.patch.object(td, "_alloc", alloc), mock.patch.object(td, "_launch", launch), \
-            mock.patch.object(td, "_TABLES", type(td._TABLES)()):  # cold: every case fills its tables
+    with td.record_launches() as launches:  # cold tables: every case fills its own
         xs = [meta(t, d) for _ in range(n)]
         if case.op == "forward":
             td.forward(xs, meta(d, dtype=f32), meta(d, dtype=f32), EPS, SCALE)

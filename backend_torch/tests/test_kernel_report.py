@@ -5,7 +5,7 @@ Triton's own launcher specialization, compiled for `GPUTarget("cuda", 90, 32)` a
 the ptxas shipped in the Triton wheel (`-v`).  Asserted: no register spills (benchmark shapes and
 the report's edge shapes, separately), 16-byte global loads and stores and no narrower than 4
 bytes at the benchmark shapes (bf16, D a multiple of 8; `TINY_KERNELS`, the 128-byte table fill,
-exempt), every `*_kernel` of `_depth_kernels` compiled.  The occupancy and PTX-width helpers are checked on known inputs first.
+exempt), every `*_kernel` of `triton_depth` compiled.  The occupancy and PTX-width helpers are checked on known inputs first.
 
 Skipped with the reason when Triton, its CUDA backend or its ptxas is absent, or under
 TRITON_INTERPRET=1 (interpreted kernels cannot be compiled).
@@ -120,3 +120,24 @@ def test_vectorized_global_loads_and_stores_at_benchmark_shapes(bench_rows):
         if r["narrow_loads"] or r["narrow_stores"] or r["widest_load"] < 16 or r["widest_store"] < 16:
             scalar.append(f"{_where(r)}: loads {r['loads']}, stores {r['stores']} (bytes: count)")
     assert not scalar, scalar
+
+
+def test_record_launches_runs_nothing_and_restores_the_module():
+    """`triton_depth.record_launches`: the forward's launches are recorded on meta tensors (no
+    kernel runs, nothing is allocated on a device) and the module's own allocation, launch and
+    table cache come back after the block, also when it raises."""
+    import torch
+    from attnres_torch.kernels import triton_depth as td
+
+    saved = (td._alloc, td._launch, td._TABLES)
+    xs = [torch.empty(64, 256, dtype=torch.bfloat16, device="meta") for _ in range(5)]
+    q = torch.empty(256, dtype=torch.float32, device="meta")
+    with td.record_launches() as launches:
+        out, lse = td.forward(xs, q, q, 1e-6, 1.0)
+    assert launches and all(hasattr(k, "fn") and k.fn.__name__.endswith("_kernel") for k, _, _, _ in launches)
+    assert out.device.type == "meta" and lse.device.type == "meta" and tuple(out.shape) == (64, 256)
+    assert all(a is b for a, b in zip((td._alloc, td._launch, td._TABLES), saved))
+    with pytest.raises(RuntimeError, match="inside"):
+        with td.record_launches():
+            raise RuntimeError("inside")
+    assert all(a is b for a, b in zip((td._alloc, td._launch, td._TABLES), saved))

@@ -43,6 +43,7 @@ says whether a CUDA graph is being captured.
 """
 
 import collections
+import contextlib
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -733,6 +734,31 @@ def _alloc(shape, dtype, device) -> Tensor:
 def _launch(kernel, grid, *args, **meta) -> None:
     """Every kernel launch (tests count them)."""
     kernel[grid](*args, **meta)
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Inside the block the host functions (`forward`, `backward`, `multi_forward`,
+    `merge_forward`) run on "meta" tensors without running a kernel: every output and workspace
+    buffer is allocated on "meta", every launch is recorded instead of made, and the pointer
+    tables start empty.  Yields the list of launches `(kernel, grid, args, meta)`, e.g. to
+    compile them for a target without a GPU (bench/kernel_report.py).  Not thread-safe: it swaps
+    this module's allocation and launch functions for the block."""
+    global _alloc, _launch, _TABLES
+    launches: list = []
+    saved = (_alloc, _launch, _TABLES)
+
+    def alloc(shape, dtype, device) -> Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def launch(kernel, grid, *args, **meta) -> None:
+        launches.append((kernel, grid, args, meta))
+
+    _alloc, _launch, _TABLES = alloc, launch, collections.OrderedDict()
+    try:
+        yield launches
+    finally:
+        _alloc, _launch, _TABLES = saved
 
 
 def supports(sources, query, norm_weight, *, num_heads, activation, key_norm,

@@ -141,3 +141,16 @@ def test_record_launches_runs_nothing_and_restores_the_module():
         with td.record_launches():
             raise RuntimeError("inside")
     assert all(a is b for a, b in zip((td._alloc, td._launch, td._TABLES), saved))
+
+
+def test_poisoned_outputs_fills_every_buffer_with_nan_and_restores():
+    """`triton_depth.poisoned_outputs` (bench/gpu_check.py's proof that a kernel wrote every
+    element): inside, every buffer the host code allocates is NaN; after, allocation is plain."""
+    import torch
+    from attnres_torch.kernels import triton_depth as td
+
+    saved = td._alloc
+    with td.poisoned_outputs():
+        buf = td._alloc((3, 4), torch.float32, "cpu")
+        assert torch.isnan(buf).all() and buf.shape == (3, 4)
+    assert td._alloc is saved

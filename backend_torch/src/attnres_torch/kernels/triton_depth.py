@@ -761,6 +761,24 @@ def record_launches():
         _alloc, _launch, _TABLES = saved
 
 
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Inside the block every output and workspace buffer these kernels allocate starts as NaN,
+    so a kernel that leaves an element unwritten shows it (a correctness check's proof that the
+    kernel wrote every element).  Not thread-safe: it swaps this module's allocation function."""
+    global _alloc
+    saved = _alloc
+
+    def alloc(shape, dtype, device) -> Tensor:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    _alloc = alloc
+    try:
+        yield
+    finally:
+        _alloc = saved
+
+
 def supports(sources, query, norm_weight, *, num_heads, activation, key_norm,
              out_norm=False) -> bool:
     """True when these kernels compute this call: Triton importable; every tensor on CUDA (or on

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from attnres_jax import router as R
+from attnres_jax import stack as R
 from attnres_jax import training as T
 from attnres_jax.modules import DepthRouter, Transformer
 from attnres_numpy import model as ref_model

@@ -13,7 +13,7 @@ from attnres_numpy.config import ResidualConfig
 
 from . import dispatch
 from .ops import depth_attention, depth_attention_multi, merge_partial
-from .router import probe_forward, probe_sublayers, rmsnorm, scan_apply, stack_apply
+from .stack import probe_forward, probe_sublayers, rmsnorm, scan_apply, stack_apply
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,7 @@ from attnres_numpy.config import ResidualConfig
 from attnres_numpy.schedule import ResidualStream
 
 from . import ops
-from .router import JaxOps
+from .stack import JaxOps
 
 
 def _head_map(axis_name: str, local_dim: int, dim: int, num_heads: int, dtype):

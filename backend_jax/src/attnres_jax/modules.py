@@ -29,7 +29,7 @@ from flax.core import meta as flax_meta
 from flax.nnx.nn import linear as flax_linear
 
 from .ops import depth_attention, dtype_name
-from .router import HIGHEST, Sublayer, scan_apply, stack_apply
+from .stack import HIGHEST, Sublayer, scan_apply, stack_apply
 
 #: The mesh axis of tensor parallelism in the modules' partitioning metadata.
 TENSOR_AXIS = "model"
@@ -205,7 +205,7 @@ class Transformer(nnx.Module):
     from the same rngs, and give the same logits.  The unrolled form steps faster at small depth
     and supports every kind, schedule and observer; see docs/benchmarks.md for where the
     scanned form wins on the CPU.
-    remat: None, "recompute" or "offload" (`attnres_jax.router.remat_policy`) for every call.
+    remat: None, "recompute" or "offload" (`attnres_jax.stack.remat_policy`) for every call.
     scan_backward: None, "replay" or "scan": the scanned form's backward (`scan_apply(backward=)`).
     param_dtype: the dtype of every parameter (the stream runs in the embedding's, M1a).
     """

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from attnres_jax import dispatch, ops
-from attnres_jax.router import probe_forward
+from attnres_jax.stack import probe_forward
 from attnres_numpy.config import VARIANT_KINDS
 
 from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities

@@ -11,27 +11,30 @@ one run.  The machine load (`os.getloadavg`) is printed before and after.
     python bench/bench_jax_depth.py                         # L = 8 16 32 64, both forms
     python bench/bench_jax_depth.py --depths 8 16 --forms scanned --steps 5
     python bench/bench_jax_depth.py --depths 32 --forms scanned-replay scanned-carry  # the two backwards
+    python bench/bench_jax_depth.py --depths 8 32 --forms unrolled scanned --eager torch mlx  # side by side
 
 Unrolled Full/Block compile grows with L (the issue measured Full L = 64 > 900 s), so the
-unrolled form runs up to `--unrolled-max` (default 32) sublayers.
+unrolled form runs up to `--unrolled-max` (default 32) sublayers.  `--eager torch mlx` adds the
+same model and step in PyTorch (`AttnResTransformer`) and MLX (`Transformer`), eager, each run by
+its own interpreter (.nox/tests-torch, .nox/tests-mlx); their "compile" column is the first step.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from attnres_jax.modules import Transformer
 from attnres_numpy.config import ResidualConfig
-from flax import nnx
+
+ROOT = Path(__file__).resolve().parents[1]
 
 KINDS = {
     "prenorm": ResidualConfig.variant("standard"),
@@ -49,6 +52,12 @@ FORMS = {"unrolled": {"scan_layers": False},
 def measure(kind: str, num_layers: int, form: str, steps: int, *, dim=128, heads=4, batch=4, seq=64,
             vocab=256) -> dict:
     """Compile seconds and median step seconds of one configuration."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from attnres_jax.modules import Transformer
+    from flax import nnx
+
     model = Transformer(KINDS[kind], vocab_size=vocab, dim=dim, num_blocks=num_layers // 2, num_heads=heads,
                         rngs=nnx.Rngs(0), **FORMS[form])
     graphdef, params = nnx.split(model)
@@ -78,6 +87,82 @@ def measure(kind: str, num_layers: int, form: str, steps: int, *, dim=128, heads
     return {"compile": compile_s, "step": statistics.median(times), "fastest": min(times)}
 
 
+def _timed(step, steps: int) -> dict:
+    """First step's seconds ("compile": eager frameworks have none, the first step warms up),
+    then the median and fastest of `steps` steps after one more warm-up."""
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"compile": first, "step": statistics.median(times), "fastest": min(times)}
+
+
+def measure_torch(kind: str, num_layers: int, steps: int, *, dim=128, heads=4, batch=4, seq=64,
+                  vocab=256) -> dict:
+    """The same model and step in PyTorch, eager: `attnres_torch.AttnResTransformer` (the C kernel
+    on the CPU), AdamW, cross-entropy, backward, optimizer step."""
+    import torch
+    from attnres_torch.modules import AttnResTransformer
+
+    torch.manual_seed(0)
+    model = AttnResTransformer(vocab, dim, num_layers // 2, heads, KINDS[kind])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, vocab, (batch, seq + 1)))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+
+    return _timed(step, steps)
+
+
+def measure_mlx(kind: str, num_layers: int, steps: int, *, dim=128, heads=4, batch=4, seq=64,
+                vocab=256) -> dict:
+    """The same model and step in MLX, eager (no `mx.compile`): `attnres_mlx.Transformer`,
+    `nn.value_and_grad`, AdamW, `mx.eval` of the loss, parameters and optimizer state."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from attnres_mlx import Transformer
+
+    mx.random.seed(0)
+    model = Transformer(KINDS[kind], vocab_size=vocab, dim=dim, num_blocks=num_layers // 2, num_heads=heads)
+    opt = optim.AdamW(learning_rate=1e-3)
+    tokens = mx.array(np.random.default_rng(0).integers(0, vocab, (batch, seq + 1)))
+
+    def loss_fn(model, x, y):
+        return nn.losses.cross_entropy(model(x)[0], y).mean()
+
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+
+    def step():
+        loss, grads = value_and_grad(model, tokens[:, :-1], tokens[:, 1:])
+        opt.update(model, grads)
+        mx.eval(loss, model.parameters(), opt.state)
+
+    return _timed(step, steps)
+
+
+EAGER = {"torch": measure_torch, "mlx": measure_mlx}
+
+
+def in_child(framework: str, kind: str, num_layers: int, steps: int) -> dict:
+    """One eager configuration measured by the framework's own interpreter
+    (`.nox/tests-<framework>/bin/python`, or ATTNRES_BENCH_<FRAMEWORK>_PYTHON)."""
+    python = os.environ.get(f"ATTNRES_BENCH_{framework.upper()}_PYTHON",
+                            str(ROOT / ".nox" / f"tests-{framework}" / "bin" / "python"))
+    out = subprocess.run([python, __file__, "--child", framework, kind, str(num_layers), str(steps)],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def load() -> str:
     return "load %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0)
 
@@ -89,7 +174,15 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--unrolled-max", type=int, default=32)
+    ap.add_argument("--eager", nargs="*", default=[], choices=list(EAGER),
+                    help="also the same model in these frameworks, eager, each in its own interpreter")
+    ap.add_argument("--child", nargs=4, metavar=("FRAMEWORK", "KIND", "L", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        framework, kind, num_layers, steps = args.child
+        print(json.dumps(EAGER[framework](kind, int(num_layers), int(steps))))
+        return
+    import jax
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
           f"jax {jax.__version__} {jax.default_backend()}, {load()}")
     rows = {}
@@ -102,11 +195,24 @@ def main() -> None:
                 rows[form, L, kind] = r
                 print(f"  {form:13s} L={L:3d} {kind:8s} compile {r['compile']:7.2f} s  step "
                       f"{1e3 * r['step']:8.1f} ms (fastest {1e3 * r['fastest']:7.1f})", flush=True)
+    for framework in args.eager:
+        form = f"{framework} eager"
+        for L in args.depths:
+            for kind in args.kinds:
+                try:
+                    r = in_child(framework, kind, L, args.steps)
+                except (OSError, subprocess.CalledProcessError) as e:
+                    print(f"  {form}: skipped ({type(e).__name__}: {getattr(e, 'stderr', '') or e})"[:300])
+                    break
+                rows[form, L, kind] = r
+                print(f"  {form:13s} L={L:3d} {kind:8s} first  {r['compile']:7.2f} s  step "
+                      f"{1e3 * r['step']:8.1f} ms (fastest {1e3 * r['fastest']:7.1f})", flush=True)
+    forms = list(args.forms) + [f"{f} eager" for f in args.eager]
     print(f"# after: {load()}")
     print("\n| form | L | compile PreNorm | compile Full (x) | compile Block (x) | step PreNorm | "
           "step Full (x) | step Block (x) |")
     print("|---|---|---|---|---|---|---|---|")
-    for form in args.forms:
+    for form in forms:
         for L in args.depths:
             if (form, L, "prenorm") not in rows:
                 continue

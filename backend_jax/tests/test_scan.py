@@ -335,6 +335,9 @@ def test_scan_apply_rejects_an_unknown_backward(rng):
         scan_apply(config, params, emb, [_probe_layer(config)], w, backward="carry")
     with pytest.raises(ValueError, match="backward: expected one of"):
         scan_apply(config, params, emb, [_probe_layer(config)], w, backward=True)
+    block = ResidualConfig.variant("block", block_size=2)  # replayed by default: remat still checked
+    with pytest.raises(ValueError, match="remat: expected one of"):
+        scan_apply(block, block.init_params(L, D), emb, [_probe_layer(block)], w, remat="bogus")
 
 
 def test_router_module_is_a_deprecated_alias_of_stack():

@@ -273,7 +273,9 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
     if backward is None:
         backward = "replay" if config.kind == "block" else "scan"
     replay = backward == "replay" and remat != "offload" and stream.buffer is not None
-    policy = None if replay else remat_policy(remat)
+    policy = remat_policy(remat)  # checks remat in every case
+    if replay:  # the replay recomputes each step itself: no checkpoint policy on top
+        policy = None
     fs = list(sublayers) if policy is None else [_named(f) for f in sublayers]
     # The traced call inputs travel as explicit arguments of each step (the replayed scan's
     # custom VJP differentiates only its arguments); Python values stay static.

@@ -26,7 +26,7 @@ KINDS = ("standard", "full", "block")
 
 def _rank(rank, world, args, kind, mode):
     import torch
-    from attnres_numpy.config import ResidualConfig
+    from attnres_core.config import ResidualConfig
     from attnres_torch import hf
     from attnres_torch.memory import Offload, Recompute, SavedBytes
     from torch.distributed.fsdp import fully_shard

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from attnres_numpy.config import ResidualConfig
+from attnres_core.config import ResidualConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

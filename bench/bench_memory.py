@@ -49,7 +49,7 @@ SAVES = ("out", "stats")
 
 
 def _config(args):
-    from attnres_numpy.config import ResidualConfig
+    from attnres_core.config import ResidualConfig
 
     if args.kind == "block":
         return ResidualConfig.variant("block", block_size=args.block_size)

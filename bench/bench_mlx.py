@@ -77,7 +77,7 @@ def _fwd_bwd(fn):
 
 
 def _decode_models(num_layers, dim):
-    from attnres_numpy.config import ResidualConfig
+    from attnres_core.config import ResidualConfig
     configs = {"PreNorm": ResidualConfig.variant("standard"),
                "Full": ResidualConfig.variant("full"),
                "Block S=8": ResidualConfig.variant("block", block_size=8)}

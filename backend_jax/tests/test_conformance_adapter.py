@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from attnres_conformance.adapters.jax import backend
 from attnres_conformance.backend import OPS, OPTIONS, Backend, OpCall, ProbeCall
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_numpy import model as ref_model
 from attnres_numpy import ops as ref
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 
 
 def test_protocol_and_capabilities():

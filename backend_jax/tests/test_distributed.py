@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(r'''
     from jax.sharding import Mesh, PartitionSpec as P
     from attnres_conformance.tolerances import TOLERANCES, rel_err
     from attnres_numpy import model as ref_model, ops as ref
-    from attnres_numpy.config import ResidualConfig
+    from attnres_core.config import ResidualConfig
     import attnres_jax
     from attnres_jax.distributed import depth_attention_tp, sequence_sharded_prefill
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_jax import probe_sublayers
 from attnres_jax.modules import DepthAttention, DepthRouter, Transformer
 from attnres_numpy import model as ref
 from attnres_numpy import ops as ref_ops
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 from flax import nnx
 from jax_helpers import precision
 

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(r'''
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from attnres_numpy.config import ResidualConfig
+    from attnres_core.config import ResidualConfig
     from attnres_jax.modules import Transformer
 
     assert len(jax.devices()) == 8, jax.devices()

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_jax import probe_forward, stack_apply
 from attnres_numpy import model as ref
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 from jax_helpers import assert_close, precision
 
 L, D = 5, 8

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ScheduleObserver
 from attnres_jax import depth_attention, rmsnorm, scan_apply, stack_apply
 from attnres_jax.modules import DepthRouter, Transformer
 from attnres_jax.stack import matmul, remat_policy
 from attnres_numpy import model as ref
 from attnres_numpy import ops as ref_ops
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ScheduleObserver
 from flax import nnx
 from jax_helpers import precision
 

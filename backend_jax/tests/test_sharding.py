@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from attnres_numpy import model as ref
     from attnres_numpy import ops
-    from attnres_numpy.config import ResidualConfig
+    from attnres_core.config import ResidualConfig
     from attnres_jax import depth_attention, probe_forward
     from jax_helpers import assert_close  # the suite's metric and table (on PYTHONPATH below)
 

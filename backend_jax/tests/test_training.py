@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from attnres_core import training as core
+from attnres_core.config import ResidualConfig
 from attnres_jax import stack as R
 from attnres_jax import training as T
 from attnres_jax.modules import DepthRouter, Transformer
 from attnres_numpy import model as ref_model
-from attnres_numpy import training as core
-from attnres_numpy.config import ResidualConfig
 from flax import nnx
 
 L, D = 3, 8

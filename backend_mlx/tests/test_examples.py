@@ -7,8 +7,8 @@ import re
 
 import mlx.core as mx
 import pytest
+from attnres_core.config import ResidualConfig
 from attnres_mlx.examples import decoder
-from attnres_numpy import ResidualConfig
 
 
 @pytest.mark.parametrize("config", [ResidualConfig(kind="full"), ResidualConfig(kind="block", block_size=2)])

@@ -5,8 +5,8 @@ import attnres_numpy.model as ref_model
 import mlx.core as mx
 import numpy as np
 import pytest
+from attnres_core.config import ResidualConfig
 from attnres_mlx import mlx_lm as C
-from attnres_numpy.config import ResidualConfig
 from helpers import assert_close, to_mx, to_np
 
 pytest.importorskip("mlx_lm")

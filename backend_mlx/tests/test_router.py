@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from attnres_conformance.numerics import round_to
 from attnres_conformance.tolerances import compare, flash_rule
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_mlx import compiled, ops, probe
 from attnres_mlx.router import MlxOps
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 from helpers import assert_close, rand, to_mx, to_np
 
 L, D, BATCH = 5, 8, (2, 3)
@@ -247,13 +247,13 @@ def test_row_cache_follows_parameter_updates():
 
 
 def test_probe_is_the_shared_one_and_checks_its_weights():
-    """The probe's sublayers are `attnres_numpy.probe`'s on `MlxOps` (the deprecated
+    """The probe's sublayers are `attnres_core.probe`'s on `MlxOps` (the deprecated
     `probe.probe_sublayers` included); sublayer_weights not `[L, D, D]` raises naming it."""
     cfg = ResidualConfig.variant("fused_out_norm", eps=1e-3)
     _, _, emb, w = _probe_inputs(cfg, "float64")
     h, wm = to_mx(emb, "float64"), to_mx(w, "float64")
     with mx.stream(mx.cpu):
-        with pytest.deprecated_call(match="attnres_numpy.probe.probe_sublayers"):
+        with pytest.deprecated_call(match="attnres_core.probe.probe_sublayers"):
             fs = probe.probe_sublayers(wm, 1e-3, prenorm=False)
         np.testing.assert_allclose(to_np(fs[1](h)), np.tanh(emb @ w[1]), rtol=1e-14, atol=1e-15)
         with pytest.deprecated_call():

@@ -13,10 +13,10 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from attnres_core import training as core
+from attnres_core.config import ResidualConfig
 from attnres_mlx import training as T
 from attnres_mlx.router import DepthRouter, rmsnorm
-from attnres_numpy import training as core
-from attnres_numpy.config import ResidualConfig
 
 L, D = 3, 8
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from attnres_numpy.config import ResidualConfig
+from attnres_core.config import ResidualConfig
 from helpers import assert_close, to_mx, to_np
 
 V, D, BLOCKS, T = 11, 16, 3, 6
@@ -107,8 +107,8 @@ def test_transformer_observer_sees_every_read_with_the_reference_weights(kind):
     """`Transformer(..., observer=)` reaches the router: every depth read (L + 1 rows) is seen,
     and with `wants_weights` its weights are the float64 reference's weights of the same
     sources and query (MlxOps hands the ops' weights through)."""
+    from attnres_core.schedule import ScheduleObserver
     from attnres_numpy import ops as ref_ops
-    from attnres_numpy.schedule import ScheduleObserver
 
     cfg = ResidualConfig.variant(kind, block_size=2) if kind == "block" else ResidualConfig.variant(kind)
     model = _model(cfg)

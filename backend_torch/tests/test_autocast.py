@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _helpers import assert_close, compute_dtype, f64, leaves, rand
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_numpy import ops as ref
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 
 L, D = 5, 8
 BF16 = torch.bfloat16

@@ -8,8 +8,8 @@ import pytest
 import torch
 from attnres_conformance.adapters.torch import backend
 from attnres_conformance.backend import Backend, OpCall
+from attnres_core.config import VARIANT_KINDS
 from attnres_numpy import ops as ref
-from attnres_numpy.config import VARIANT_KINDS
 from attnres_torch import dispatch
 
 

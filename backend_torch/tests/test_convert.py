@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_torch import DepthRouter
 from attnres_torch.convert import DepthSite, PerLayerRouter, RowStack, wrap_prenorm
 from attnres_torch.examples.decoder import Decoder

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from attnres_core.config import ResidualConfig
 from attnres_numpy import ops as ref
-from attnres_numpy.config import ResidualConfig
 from attnres_torch.diagnostics import DepthCollapseWarning, DepthMonitor, weight_stats
 from torch import nn
 

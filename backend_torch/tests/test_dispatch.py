@@ -134,12 +134,12 @@ def test_previous_names_are_deprecated_aliases():
 
 # -- the flat path ----------------------------------------------------------------------------------
 
-PACKAGES = {Path(at.__file__).parent, Path(sys.modules["attnres_numpy"].__file__).parent}
+PACKAGES = {Path(at.__file__).parent, Path(sys.modules["attnres_core"].__file__).parent}
 
 
 def _ours(frame) -> str | None:
     """The file of `frame` relative to its package root, when it is attnres_torch's or
-    attnres_numpy's; None for every other file (torch's, the test's)."""
+    attnres_core's; None for every other file (torch's, the test's)."""
     path = Path(frame.f_code.co_filename)
     for root in PACKAGES:
         if root in path.parents:

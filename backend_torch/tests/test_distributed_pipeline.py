@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _helpers import assert_close, f64, rand
+from attnres_core.config import ResidualConfig
 from attnres_numpy import model as ref
-from attnres_numpy.config import ResidualConfig
 from attnres_torch.distributed import (
     CommCounter,
     PipelinePlan,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from _helpers import assert_close, f64, rand
+from attnres_core.config import ResidualConfig
 from attnres_numpy import model as ref
-from attnres_numpy.config import ResidualConfig
 from attnres_torch.distributed import (
     CommCounter,
     all_reduce_grads,

@@ -237,7 +237,7 @@ def test_decoder_example_converts_and_trains(capsys):
 
 
 def test_decoder_conversion_is_prenorm_at_init_in_float64():
-    from attnres_numpy import ResidualConfig
+    from attnres_core.config import ResidualConfig
     from attnres_torch.examples.decoder import Decoder, convert
 
     torch.manual_seed(0)

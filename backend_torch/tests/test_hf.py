@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from attnres_numpy.config import ResidualConfig
+from attnres_core.config import ResidualConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="the HF stack is installed by tests-torch")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attnres_numpy.config import ResidualConfig
+from attnres_core.config import ResidualConfig
 from attnres_torch.memory import Offload, Recompute, SavedBytes, checkpointed, memory_mode
 from attnres_torch.modules import AttnResTransformer
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _helpers import assert_close
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_numpy import model
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 
 L, D = 5, 8
 

@@ -14,8 +14,8 @@ from unittest import mock
 import numpy as np
 from attnres_conformance.numerics import DTYPES, round_to
 from attnres_conformance.reference_backend import ReferenceBackend
+from attnres_core.config import VARIANT_KINDS
 from attnres_numpy import ops
-from attnres_numpy.config import VARIANT_KINDS
 from attnres_numpy.tape import Tape
 
 

@@ -30,7 +30,8 @@ def _projects() -> dict:
 
 def _table() -> dict:
     """README's distribution table: distribution name -> the names in its "depends on" cell."""
-    rows = re.findall(r"^\| `(attnres-[a-z]+)` \(`attnres_[a-z]+`\) \|[^|]*\| ([^|]*) \|$", README.read_text(), re.M)
+    rows = re.findall(r"^\| `(attnres-[a-z]+)` \(`attnres_[a-z]+`(?:, `attnres_[a-z]+`)*\) \|[^|]*\| ([^|]*) \|$",
+                      README.read_text(), re.M)
     return {name: {_name(d) for d in deps.split(",")} for name, deps in rows}
 
 

@@ -172,14 +172,14 @@ def test_allowlist_entries_are_checked():
 
 def test_same_as_requires_the_very_object():
     table = {"signatures": {"ResidualConfig": {"backends": ["torch", "jax"],
-                                               "same_as": "attnres_numpy.config.ResidualConfig"}}}
+                                               "same_as": "attnres_core.config.ResidualConfig"}}}
     assert sig.mismatches("torch", [module(ResidualConfig=attnres_numpy.ResidualConfig)], table) == []
 
     class ResidualConfig:  # a look-alike copy is not the shared config
         pass
 
     problems = sig.mismatches("torch", [module(ResidualConfig=ResidualConfig)], table)
-    assert problems == ["torch.ResidualConfig: must be attnres_numpy.config.ResidualConfig itself (a re-export)"]
+    assert problems == ["torch.ResidualConfig: must be attnres_core.config.ResidualConfig itself (a re-export)"]
 
 
 def test_the_real_table_catches_a_renamed_keyword_in_the_reference(monkeypatch):

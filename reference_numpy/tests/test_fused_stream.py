@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attnres_core.schedule import run_schedule
 from attnres_numpy import ResidualConfig, probe_forward, probe_sublayers, rmsnorm, stack_forward
-from attnres_numpy.schedule import run_schedule
 from attnres_numpy.tape import Tape
 
 L, D = 4, 6

@@ -1,4 +1,4 @@
-"""The base packages import numpy only: no deep-learning framework is loaded by importing them."""
+"""The base packages (core, oracle, suite) import numpy only: importing them loads no framework."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ FRAMEWORK_ADAPTERS = tuple(f"attnres_conformance.adapters.{name}" for name in ("
 
 SCRIPT = """
 import importlib, json, pkgutil, sys
-import attnres_numpy, attnres_conformance
+import attnres_core, attnres_numpy, attnres_conformance
 loaded = []
-for pkg in (attnres_numpy, attnres_conformance):
+for pkg in (attnres_core, attnres_numpy, attnres_conformance):
     for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
         if info.name in %r:  # a framework's adapter: imported by name, only when chosen
             continue
@@ -27,14 +27,14 @@ print(json.dumps({"modules": loaded, "frameworks": sorted(
 
 
 def test_base_packages_load_no_framework():
-    """Imports attnres_numpy, attnres_conformance and every submodule of both in a fresh
+    """Imports attnres_core, attnres_numpy, attnres_conformance and every submodule of each in a fresh
     interpreter, then checks sys.modules.  (A module that imported a framework fails here in
     either case: with the framework installed it shows up in sys.modules, without it the import
     raises.)"""
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert "attnres_numpy.model" in report["modules"]
+    assert {"attnres_core.schedule", "attnres_numpy.model"} <= set(report["modules"])
     assert {"attnres_conformance.adapters.base", "attnres_conformance.adapters.numpy",
             "attnres_conformance.registry"} <= set(report["modules"])
     assert report["frameworks"] == [], f"frameworks loaded: {report['frameworks']}"

@@ -365,7 +365,7 @@ def test_compressed_history_sources_and_count():
     """M14 with W = 1, S = 2 over L = 7: each read sees v_0, the sums of the complete blocks
     with nS <= l - 1 - W, then every later output; at most 1 + floor((l-1-W)/S) + W + S - 1
     arrays instead of l."""
-    from attnres_numpy.schedule import run_schedule
+    from attnres_core.schedule import run_schedule
     from attnres_numpy.tape import Tape
 
     config = ResidualConfig(kind="window", window=1, block_size=2, history="summaries")

@@ -1,4 +1,4 @@
-"""The probe network written once (`attnres_numpy.probe`): it runs on any `ResidualOps` object.
+"""The probe network written once (`attnres_core.probe`): it runs on any `ResidualOps` object.
 
 A plain-NumPy ops object with no tape (as a third-party port would write one, on the reference's
 own depth-attention ops) runs the same probe as `probe_forward` for every variant and schedule;
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attnres_numpy import VARIANT_KINDS, ResidualConfig, probe, probe_forward, probe_sublayers, rmsnorm
+from attnres_core import probe
+from attnres_core.schedule import ResidualOps, split_result
+from attnres_numpy import VARIANT_KINDS, ResidualConfig, probe_forward, probe_sublayers, rmsnorm
 from attnres_numpy import ops as ref
-from attnres_numpy.schedule import ResidualOps, split_result
 from attnres_numpy.tape import Tape
 
 L, D = 4, 4

@@ -1,4 +1,4 @@
-"""The framework-neutral training tools (`attnres_numpy.training`): the curves' exact values and
+"""The framework-neutral training tools (`attnres_core.training`): the curves' exact values and
 their array form, the collapse statistics against hand-computed values and the float64
 reference's weights, the records and collapse rule of `DepthMonitorBase` with each policy
 decision, and the FLA / K3 key mappings (names, shapes, transposes, bitwise round trips)."""
@@ -10,9 +10,9 @@ import warnings
 
 import numpy as np
 import pytest
+from attnres_core import training as T
+from attnres_core.config import ResidualConfig
 from attnres_numpy import ops as ref
-from attnres_numpy import training as T
-from attnres_numpy.config import ResidualConfig
 
 # -- curves ----------------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_numpy import vectors
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 
 COMMITTED = Path(__file__).resolve().parents[2] / "spec" / "vectors"
 MAX_BYTES = 2 * 1024 * 1024

@@ -9,7 +9,7 @@ public backend contract: `IMPLEMENTATIONS`, `availability`, `use_impl`, `last_ch
 adapter lives in the suite: `attnres_conformance.adapters.jax`.
 """
 
-from attnres_numpy.config import ResidualConfig
+from attnres_core.config import ResidualConfig
 
 from . import dispatch
 from .ops import depth_attention, depth_attention_multi, merge_partial

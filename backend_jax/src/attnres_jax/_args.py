@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from attnres_numpy.numerics import compute_dtype_for, sum_to_axes
+from attnres_core.numerics import compute_dtype_for, sum_to_axes
 
 
 def dtype_name(x) -> str:
@@ -24,7 +24,7 @@ def dtype_name(x) -> str:
 def compute_dtype(dtype) -> jnp.dtype:
     """C10: the compute dtype (kappa) of sources of `dtype`: float64 stays float64, every other
     dtype computes in float32.  The one place this package reads the rule
-    (`attnres_numpy.numerics.compute_dtype_for`, shared by every backend)."""
+    (`attnres_core.numerics.compute_dtype_for`, shared by every backend)."""
     return jnp.dtype(compute_dtype_for(jnp.dtype(dtype).name))
 
 
@@ -77,7 +77,7 @@ def restack(grads: list, like):
 
 
 def sum_to(x, shape):
-    """Sum a broadcast result x back to `shape` (`attnres_numpy.numerics.sum_to_axes`)."""
+    """Sum a broadcast result x back to `shape` (`attnres_core.numerics.sum_to_axes`)."""
     lead, keep = sum_to_axes(x.shape, shape)
     return jnp.sum(jnp.sum(x, axis=lead), axis=keep, keepdims=True)
 

@@ -21,9 +21,9 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from attnres_numpy import validation
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ResidualStream
+from attnres_core import validation
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ResidualStream
 
 from . import ops
 from .stack import JaxOps

@@ -22,8 +22,8 @@ from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ScheduleObserver
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ScheduleObserver
 from flax import nnx
 from flax.core import meta as flax_meta
 from flax.nnx.nn import linear as flax_linear

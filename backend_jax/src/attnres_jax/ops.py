@@ -3,7 +3,7 @@
 
 Pure functions: they work under `jax.jit`, `jax.grad`, `jax.vjp`, `jax.vmap`, `jax.checkpoint`
 and `shard_map`, and validate shapes and dtypes at trace time with the shared checks of
-`attnres_numpy.validation`.  Each call checks its arguments and hands them, with the `Request`
+`attnres_core.validation`.  Each call checks its arguments and hands them, with the `Request`
 an implementation is chosen from, to the registry (`dispatch.attend` / `dispatch.merge`), which
 chooses the implementation (from the `impl` keyword, a `dispatch.use_impl` block, the platform
 and the shapes) and runs the custom VJP with it as a static argument.
@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import jax
-from attnres_numpy import validation
+from attnres_core import validation
 
 from . import dispatch
 from ._args import (

@@ -2,10 +2,10 @@
 
 `stack_apply(config, params, embedding, sublayers)` drives user-supplied sublayers (callables
 `h [..., D] -> v [..., D]`, from any JAX library: Flax, Equinox, Haiku or plain functions over
-pytrees) with the residual scheme `config` (`attnres_numpy.config.ResidualConfig`).  params is a
+pytrees) with the residual scheme `config` (`attnres_core.config.ResidualConfig`).  params is a
 dict name -> array shaped exactly as `config.param_shapes(L, D)`; row r = l - 1 belongs to
 sublayer l and row L to the output aggregation (M4).  The schedule itself is the shared
-`attnres_numpy.schedule.ResidualStream`, run on `JaxOps`.  Everything here is differentiable and
+`attnres_core.schedule.ResidualStream`, run on `JaxOps`.  Everything here is differentiable and
 works under `jit`, `grad`, `vmap` and `checkpoint`.
 
 `probe_forward` is the spec's probe network (`f_l(h) = tanh(rmsnorm(h) @ W[l-1])`).
@@ -18,9 +18,9 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from attnres_numpy import probe, validation
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import (
+from attnres_core import probe, validation
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import (
     FixedResidualStream,
     ResidualOps,
     ScheduleObserver,
@@ -54,7 +54,7 @@ def matmul(x, w):
 
 
 class JaxOps(ResidualOps):
-    """JAX's `ResidualOps` for the shared schedule (`attnres_numpy.schedule`).
+    """JAX's `ResidualOps` for the shared schedule (`attnres_core.schedule`).
 
     params: name -> array of `ResidualConfig.param_shapes(L, D)` (a missing or None
     "norm_weights" means a gainless key norm).  The stream keeps the embedding's dtype, the
@@ -169,7 +169,7 @@ def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: S
                 schedule: str = "direct", observer: Optional[ScheduleObserver] = None,
                 mix=None, scale=None, remat: Optional[str] = None):
     """Run the residual scheme `config` over L user-supplied sublayers (spec section 4), on the
-    shared schedule (`attnres_numpy.schedule.run_schedule`).
+    shared schedule (`attnres_core.schedule.run_schedule`).
 
     Args:
       config: the residual scheme.  params: name -> array of `config.param_shapes(L, D)`.
@@ -182,7 +182,7 @@ def stack_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: S
         every alpha of a warm-up.
       scale: M10 logit scale for this call: a Python float (static under `jit`) or a 0-d array
         (traced: one compiled step serves every temperature; folded into the queries,
-        `attnres_numpy.schedule.call_scale`).
+        `attnres_core.schedule.call_scale`).
       remat: None, "recompute" or "offload" (`remat_policy`): the whole stack under one
         `jax.checkpoint` that keeps only the layer outputs v_l.
 
@@ -221,7 +221,7 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
                stages: Optional[int] = None, backward: Optional[str] = None):
     """`stack_apply` as one `jax.lax.scan` over groups of sublayers: the program holds one group
     whatever L is (compile time flat in L), the schedule's state has a fixed shape
-    (`attnres_numpy.schedule.FixedResidualStream`: Full a history buffer `[L + 1, ..., D]`,
+    (`attnres_core.schedule.FixedResidualStream`: Full a history buffer `[L + 1, ..., D]`,
     Block `[ceil(L / S) + 1, ..., D]`; every read masks the rows not yet written, which
     contribute exact zeros) and the result is `stack_apply`'s.
 
@@ -404,14 +404,14 @@ def _replayed_scan(step: Callable, inputs, state: tuple, start: int, layer_param
 
 def probe_sublayers(sublayer_weights, eps: float, *, prenorm: bool = True) -> list:
     """The probe's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])` on `JaxOps`
-    (`attnres_numpy.probe.probe_sublayers`, with eps and fuse_out_norm = not prenorm); W `[L, D, D]`."""
+    (`attnres_core.probe.probe_sublayers`, with eps and fuse_out_norm = not prenorm); W `[L, D, D]`."""
     config = ResidualConfig(eps=eps, fuse_out_norm=not prenorm)
     return probe.probe_sublayers(config, JaxOps(), jnp.asarray(sublayer_weights))
 
 
 def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, *,
                   schedule: str = "direct", mix=None, scale: Optional[float] = None):
-    """The spec's probe network (spec section 6; the shared `attnres_numpy.probe` on `JaxOps`):
+    """The spec's probe network (spec section 6; the shared `attnres_core.probe` on `JaxOps`):
     embedding `[..., D]`, sublayer_weights `[L, D, D]`; returns out `[..., D]`."""
     w, embedding = jnp.asarray(sublayer_weights), jnp.asarray(embedding)
     probe.check_sublayer_weights(w, embedding.shape[-1] if embedding.ndim else 0, dtype_name)

@@ -2,7 +2,7 @@
 on the schedule's observer, and the FLA / Kimi K3 checkpoint converters (needs the `flax` extra
 for the monitor's NNX actions; optax for `query_lr_scale`).
 
-What is arithmetic or parameter mapping is the framework-neutral `attnres_numpy.training` (the
+What is arithmetic or parameter mapping is the framework-neutral `attnres_core.training` (the
 same code torch and MLX call); this module evaluates it on `jax.numpy` and adds the JAX actions.
 
 * Schedules (M10): `linear_warmup(steps)`, `cosine_warmup(steps)`, `temperature_schedule(start,
@@ -30,9 +30,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attnres_numpy import training as core
-from attnres_numpy.schedule import ScheduleObserver
-from attnres_numpy.training import (
+from attnres_core import training as core
+from attnres_core.schedule import ScheduleObserver
+from attnres_core.training import (
     POLICIES,
     CollapsePolicy,
     DepthCollapseError,
@@ -63,7 +63,7 @@ def _schedule(curve) -> Schedule:
 
 
 def linear_warmup(steps: int) -> Schedule:
-    """alpha(count) = min(1, count / steps) (`attnres_numpy.training.LinearWarmup`), float32."""
+    """alpha(count) = min(1, count / steps) (`attnres_core.training.LinearWarmup`), float32."""
     return _schedule(core.LinearWarmup(steps))
 
 
@@ -183,7 +183,7 @@ def _state_variables(tree, suffix: Tuple, shape) -> list:
 class LrScalePolicy(core.LrScaleRule):
     """lr_scale: from a row's first collapse on, `monitor.lr_factors()` holds `factor` for its
     query row; pass it to the `query_lr_scale` transform each step (the decision is
-    `attnres_numpy.training.LrScaleRule`'s)."""
+    `attnres_core.training.LrScaleRule`'s)."""
 
 
 class ResetPolicy(core.ResetRule):
@@ -233,7 +233,7 @@ class DepthMonitor(core.DepthMonitorBase):
 
     Per step: `obs = monitor.observer()`, `model(tokens, observer=obs)` (any number of passes),
     return `obs.stats()` from the step, then `monitor.update(step, stats)` on the host.
-    `history`, `metrics()` and the collapse rule are `attnres_numpy.training.DepthMonitorBase`'s.
+    `history`, `metrics()` and the collapse rule are `attnres_core.training.DepthMonitorBase`'s.
     """
 
     def __init__(self, router, *, collapse_threshold: float = 0.99,

@@ -1,6 +1,6 @@
 """Attention Residuals for MLX: custom-VJP ops, `mlx.nn` modules, two-phase schedule."""
 
-from attnres_numpy.config import ResidualConfig
+from attnres_core.config import ResidualConfig
 
 from .ops import depth_attention, depth_attention_multi, inverse_rms, merge_partial
 from .router import DepthAttention, DepthRouter

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Sequence, Tuple
 
 import mlx.core as mx
-from attnres_numpy import validation
-from attnres_numpy.numerics import sum_to_axes
+from attnres_core import validation
+from attnres_core.numerics import sum_to_axes
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32,
            "float64": mx.float64}
@@ -22,12 +22,12 @@ def dtype_name(dtype) -> str:
 
 def compute_dtype(source_dtype) -> mx.Dtype:
     """C10: the dtype of every intermediate for sources of `source_dtype` (the shared rule in
-    `attnres_numpy.validation.compute_dtype_for`: float64 stays float64, else float32)."""
+    `attnres_core.validation.compute_dtype_for`: float64 stays float64, else float32)."""
     return _DTYPES[validation.compute_dtype_for(dtype_name(source_dtype))]
 
 
 def sum_to(a: mx.array, shape: Sequence[int]) -> mx.array:
-    """Sum a broadcast result back to `shape` (`attnres_numpy.numerics.sum_to_axes`)."""
+    """Sum a broadcast result back to `shape` (`attnres_core.numerics.sum_to_axes`)."""
     lead, keep = sum_to_axes(a.shape, shape)
     if lead:
         a = a.sum(axis=lead)

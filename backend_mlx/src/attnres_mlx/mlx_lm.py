@@ -28,9 +28,9 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ResidualStream
-from attnres_numpy.training import from_k3, k3_config, to_k3
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ResidualStream
+from attnres_core.training import from_k3, k3_config, to_k3
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .router import DepthRouter, MlxOps
@@ -53,7 +53,7 @@ def _k3_text(model) -> nn.Module:
 
 def kimi_k3_config(model) -> ResidualConfig:
     """The `ResidualConfig` of a K3 model: block, S = 2 x attn_res_block_size, eps =
-    rms_norm_eps (K3's depth reads use the model's RMSNorm epsilon; `attnres_numpy.training.
+    rms_norm_eps (K3's depth reads use the model's RMSNorm epsilon; `attnres_core.training.
     k3_config`)."""
     args = _k3_text(model).args
     if args.attn_res_block_size is None:
@@ -69,7 +69,7 @@ def _k3_weights(text) -> Dict[str, mx.array]:
 def kimi_k3_router(model) -> DepthRouter:
     """A `DepthRouter` (L = 2 x num_hidden_layers, float32) holding K3's residual weights:
     queries[r] = the read's `*_res_proj.weight` `[1, D]` flattened, norm_weights[r] = its
-    `*_res_norm.weight` `[D]` (the core K3 mapping, `attnres_numpy.training.from_k3`)."""
+    `*_res_norm.weight` `[D]` (the core K3 mapping, `attnres_core.training.from_k3`)."""
     text = _k3_text(model)
     rows = from_k3(_k3_weights(text), prefix="", as_array=_identity, stack=mx.stack)
     L = 2 * len(text.layers)
@@ -83,7 +83,7 @@ def kimi_k3_router(model) -> DepthRouter:
 
 def load_kimi_k3(model, router: DepthRouter) -> None:
     """The reverse of `kimi_k3_router`: write `router`'s rows into K3's residual modules, each in
-    the dtype the module's weight has (`attnres_numpy.training.to_k3`).  Clears K3's cached
+    the dtype the module's weight has (`attnres_core.training.to_k3`).  Clears K3's cached
     effective queries (`_*_w_eff`)."""
     text = _k3_text(model)
     L, dim = 2 * len(text.layers), text.args.hidden_size

@@ -3,7 +3,7 @@ section 2, with the fused output norm C17), `depth_attention_multi` and `merge_p
 (section 3, C13-C14), deterministic (C15) and without limits on N or D (C16); and
 `inverse_rms`, the per-source statistic the router caches.
 
-Each op validates with the shared `attnres_numpy.validation` checks, asks the registry
+Each op validates with the shared `attnres_core.validation` checks, asks the registry
 (`dispatch.choose`) once per call which implementation serves it, and runs one
 `mx.custom_function` per static configuration and implementation, whose forward and backward
 are that implementation's entry points (`metal.py` or `compiled.py`).  They work under
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
-from attnres_numpy import validation
+from attnres_core import validation
 
 from . import compiled, dispatch
 from .common import compute_dtype, dtype_name

@@ -1,5 +1,5 @@
 """The spec's probe network in MLX (spec section 6): the shared probe
-(`attnres_numpy.probe`, `f_l(h) = tanh(rmsnorm(h) @ W[l-1])`) on `MlxOps`, driven by `DepthRouter`
+(`attnres_core.probe`, `f_l(h) = tanh(rmsnorm(h) @ W[l-1])`) on `MlxOps`, driven by `DepthRouter`
 with the given parameters, and its gradients by `mx.vjp`."""
 
 from __future__ import annotations
@@ -8,18 +8,18 @@ import warnings
 from typing import Dict, List, Mapping
 
 import mlx.core as mx
-from attnres_numpy import probe as core
-from attnres_numpy.config import ResidualConfig
+from attnres_core import probe as core
+from attnres_core.config import ResidualConfig
 
 from . import ops
 from .router import DepthRouter, MlxOps, Sublayer
 
 
 def probe_sublayers(sublayer_weights: mx.array, eps: float, *, prenorm: bool = True) -> List[Sublayer]:
-    """Deprecated: `attnres_numpy.probe.probe_sublayers(config, MlxOps(), W)`, which reads eps
+    """Deprecated: `attnres_core.probe.probe_sublayers(config, MlxOps(), W)`, which reads eps
     and the prenorm (M15) from the config.  L callables `h [..., D] -> v [..., D]`; W `[L, D, D]`."""
     warnings.warn("attnres_mlx.probe.probe_sublayers is deprecated: use "
-                  "attnres_numpy.probe.probe_sublayers(config, attnres_mlx.router.MlxOps(), W)",
+                  "attnres_core.probe.probe_sublayers(config, attnres_mlx.router.MlxOps(), W)",
                   DeprecationWarning, stacklevel=2)
     config = ResidualConfig(eps=eps, fuse_out_norm=not prenorm)
     return core.probe_sublayers(config, MlxOps(), sublayer_weights)

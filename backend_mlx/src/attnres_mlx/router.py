@@ -5,7 +5,7 @@
 (row r = l - 1 belongs to sublayer l, row L to the output aggregation), so the probe's
 parameters load 1:1 with `router.update(params)`.
 
-The schedule is the shared `attnres_numpy.schedule.ResidualStream` on `MlxOps`.  Every
+The schedule is the shared `attnres_core.schedule.ResidualStream` on `MlxOps`.  Every
 depth-attention source has its inverse RMS computed once, when it is produced (for Block AttnRes:
 once per sealed block), and reused by every later read through
 `ops.depth_attention(..., inv_rms=...)`; only the running intra-block partial sum is normed
@@ -21,8 +21,8 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ResidualOps, ResidualStream, ScheduleObserver, split_result
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ResidualOps, ResidualStream, ScheduleObserver, split_result
 
 from . import compiled, ops
 
@@ -61,7 +61,7 @@ class RowCache:
 
 
 class MlxOps(ResidualOps):
-    """MLX's `ResidualOps` for the shared schedule (`attnres_numpy.schedule`).
+    """MLX's `ResidualOps` for the shared schedule (`attnres_core.schedule`).
 
     Every sealed source (the embedding, each layer output, each completed block) gets its inverse
     RMS once (`source_stats`), reused by every later read (`inv_rms=`); only the running partial
@@ -234,7 +234,7 @@ class DepthRouter(nn.Module):
                observer: Optional[ScheduleObserver] = None, mix=None,
                scale: Optional[float] = None) -> ResidualStream:
         """Start a pass step by step: embedding v_0 `[..., D]`; the stream
-        (`attnres_numpy.schedule`) gives `input()`, `push(v_l)` and `output()`.  mix (alpha in
+        (`attnres_core.schedule`) gives `input()`, `push(v_l)` and `output()`.  mix (alpha in
         [0, 1]: progressive introduction; a Python float, or a 0-d array under `mx.compile`) and
         scale (this call's logit scale) are the M10 per-call inputs."""
         if embedding.ndim < 1 or embedding.shape[-1] != self.dim:

@@ -1,7 +1,7 @@
 """Training tools for MLX: stability schedules, a depth-weight collapse monitor with its policies,
 and the FLA / Kimi K3 checkpoint converters for `DepthRouter`.
 
-What is arithmetic or parameter mapping is the framework-neutral `attnres_numpy.training` (the
+What is arithmetic or parameter mapping is the framework-neutral `attnres_core.training` (the
 same code torch and JAX call); this module evaluates it on `mlx.core` and adds the MLX actions.
 
 * Schedules (M10): `linear_warmup(steps)`, `cosine_warmup(steps)`, `temperature_schedule(start,
@@ -32,9 +32,9 @@ from collections.abc import Mapping
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import mlx.core as mx
-from attnres_numpy import training as core
-from attnres_numpy.schedule import ScheduleObserver
-from attnres_numpy.training import (
+from attnres_core import training as core
+from attnres_core.schedule import ScheduleObserver
+from attnres_core.training import (
     POLICIES,
     CollapsePolicy,
     DepthCollapseError,
@@ -69,7 +69,7 @@ def _schedule(curve) -> Callable:
 
 
 def linear_warmup(steps: int) -> Callable:
-    """alpha(step) = min(1, step / steps) (`attnres_numpy.training.LinearWarmup`)."""
+    """alpha(step) = min(1, step / steps) (`attnres_core.training.LinearWarmup`)."""
     return _schedule(core.LinearWarmup(steps))
 
 
@@ -201,7 +201,7 @@ class DepthMonitor(core.DepthMonitorBase):
       collapse_threshold: a row whose token-averaged maximum weight exceeds it collapsed.
       on_collapse: a `CollapsePolicy` or its name.
 
-    `history`, `metrics()` and the collapse rule are `attnres_numpy.training.DepthMonitorBase`'s.
+    `history`, `metrics()` and the collapse rule are `attnres_core.training.DepthMonitorBase`'s.
     """
 
     def __init__(self, router: DepthRouter, *, collapse_threshold: float = 0.99,

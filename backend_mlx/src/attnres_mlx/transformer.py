@@ -17,8 +17,8 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ScheduleObserver
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ScheduleObserver
 
 from .router import DepthRouter
 

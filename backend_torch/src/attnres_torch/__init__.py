@@ -3,7 +3,7 @@ kernel and a chunked torch kernel on the CPU, Triton kernels on CUDA) and `torch
 `attnres_torch.dispatch` is the backend contract: which implementation serves a call, forcing
 one, capabilities."""
 
-from attnres_numpy.config import ResidualConfig
+from attnres_core.config import ResidualConfig
 
 from . import (
     cpu_alloc,  # noqa: F401  (attnres_torch.cpu_alloc.keep_large_blocks(): opt-in, nothing at import)

@@ -1,6 +1,6 @@
 """Argument plumbing shared by the public ops: torch dtype names, source forms, device checks.
 
-The checks themselves live in `attnres_numpy.validation` (one piece of code per idea); this
+The checks themselves live in `attnres_core.validation` (one piece of code per idea); this
 module only turns torch objects into the shapes and canonical dtype names those checks take.
 """
 
@@ -23,7 +23,7 @@ _DTYPE_NAMES = {
 
 
 def dtype_name(t: torch.Tensor) -> str:
-    """Canonical dtype name for `attnres_numpy.validation` ("int32", "bool", ... = non-floating)."""
+    """Canonical dtype name for `attnres_core.validation` ("int32", "bool", ... = non-floating)."""
     return _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
 
 

@@ -27,7 +27,7 @@ Kimi K3 model code (mlx-lm `mlx_lm/models/kimi_k3.py`, tpu-inference
 `k3_config` give the matching `ResidualConfig`.  Keys of other parameters are ignored on the way
 in and not produced on the way out: the rest of the model maps name to name.
 
-The names, shapes and transposes are the framework-neutral `attnres_numpy.training` mappings
+The names, shapes and transposes are the framework-neutral `attnres_core.training` mappings
 (shared with the JAX and MLX converters); this module hands them torch tensors.
 """
 
@@ -36,8 +36,8 @@ from __future__ import annotations
 from typing import Dict, Mapping
 
 import torch
-from attnres_numpy import training as core
-from attnres_numpy.training import fla_config, k3_config
+from attnres_core import training as core
+from attnres_core.training import fla_config, k3_config
 from torch import nn
 
 FLA_SITES, FLA_OUTPUT = core.FLA.sites, core.FLA.output

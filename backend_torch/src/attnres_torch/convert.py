@@ -18,7 +18,7 @@ the PreNorm keys are unchanged (a PreNorm checkpoint loads with `strict=False`, 
 `attnres` keys), and `stack.layer(i, stream)` runs one block alone.
 
 `PerLayerRouter` is the router over such sites: a `DepthRouter` whose parameters are presented to
-the shared schedule (`attnres_numpy.schedule.ResidualStream` through `TorchOps`) as `RowStack`
+the shared schedule (`attnres_core.schedule.ResidualStream` through `TorchOps`) as `RowStack`
 views, so the schedule exists once; `stacked()` / `load_stacked()` convert to and from the
 `DepthRouter` layout (`ResidualConfig.param_shapes`), which `attnres_torch.checkpoints` reads and
 writes.
@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from attnres_numpy.config import ResidualConfig
+from attnres_core.config import ResidualConfig
 from torch import nn
 
 from .modules import DepthRouter

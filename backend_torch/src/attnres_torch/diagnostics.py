@@ -44,7 +44,7 @@ step and no depth attention runs twice.  The sublayer magnitudes are the inputs 
 schedule hands out and receives; gradient norms come from the given sublayer modules.
 
 The statistics, the records, the collapse rule and message and the policy decisions are the
-framework-neutral `attnres_numpy.training` (shared with the JAX and MLX monitors); this module adds
+framework-neutral `attnres_core.training` (shared with the JAX and MLX monitors); this module adds
 the torch actions (optimizer hooks, in-place resets) and the TensorBoard export.
 """
 
@@ -55,9 +55,9 @@ import math
 from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
-from attnres_numpy import training as core
-from attnres_numpy.schedule import ScheduleObserver
-from attnres_numpy.training import (
+from attnres_core import training as core
+from attnres_core.schedule import ScheduleObserver
+from attnres_core.training import (
     POLICIES,
     CollapseEvent,
     CollapsePolicy,
@@ -205,7 +205,7 @@ def tensorboard_writer(log_dir=None, **kwargs):
 
 def weight_stats(weights: torch.Tensor):
     """Statistics of depth weights `[N, ...]` (any trailing token / head dims), in float64 on
-    the host (`attnres_numpy.training.weight_stats`).
+    the host (`attnres_core.training.weight_stats`).
 
     Returns {"mean_weights": [N] (per-token normalized weights averaged over tokens),
     "entropy": mean over tokens of -sum_i p_i log p_i (nats), "max_weight": mean over tokens of
@@ -254,7 +254,7 @@ class DepthMonitor(core.DepthMonitorBase):
     While attached, the monitor is the router's `observer` (`DepthRouter.observer`, a
     `ScheduleObserver` of the shared schedule): `close()` before pickling or deep-copying the
     whole module (`state_dict` is unaffected).  The records, `history`, `metrics()` and the
-    collapse check are `attnres_numpy.training.DepthMonitorBase`'s.
+    collapse check are `attnres_core.training.DepthMonitorBase`'s.
     """
 
     def __init__(self, router: DepthRouter, sublayers: Sequence[nn.Module] = (), *,

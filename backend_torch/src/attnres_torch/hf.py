@@ -14,7 +14,7 @@ structure (a `ModuleList` of layers, each with two norms and two sublayers, `nor
 twice, as every PreNorm decoder layer has), and each decoder layer keeps its own `__call__`, so
 FSDP2's per-layer hooks, HF gradient checkpointing, forward hooks, `output_hidden_states`, the KV
 cache and `generate()` keep working.  Module hooks route the residual stream through the shared
-schedule (`attnres_numpy.schedule.ResidualStream`, the same one `DepthRouter` runs):
+schedule (`attnres_core.schedule.ResidualStream`, the same one `DepthRouter` runs):
 
 * layer i's forward pre-hook: layer 0 starts the stream on the embedding v_0 and hands the layer
   h_1 (spec M1: attention and MLP are one sublayer each, L = 2 x layers);
@@ -57,7 +57,7 @@ import os
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
-from attnres_numpy.config import ResidualConfig
+from attnres_core.config import ResidualConfig
 from torch import nn
 
 from .convert import PerLayerRouter, _infer_dim, make_sites, param_dtype

@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ResidualStream, ScheduleObserver
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ResidualStream, ScheduleObserver
 from torch import nn
 
 from . import library
@@ -97,7 +97,7 @@ class DepthRouter(nn.Module):
         for name, value in config.init_params(num_layers, dim).items():
             self.register_parameter(name, nn.Parameter(torch.tensor(value, dtype=torch.float32)))
 
-    #: An optional `attnres_numpy.schedule.ScheduleObserver` that every pass reports to (set by
+    #: An optional `attnres_core.schedule.ScheduleObserver` that every pass reports to (set by
     #: `DepthMonitor`); while it wants depth weights the router runs its direct schedule.
     observer: Optional[ScheduleObserver] = None
     #: What the depth-attention ops keep for the backward (`depth_attention`'s `save`); an
@@ -111,7 +111,7 @@ class DepthRouter(nn.Module):
 
     def stream(self, embedding: torch.Tensor, *, mix: Optional[float] = None,
                scale: Optional[float] = None) -> ResidualStream:
-        """Start a pass: embedding `[..., D]` is v_0.  The stream (`attnres_numpy.schedule`) gives
+        """Start a pass: embedding `[..., D]` is v_0.  The stream (`attnres_core.schedule`) gives
         `input()` (h_l for the next sublayer), `push(v_l)` and `output()` (h_{L+1}).
 
         mix: M10 progressive introduction, alpha in [0, 1] (None = 1): every input is

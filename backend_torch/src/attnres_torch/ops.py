@@ -1,7 +1,7 @@
 """The spec's ops for torch tensors (spec sections 2-3): `depth_attention`,
 `depth_attention_multi`, `merge_partial`.
 
-Each call is validated with `attnres_numpy.validation` (same messages as every backend), then
+Each call is validated with `attnres_core.validation` (same messages as every backend), then
 `dispatch.choose` picks its implementation module: a kernel ("triton": `kernels/triton_depth.py`,
 "cpu_c": `cpu_c.py`, "chunked": `chunked.py`), whose custom ops (`module.OPS`, explicit backward,
 see `library.py`) run the call, or the differentiable composition (`composite.py`).
@@ -17,7 +17,7 @@ autocast sources of different dtypes raise the C3 `TypeError`.
 from __future__ import annotations
 
 import torch
-from attnres_numpy import validation
+from attnres_core import validation
 
 from . import composite, dispatch, library
 from ._args import (

@@ -1,4 +1,4 @@
-"""torch's `ResidualOps`: the primitives the shared residual schedule (`attnres_numpy.schedule`)
+"""torch's `ResidualOps`: the primitives the shared residual schedule (`attnres_core.schedule`)
 runs on.  `DepthRouter`, `stream()`, `DepthMonitor` and the sequence- and pipeline-parallel
 wiring all drive `ResidualStream` with this object; nothing in torch re-derives the schedule.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from attnres_numpy.schedule import ResidualOps, split_result
+from attnres_core.schedule import ResidualOps, split_result
 
 from . import library, ops
 from ._args import autocast_off, compute_dtype

@@ -1,5 +1,5 @@
 """Stability schedules for training with AttnRes (spec M10): plain callables `step -> float`,
-the framework-neutral `attnres_numpy.training` curves (one definition for torch, JAX and MLX).
+the framework-neutral `attnres_core.training` curves (one definition for torch, JAX and MLX).
 
 * `LinearWarmup(steps)` / `CosineWarmup(steps)`: the progressive-introduction mix alpha, from
   exactly 0.0 at step 0 to exactly 1.0 at every step >= `steps` (linear, or the half-cosine
@@ -21,6 +21,6 @@ They hold no state, so any training loop can call them::
 
 from __future__ import annotations
 
-from attnres_numpy.training import KINDS, MIX_SCHEDULES, CosineWarmup, LinearWarmup, TemperatureSchedule
+from attnres_core.training import KINDS, MIX_SCHEDULES, CosineWarmup, LinearWarmup, TemperatureSchedule
 
 __all__ = ["KINDS", "MIX_SCHEDULES", "CosineWarmup", "LinearWarmup", "TemperatureSchedule"]

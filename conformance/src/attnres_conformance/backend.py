@@ -54,7 +54,7 @@ class Capabilities:
     devices: Sequence[str] = ("cpu",)
     ops: frozenset = frozenset(OPS)
     options: frozenset = frozenset(OPTIONS)
-    variants: frozenset = frozenset()  # names of attnres_numpy.config.VARIANT_KINDS
+    variants: frozenset = frozenset()  # names of attnres_core.config.VARIANT_KINDS
     schedules: frozenset = frozenset(SCHEDULES)
     call_inputs: frozenset = frozenset(CALL_INPUTS)
     fused_kernel: bool = False

@@ -33,7 +33,7 @@ from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
-from attnres_numpy.config import VARIANT_KINDS
+from attnres_core.config import VARIANT_KINDS
 
 from .backend import Capabilities
 from .numerics import DTYPES

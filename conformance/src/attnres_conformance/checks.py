@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import numpy as np
+from attnres_core.validation import compute_dtype_for
 from attnres_numpy import ops
-from attnres_numpy.validation import compute_dtype_for
 
 from . import naive
 from .backend import OpCall, ProbeCall

@@ -120,10 +120,10 @@ def depth_attention_multi(sources, queries, norm_weights, d_out, d_lse, *, dtype
 def probe(golden, *, backward: bool) -> dict:
     """The probe network of a golden case (op "probe") with every primitive's result, forward
     and backward, rounded to the case dtype: the reference's own schedule
-    (`attnres_numpy.schedule`) on a float64 tape whose every step rounds.  Returns {"out", and
+    (`attnres_core.schedule`) on a float64 tape whose every step rounds.  Returns {"out", and
     with `backward` one entry per gradient name of the golden case}."""
-    from attnres_numpy.config import ResidualConfig
-    from attnres_numpy.probe import run_probe
+    from attnres_core.config import ResidualConfig
+    from attnres_core.probe import run_probe
     from attnres_numpy.tape import Tape
 
     dtype = golden.dtype

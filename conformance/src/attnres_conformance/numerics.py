@@ -1,6 +1,6 @@
 """Dtype facts the suite needs, and rounding float64 values to a low-precision dtype.
 
-Rounding is `attnres_numpy.numerics.round_to_dtype` (one piece of code per idea: the golden
+Rounding is `attnres_core.numerics.round_to_dtype` (one piece of code per idea: the golden
 vectors and the suite round identically); it returns float64 arrays holding values exactly
 representable in the dtype.
 """
@@ -8,7 +8,7 @@ representable in the dtype.
 from __future__ import annotations
 
 import numpy as np
-from attnres_numpy.numerics import DTYPES, round_to_dtype
+from attnres_core.numerics import DTYPES, round_to_dtype
 
 __all__ = ["DTYPES", "ULP", "round_to"]
 

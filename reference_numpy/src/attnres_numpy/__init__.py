@@ -1,23 +1,21 @@
-"""attnres-numpy: the spec core every backend imports, and the float64 reference of AttnRes.
+"""attnres-numpy: the float64 reference (oracle) of AttnRes, beside the spec core `attnres_core`.
 
-The spec core (numpy only, shared by every backend):
-  `config`      the serializable `ResidualConfig` (spec section 5, M1-M9).
-  `validation`  the argument checks (same messages everywhere; spec "Errors").
-  `numerics`    the compute-dtype rule (C10) and exact rounding to fp32/fp16/bf16.
-  `schedule`    the residual schedule of every scheme, written once, over a backend's ops object.
-  `probe`       the spec's probe network (section 6), written once over an ops object.
-  `training`    the training tools' framework-neutral part: M10 curves, collapse statistics and
-                policy decisions, the FLA/K3 checkpoint key mappings.
-
-The float64 oracle beside it:
+The float64 oracle:
   `ops`      the depth-attention operators and their hand-written VJPs (spec sections 2-3).
   `tape`     the float64 reverse-mode tape: the reference's ops object for the schedule.
   `model`    the residual schemes over user sublayers and the spec's probe network (sections 4-6).
   `vectors`  the golden-vector generator and reader.
+
+The spec core every backend imports (`config`, `validation`, `numerics`, `schedule`, `probe`,
+`training`) is the package `attnres_core`, shipped in the same distribution.  `ResidualConfig`,
+`VARIANT_KINDS`, `numerics`, `schedule` and `validation` are re-exported here (the same objects);
+the old module paths `attnres_numpy.<core module>` are deprecated aliases of `attnres_core.<module>`
+(the same module objects, a `DeprecationWarning` on import) for one release.
 """
 
-from . import numerics, schedule, validation
-from .config import VARIANT_KINDS, ResidualConfig
+from attnres_core import numerics, schedule, validation
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
+
 from .model import (
     probe_forward,
     probe_sublayers,

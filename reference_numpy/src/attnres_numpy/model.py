@@ -25,10 +25,10 @@ from collections.abc import Mapping
 from typing import Callable, Dict, List, Sequence
 
 import numpy as np
+from attnres_core import probe, validation
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ScheduleObserver, run_schedule
 
-from . import probe, validation
-from .config import ResidualConfig
-from .schedule import ScheduleObserver, run_schedule
 from .tape import Tape, Var, rmsnorm, rmsnorm_vjp
 
 Sublayer = Callable[[np.ndarray], np.ndarray]
@@ -40,7 +40,7 @@ def probe_sublayers(sublayer_weights, eps: float, *, prenorm: bool = True) -> Li
     """The probe network's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])` as plain NumPy
     callables (float64); prenorm=False (a config with fuse_out_norm, M15: the stream hands the
     normed input) drops the rmsnorm: `f_l(n) = tanh(n @ W[l-1])`.  The formula is
-    `attnres_numpy.probe.probe_sublayers`, here on a tape that records nothing.
+    `attnres_core.probe.probe_sublayers`, here on a tape that records nothing.
 
     sublayer_weights: W `[L, D, D]` (right-multiplication, `[D_in, D_out]`).  Returns L callables
     mapping `[..., D]` to `[..., D]`.
@@ -54,7 +54,7 @@ def probe_sublayers(sublayer_weights, eps: float, *, prenorm: bool = True) -> Li
 def probe_tape_sublayers(tape: Tape, weights: Var, num_layers: int, eps: float, *,
                          prenorm: bool = True) -> list:
     """The probe's sublayers as tape primitives (differentiable): weights is W `[L, D, D]` with
-    L = num_layers; prenorm as `probe_sublayers`.  `attnres_numpy.probe.probe_sublayers` with a
+    L = num_layers; prenorm as `probe_sublayers`.  `attnres_core.probe.probe_sublayers` with a
     config of that eps (and fuse_out_norm = not prenorm)."""
     if weights.shape[0] != num_layers:
         raise ValueError(f"num_layers: {num_layers}, but weights has shape {weights.shape}")
@@ -166,7 +166,7 @@ def _probe_on_tape(config, params, emb, w, *, record: bool, schedule: str, mix, 
 
 def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, *,
                   schedule: str = "direct", mix=None, scale=None) -> np.ndarray:
-    """The spec's probe network (`attnres_numpy.probe.run_probe` on a float64 tape).
+    """The spec's probe network (`attnres_core.probe.run_probe` on a float64 tape).
 
     embedding `[..., D]`; sublayer_weights `[L, D, D]`; schedule, mix, scale as in
     `stack_forward`.  Returns out `[..., D]` float64.

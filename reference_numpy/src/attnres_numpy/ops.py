@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Union
 
 import numpy as np
-
-from . import validation
+from attnres_core import validation
 
 Sources = Union[np.ndarray, Sequence[np.ndarray]]
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
+from attnres_core.config import ResidualConfig
+from attnres_core.numerics import sum_to_axes
+from attnres_core.schedule import ResidualOps
 
 from . import ops
-from .config import ResidualConfig
-from .numerics import sum_to_axes
-from .schedule import ResidualOps
 
 
 def rmsnorm(x, eps: float) -> np.ndarray:

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+from attnres_core.config import ResidualConfig
+from attnres_core.numerics import DTYPES, compute_dtype_for, round_to_dtype  # noqa: F401  (public here too)
 
 from . import __version__, model, ops
-from .config import ResidualConfig
-from .numerics import DTYPES, compute_dtype_for, round_to_dtype  # noqa: F401  (public here too)
 
 SCHEMA_VERSION = 1
 GENERATOR = "attnres_numpy.vectors"

@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import jax
 import jax.numpy as jnp
-from attnres_numpy import ResidualConfig
+from attnres_core.config import ResidualConfig
 from flax import nnx
 
 from ..modules import DepthRouter

@@ -17,7 +17,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from attnres_numpy import ResidualConfig
+from attnres_core.config import ResidualConfig
 
 from .. import DepthRouter
 

@@ -31,8 +31,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ResidualStream
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ResidualStream
 
 from ..residual_ops import TorchOps
 from .comm import CommCounter, check_transfer, recv, send

@@ -22,8 +22,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from attnres_numpy.config import ResidualConfig
-from attnres_numpy.schedule import ResidualStream
+from attnres_core.config import ResidualConfig
+from attnres_core.schedule import ResidualStream
 
 from .._args import check_same_device
 from ..residual_ops import TorchOps

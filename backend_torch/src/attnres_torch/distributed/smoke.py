@@ -172,8 +172,8 @@ def _network(gen, num_layers, tok, dim):
 
 
 def _reference(block_size, num_layers, emb, w, queries, gains, cot):
+    from attnres_core.config import ResidualConfig
     from attnres_numpy import model as ref
-    from attnres_numpy.config import ResidualConfig
     config = ResidualConfig(kind="block", block_size=block_size)
     params = {"queries": _f64(queries), "norm_weights": _f64(gains)}
     out = ref.probe_forward(config, params, _f64(emb), _f64(w))

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from attnres_numpy import validation
+from attnres_core import validation
 
 from .._args import (
     Sources,

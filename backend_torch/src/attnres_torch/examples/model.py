@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 
 from ..modules import AttnResTransformer
 

@@ -7,7 +7,7 @@ the first CUDA call, or when "triton" is forced); `merge` is the phase-2 merge (
 Kernels: forward / phase 1 (one pass, or its logits then its weighted sum), backward, phase-2
 merge, a fixed-order row reduction, and the fill of the pointer tables.
 
-The arguments arrive validated (`attnres_torch.ops`, with `attnres_numpy.validation`) and
+The arguments arrive validated (`attnres_torch.ops`, with `attnres_core.validation`) and
 `refusal` has taken the call.  Shapes: N sources `[..., D]` of one shape and dtype (any
 strides; a source is passed as a `[T, D]` row view with unit column stride, copied only when no
 such view exists), query `[D]` or `[..., D]`, norm_weight `[D]` or None.  The token axes flatten

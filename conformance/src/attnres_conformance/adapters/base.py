@@ -220,7 +220,7 @@ class Adapter:
             native_dtypes=dtypes, aliases=tuple(aliases))
 
     def call_probe(self, call: ProbeCall) -> ProbeResult:
-        from attnres_numpy.config import ResidualConfig
+        from attnres_core.config import ResidualConfig
 
         config = ResidualConfig.from_dict(dict(call.config))
         with self.context(call):

@@ -26,9 +26,9 @@ from typing import Dict
 import jax
 import jax.numpy as jnp
 import numpy as np
+from attnres_core.config import VARIANT_KINDS
 from attnres_jax import dispatch, ops
 from attnres_jax.stack import probe_forward
-from attnres_numpy.config import VARIANT_KINDS
 
 from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
 from .base import Adapter

@@ -12,8 +12,8 @@ from typing import Dict
 
 import mlx.core as mx
 import numpy as np
+from attnres_core.config import VARIANT_KINDS
 from attnres_mlx import dispatch, ops, probe
-from attnres_numpy.config import VARIANT_KINDS
 
 from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
 from .base import Adapter, implementation_counts

@@ -11,8 +11,8 @@ from typing import Any, Dict
 
 import attnres_numpy
 import numpy as np
+from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_numpy import model, ops
-from attnres_numpy.config import VARIANT_KINDS, ResidualConfig
 
 from ..backend import Capabilities, OpCall, ProbeCall, ProbeResult
 from .base import Adapter, split_arguments

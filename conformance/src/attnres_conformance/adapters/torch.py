@@ -11,8 +11,8 @@ from typing import Dict
 
 import numpy as np
 import torch
-from attnres_numpy.config import VARIANT_KINDS
-from attnres_numpy.probe import probe_sublayers
+from attnres_core.config import VARIANT_KINDS
+from attnres_core.probe import probe_sublayers
 from attnres_torch import dispatch, ops
 from attnres_torch.modules import DepthRouter
 from attnres_torch.residual_ops import TorchOps
@@ -107,7 +107,7 @@ class TorchAdapter(Adapter):
         num_layers, dim = sublayer_weights.shape[0], embedding.shape[-1]
         router = DepthRouter(config, num_layers, dim, schedule=schedule).to(
             device=embedding.device, dtype=embedding.dtype)
-        sublayers = probe_sublayers(config, TorchOps(), sublayer_weights)  # attnres_numpy.probe
+        sublayers = probe_sublayers(config, TorchOps(), sublayer_weights)  # attnres_core.probe
         return torch.func.functional_call(router, params, (embedding, sublayers),
                                           dict(mix=mix, scale=scale))
 

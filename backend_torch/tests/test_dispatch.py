@@ -71,7 +71,14 @@ def test_impl_counts_count_each_served_call():
         at.depth_attention([x], q)
     diff = dispatch.impl_counts() - before
     assert diff == {"chunked": 2, "composite": 1}
-    assert dispatch.last_choice() == dispatch.Choice("depth_attention", "composite", ())
+    # forced: every implementation before the forced one is listed as passed over (the core's rule)
+    not_forced = "not forced (use_impl('composite'))"
+    assert dispatch.last_choice() == dispatch.Choice(
+        "depth_attention", "composite", (("triton", not_forced), ("cpu_c", not_forced), ("chunked", not_forced)))
+    with at.use_impl("chunked"):
+        at.depth_attention([x], q)
+    assert dispatch.last_choice().refused == (("triton", "not forced (use_impl('chunked'))"),
+                                              ("cpu_c", "not forced (use_impl('chunked'))"))
 
 
 def test_use_impl_auto_unknown_names_options_and_forced_refusals():
@@ -104,8 +111,9 @@ def test_forced_merge_without_a_kernel_falls_back_and_says_why():
         with at.use_impl("chunked"):
             at.merge_partial(out1[0], lse1[0], xs[0], q)
     choice = dispatch.last_choice()
-    assert choice.impl == "composite" and choice.refused[0][0] == "chunked"
-    assert "no merge_partial kernel" in choice.refused[0][1]
+    assert choice.impl == "composite" and [n for n, _ in choice.refused] == ["triton", "cpu_c", "chunked"]
+    assert dict(choice.refused)["cpu_c"] == "not forced (use_impl('chunked'))"
+    assert "no merge_partial kernel" in dict(choice.refused)["chunked"]
 
 
 def test_implementation_modules():

@@ -2,7 +2,9 @@
 
 This is attnres_torch's part of the public backend contract (the same names in `attnres_jax.dispatch`
 and `attnres_mlx.dispatch`): `IMPLEMENTATIONS`, `availability()`, `use_impl()`, `Choice`,
-`last_choice()`, `impl_counts()`, `capabilities()`.
+`last_choice()`, `impl_counts()`, `capabilities()`.  The bookkeeping (`Choice`, the forcing, the
+record, the refusal rule) is the framework-neutral `attnres_core.dispatch`; this module supplies
+the implementations, their support checks, availability and capabilities.
 
 `IMPLEMENTATIONS`, in the order of the automatic choice; each kernel is one module that owns its
 support check (`refusal(call)`), its host code and its custom ops (`OPS`, see `library.py`):
@@ -20,7 +22,8 @@ support check (`refusal(call)`), its host code and its custom ops (`OPS`, see `l
   kernel serves it; also the comparison baseline.
 
 The automatic choice takes the first implementation whose device every tensor of the call is on
-and that takes the call; `last_choice()` says which served and why each one before it refused.
+and that takes the call; `last_choice()` says which served and why each one before it refused
+(under `use_impl`, the ones before the forced one are "not forced (use_impl('name'))").
 The merge (`merge_partial`) is a kernel only without gradients, for float16/bfloat16/float32
 and plain tensors: no kernel has a merge backward.
 
@@ -35,15 +38,16 @@ kept under a lock (threads may call the ops at once) and skipped while torch.com
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import threading
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
+from attnres_core import dispatch as contract
+from attnres_core.dispatch import Choice
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -60,20 +64,8 @@ DEPRECATED_NAMES = {"cpu": "chunked"}
 MERGE = "merge_partial"
 
 
-class Choice(NamedTuple):
-    """Which implementation served one op call.
-
-    op: "depth_attention", "depth_attention_multi" or "merge_partial".
-    impl: the implementation that served it.
-    refused: (name, reason) of each implementation before `impl` in `IMPLEMENTATIONS` that did
-      not take the call (forced: the forced one, where merge_partial fell back to the
-      composition).
-    """
-
-    op: str
-    impl: str
-    refused: Tuple[Tuple[str, str], ...] = ()
-
+#: The contract's bookkeeping (`attnres_core.dispatch`): the forcing and the record.
+_REGISTRY = contract.Registry("attnres_torch", IMPLEMENTATIONS)
 
 @dataclass(frozen=True)
 class Call:
@@ -195,9 +187,6 @@ def capabilities() -> dict:
 
 # -- forcing and the record -----------------------------------------------------------------------
 
-_forced: contextvars.ContextVar = contextvars.ContextVar("attnres_torch_impl", default=None)
-
-
 @contextlib.contextmanager
 def use_impl(name: str, **options) -> Iterator[None]:
     """Force every op call inside the block (in this thread / task) onto implementation `name`
@@ -209,50 +198,37 @@ def use_impl(name: str, **options) -> Iterator[None]:
         _check_name(name)
     if options:
         raise TypeError(f"use_impl: the torch implementations take no options, got {sorted(options)}")
-    token = _forced.set(None if name == "auto" else name)
-    try:
+    with _REGISTRY.forcing(None if name == "auto" else name):
         yield
-    finally:
-        _forced.reset(token)
 
 
 @torch.compiler.assume_constant_result
 def forced() -> Optional[str]:
     """The name forced by the innermost `use_impl`, or None.  A constant to torch.compile (it
     cannot trace a ContextVar): a trace keeps the forcing in effect while it was traced."""
-    return _forced.get()
-
-
-_lock = threading.Lock()
-_counts: Counter = Counter()
-_last: list = [None]
+    return _REGISTRY.forced()
 
 
 def _record(choice: Choice) -> Choice:
     """Note that `choice` serves a call (skipped while torch.compile traces: a side effect)."""
     if not torch.compiler.is_compiling():
-        with _lock:
-            _counts[choice.impl] += 1
-            _last[0] = choice
+        _REGISTRY.record(choice)
     return choice
 
 
 def last_choice() -> Optional[Choice]:
     """The `Choice` of the most recent op call in this process (any thread), or None."""
-    with _lock:
-        return _last[0]
+    return _REGISTRY.last_choice()
 
 
 def last_impl() -> Optional[str]:
     """The name of the implementation of the last call (any thread): `last_choice().impl`."""
-    choice = last_choice()
-    return None if choice is None else choice.impl
+    return _REGISTRY.last_impl()
 
 
 def impl_counts() -> Counter:
     """A copy of how many op calls each implementation served since import."""
-    with _lock:
-        return Counter(_counts)
+    return _REGISTRY.impl_counts()
 
 
 # -- the choice -----------------------------------------------------------------------------------
@@ -301,26 +277,32 @@ def choose(call: Call):
 
     Forced: that implementation, or a ValueError naming it, the op and its reason; merge_partial
     under a forced implementation without a merge kernel, or with gradients or float64, is the
-    composition's.  Otherwise: the first of `IMPLEMENTATIONS` that takes the call.
+    composition's.  Otherwise: the first of `IMPLEMENTATIONS` that takes the call.  The Choice's
+    refusals follow `attnres_core.dispatch`'s rule (every implementation before the one that
+    served, the unforced ones "not forced").
     """
     name = forced()
     if name is not None:
+        how = f"use_impl({name!r})"
         reason, module = _refusal(name, call, True)
         if reason is None:
-            _record(Choice(call.op, name))
+            _record(Choice(call.op, name, _REGISTRY.refused_before(name, how)))
             return module
         if call.op == MERGE and _merge_fallback(name, call) is not None:
-            _record(Choice(call.op, "composite", ((name, reason),)))
+            _record(Choice(call.op, "composite", _REGISTRY.refused_before("composite", how, {name: reason})))
             return composite
         raise ValueError(f"impl: {name!r} was forced but cannot take this {call.op} call: {reason}")
-    refused = []
-    for name in IMPLEMENTATIONS:
-        reason, module = _refusal(name, call, False)
-        if reason is None:
-            _record(Choice(call.op, name, tuple(refused)))
-            return module
-        refused.append((name, reason))
-    raise AssertionError("unreachable: the composition takes every call")
+    modules = {}
+
+    def reason_of(name):
+        reason, modules[name] = _refusal(name, call, False)
+        return reason
+
+    name, refused = _REGISTRY.auto(reason_of)
+    if name is None:
+        raise AssertionError("unreachable: the composition takes every call")
+    _record(Choice(call.op, name, refused))
+    return modules[name]
 
 
 # -- names of the previous release, deprecated ----------------------------------------------------

@@ -8,10 +8,13 @@
   `probe`       the spec's probe network (section 6), written once over an ops object.
   `training`    the training tools' framework-neutral part: M10 curves, collapse statistics and
                 policy decisions, the FLA/K3 checkpoint key mappings.
+  `dispatch`    the public backend contract's bookkeeping (`Choice`, the forcing behind
+                `use_impl`, the record behind `last_choice` / `impl_counts`), standard library
+                only; each backend's `dispatch` module builds on it.
 
 It ships in the `attnres-numpy` distribution beside the float64 oracle (`attnres_numpy`: `ops`,
 `tape`, `model`, `vectors`), which imports it; nothing here imports the oracle.  Import the modules
 by their path (`from attnres_core.config import ResidualConfig`); this package imports none of them.
 """
 
-__all__ = ["config", "numerics", "probe", "schedule", "training", "validation"]
+__all__ = ["config", "dispatch", "numerics", "probe", "schedule", "training", "validation"]

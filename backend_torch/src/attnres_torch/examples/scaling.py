@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 at the smallest sizes (2)")
     p.add_argument("--multi-seed-sizes", type=int, default=3,
                    help="how many of the smallest sizes get --seeds seeds; the rest get seed 0 (3)")
-    p.add_argument("--tokens-per-param", type=float, default=20.0,
-                   help="training tokens per non-embedding parameter of the size's PreNorm model (20)")
+    p.add_argument("--tokens-per-param", type=float, default=30.0,
+                   help="training tokens per non-embedding parameter of the size's PreNorm model (30)")
     p.add_argument("--context", type=int, default=64, help="sequence length in bytes (64)")
     p.add_argument("--batch", type=int, default=32, help="sequences per step (32)")
     p.add_argument("--head-dim", type=int, default=16, help="d_model / heads (16)")
@@ -298,7 +298,7 @@ def _seeds_at(args, index: int) -> List[int]:
 def plan(args: argparse.Namespace, corpus: Corpus) -> dict:
     """Time `--plan-steps` training steps of every (size, variant) and estimate the sweep's time."""
     gen = torch.Generator().manual_seed(0)
-    rows, total = [], 0.0
+    rows, total, total_cpu = [], 0.0, 0.0
     load_before = os.getloadavg()
     sweep = lr_size(args)
     ladder = sorted_sizes(args)
@@ -309,45 +309,53 @@ def plan(args: argparse.Namespace, corpus: Corpus) -> dict:
         if (blocks, dim) == sweep and sweep_runs and runs_here:
             runs_here -= 1  # seed 0 at the best lr is the sweep's run
         row = {"blocks": blocks, "dim": dim, "nonembedding_params": size_params(args, blocks, dim),
-               "steps": steps, "tokens": steps * args.batch * args.context, "step_s": {}, "run_s": {}}
+               "steps": steps, "tokens": steps * args.batch * args.context, "step_s": {}, "run_s": {},
+               "cpu_step_s": {}, "cpu_run_s": {}}
         for variant in args.residual:
             torch.manual_seed(0)
             model = build_model(args, blocks, dim, variant)
             opt = train._optimizer(model, 1e-3)
-            times = []
+            times, cpu = [], []
             for i in range(args.plan_steps + 2):
                 batch = random_batch(corpus.train, args.batch, args.context, gen)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
                 train._loss(model, batch).backward()
                 opt.step()
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
-            step_s = sorted(times)[len(times) // 2]
+                    cpu.append(time.process_time() - c0)
+            step_s, cpu_s = sorted(times)[len(times) // 2], sorted(cpu)[len(cpu) // 2]
             # validation: (evals + 1) x eval_batches forward passes, about a third of a step each
-            run_s = step_s * (steps + (args.evals + 1) * args.eval_batches / 3)
-            row["step_s"][variant], row["run_s"][variant] = step_s, run_s
-            total += run_s * (runs_here + sweep_runs)
-            train._say(f"plan {blocks}x{dim} {variant}: {1e3 * step_s:.1f} ms/step, ~{run_s / 60:.1f} min/run")
+            per_run = steps + (args.evals + 1) * args.eval_batches / 3
+            row["step_s"][variant], row["run_s"][variant] = step_s, step_s * per_run
+            row["cpu_step_s"][variant], row["cpu_run_s"][variant] = cpu_s, cpu_s * per_run
+            total += step_s * per_run * (runs_here + sweep_runs)
+            total_cpu += cpu_s * per_run * (runs_here + sweep_runs)
+            train._say(f"plan {blocks}x{dim} {variant}: {1e3 * step_s:.1f} ms/step ({1e3 * cpu_s:.1f} ms "
+                       f"CPU), ~{step_s * per_run / 60:.1f} min/run")
         row["runs"], row["sweep_runs"] = runs_here, sweep_runs
         row["size_s"] = sum(row["run_s"].values()) * (runs_here + sweep_runs)
+        row["size_cpu_s"] = sum(row["cpu_run_s"].values()) * (runs_here + sweep_runs)
         rows.append(row)
-    return {"sizes": rows, "total_s": total, "load_before": list(load_before),
+    return {"sizes": rows, "total_s": total, "total_cpu_s": total_cpu, "load_before": list(load_before),
             "load_after": list(os.getloadavg()), "threads": torch.get_num_threads(),
             "cpu": study._cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def _plan_table(p: dict) -> str:
-    lines = ["| size | N (non-emb.) | steps | tokens | ms/step (" + ", ".join(p["sizes"][0]["step_s"]) +
-             ") | runs (+ sweep) | est. hours |", "|---|---|---|---|---|---|---|"]
+    names = ", ".join(p["sizes"][0]["step_s"])
+    lines = [f"| size | N (non-emb.) | steps | tokens | ms/step wall ({names}) | ms/step CPU | "
+             "runs (+ sweep) | est. hours wall | est. CPU-hours |", "|---|---|---|---|---|---|---|---|---|"]
     for r in p["sizes"]:
         ms = " / ".join(f"{1e3 * s:.0f}" for s in r["step_s"].values())
+        cpu = " / ".join(f"{1e3 * s:.0f}" for s in r["cpu_step_s"].values())
         lines.append(f"| {r['blocks']}x{r['dim']} | {r['nonembedding_params']:,} | {r['steps']:,} | "
-                     f"{r['tokens']:,} | {ms} | {r['runs']} x {len(r['step_s'])} (+ {r['sweep_runs']} x "
-                     f"{len(r['step_s'])}) | {r['size_s'] / 3600:.2f} |")
-    return "\n".join(lines + [f"\nTotal: {p['total_s'] / 3600:.2f} h on {p['threads']} thread(s), "
-                              f"load {p['load_before'][0]:.1f} before, {p['load_after'][0]:.1f} after "
-                              f"({p['cpu']}, {p['date']})."])
+                     f"{r['tokens']:,} | {ms} | {cpu} | {r['runs']} x {len(r['step_s'])} (+ {r['sweep_runs']} x "
+                     f"{len(r['step_s'])}) | {r['size_s'] / 3600:.2f} | {r['size_cpu_s'] / 3600:.2f} |")
+    return "\n".join(lines + [f"\nTotal: {p['total_s'] / 3600:.2f} h wall, {p['total_cpu_s'] / 3600:.2f} "
+                              f"CPU-hours on {p['threads']} thread(s), load {p['load_before'][0]:.1f} before, "
+                              f"{p['load_after'][0]:.1f} after ({p['cpu']}, {p['date']})."])
 
 
 def _report(args, plots: bool) -> List[Path]:

@@ -1,24 +1,20 @@
 """The JAX backend's one implementation registry: which implementation serves each op call, the
 custom VJPs that run it, and the public backend contract.
 
-The public backend contract (the same names in `attnres_torch.dispatch` and
-`attnres_mlx.dispatch`):
+The public backend contract, the same names in `attnres_torch.dispatch` and `attnres_mlx.dispatch`
+(`IMPLEMENTATIONS`, `availability()`, `use_impl()`, `Choice`, `last_choice()`, `impl_counts()`,
+`capabilities()`; written out in `attnres_core.dispatch`, whose bookkeeping this module uses:
+the forcing, the record, the refusal rule).  Here:
 
-  IMPLEMENTATIONS   the implementation names in preference order: "pallas" (`pallas/kernels.py`:
-                    `Pallas`, one head; compiled on gpu/tpu, not float64, on GPU D a power of two
-                    up to 8192; in an interpreter on any platform) and "xla" (`_xla.py`: every
-                    call).
-  availability()    name -> None where it can serve calls here, else a one-line reason.
+  IMPLEMENTATIONS   "pallas" (`pallas/kernels.py`: `Pallas`, one head; compiled on gpu/tpu, not
+                    float64, on GPU D a power of two up to 8192; in an interpreter on any
+                    platform), then "xla" (`_xla.py`: every call).
   use_impl(name, **options)
-                    a context manager (a `contextvars.ContextVar`: per thread and per asyncio
-                    task) forcing `name` for the op calls made in the block; "auto" is the
-                    default choice.  Options configure the Pallas implementation (see
-                    `use_impl`).
-  Choice            (op, impl, refused): the implementation that served a call and, for each one
-                    before it in preference order, why it did not.
-  last_choice()     the Choice of the most recent op call in this process.
-  impl_counts()     op calls served per implementation since import.
-  capabilities()    dtypes, devices, whether a fused kernel serves the default op, determinism.
+                    options configure the Pallas implementation (see `use_impl`); the ops'
+                    `impl=` keyword forces one call ("not forced (impl='xla')" in `refused`).
+
+This module supplies the implementations, their support checks, the Pallas options,
+availability and capabilities.
 
 Everything is read and recorded when a public op is called, i.e. when it is traced: a function
 jitted inside a `use_impl` block keeps its choice when the cached trace is called outside it (jit
@@ -48,13 +44,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import functools
-import threading
 from typing import Dict, Iterator, NamedTuple, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+from attnres_core import dispatch as contract
+from attnres_core.dispatch import Choice
 
 from ._args import MergeOptions, Options, Request, compute_dtype, restack, sum_to, unstack
 from ._math import join_columns, query_side, split_columns
@@ -76,25 +72,13 @@ PALLAS_OPTIONS = {"interpret": False, "tile": None, "poison": False}
 _INTERPRET = {False: "off", True: "generic", "tpu": "tpu"}
 
 
-class Choice(NamedTuple):
-    """What served one op call: `op` ("depth_attention" | "depth_attention_multi" |
-    "merge_partial"), `impl` (the implementation's name) and `refused`, (name, reason) for each
-    implementation before `impl` in preference order that did not take the call."""
-
-    op: str
-    impl: str
-    refused: Tuple[Tuple[str, str], ...]
-
-
 class _Forced(NamedTuple):
     name: str  # "auto" or one of IMPLEMENTATIONS
     pallas: Optional[Pallas]  # the Pallas implementation configured by the block's options
 
 
-_FORCED: contextvars.ContextVar[Optional[_Forced]] = contextvars.ContextVar("attnres_jax_impl", default=None)
-_LOCK = threading.Lock()
-_LAST: Optional[Choice] = None
-_COUNTS: collections.Counter = collections.Counter()
+#: The contract's bookkeeping (`attnres_core.dispatch`): the forcing (a `_Forced`) and the record.
+_REGISTRY = contract.Registry("attnres_jax", IMPLEMENTATIONS)
 
 
 # -- the contract ------------------------------------------------------------------------------------
@@ -144,23 +128,18 @@ def use_impl(name: str, **options) -> Iterator[None]:
     if name == "xla" and options:
         raise TypeError(f"use_impl: implementation 'xla' takes no options, got {', '.join(sorted(options))}")
     pallas = None if name == "xla" else _pallas_from(options)
-    token = _FORCED.set(_Forced(name, pallas))
-    try:
+    with _REGISTRY.forcing(_Forced(name, pallas)):
         yield
-    finally:
-        _FORCED.reset(token)
 
 
 def last_choice() -> Optional[Choice]:
     """The Choice of the most recent op call (traced) in this process, or None before the first."""
-    with _LOCK:
-        return _LAST
+    return _REGISTRY.last_choice()
 
 
 def impl_counts() -> collections.Counter:
     """Op calls (traced) served per implementation name since import (a copy)."""
-    with _LOCK:
-        return collections.Counter(_COUNTS)
+    return _REGISTRY.impl_counts()
 
 
 def capabilities() -> dict:
@@ -184,13 +163,6 @@ def _configured(name: str, forced: Optional[_Forced]):
     return REGISTRY[name]
 
 
-def _record(choice: Choice) -> None:
-    global _LAST
-    with _LOCK:
-        _LAST = choice
-        _COUNTS[choice.impl] += 1
-
-
 def select(impl: Optional[str], request: Request):
     """The implementation that runs one public call, resolved for it (hashable), recorded as the
     call's `Choice`.
@@ -199,7 +171,7 @@ def select(impl: Optional[str], request: Request):
     `REGISTRY` that supports the call), "xla" or "pallas" (forced; ValueError naming the
     implementation, the op and the reason if it cannot run the call).
     """
-    forced = _FORCED.get()
+    forced = _REGISTRY.forced()
     if impl is not None:
         if impl not in REGISTRY:
             raise ValueError(f"impl: expected None or one of {IMPLEMENTATIONS}, got {impl!r}")
@@ -208,23 +180,18 @@ def select(impl: Optional[str], request: Request):
         name, how = forced.name, f"use_impl({forced.name!r})"
     else:
         name = how = None
-    refused = []
     if name is not None:
         chosen = _configured(name, forced)
         reason = chosen.supports(request)
         if reason is not None:
             raise ValueError(f"{how} cannot run this {request.op} call: {reason}")
-        refused = [(other, f"not forced ({how})") for other in IMPLEMENTATIONS[:IMPLEMENTATIONS.index(name)]]
+        refused = _REGISTRY.refused_before(name, how)
     else:
-        for name in IMPLEMENTATIONS:
-            chosen = _configured(name, forced)
-            reason = chosen.supports(request)
-            if reason is None:
-                break
-            refused.append((name, reason))
-        else:  # pragma: no cover
+        name, refused = _REGISTRY.auto(lambda n: _configured(n, forced).supports(request))
+        if name is None:  # pragma: no cover
             raise AssertionError("XLA supports every call")
-    _record(Choice(request.op, name, tuple(refused)))
+        chosen = _configured(name, forced)
+    _REGISTRY.record(Choice(request.op, name, refused))
     return chosen.resolve(request)
 
 

@@ -1,20 +1,12 @@
 """The MLX backend's one implementation registry: which implementation serves each op call.
 
-The public backend contract (the same names in `attnres_torch.dispatch` and
-`attnres_jax.dispatch`):
-
-  IMPLEMENTATIONS   the implementation names in preference order: "metal" (`metal.py`, the
-                    `mx.fast.metal_kernel` kernels: Apple GPUs, every dtype but float64) and
-                    "compiled" (`compiled.py`, the `mx.compile`d composition: everywhere).
-  availability()    name -> None where it can serve calls here, else a one-line reason.
-  use_impl(name)    a context manager (a `contextvars.ContextVar`: per thread and per task)
-                    forcing `name` for the op calls made in the block; "auto" is the default
-                    choice.
-  Choice            (op, impl, refused): the implementation that served a call and, for each one
-                    before it in preference order, why it did not.
-  last_choice()     the Choice of the most recent op call in this process.
-  impl_counts()     op calls served per implementation since import.
-  capabilities()    dtypes, devices, whether a fused kernel serves the default op, determinism.
+The public backend contract, the same names in `attnres_torch.dispatch` and `attnres_jax.dispatch`
+(`IMPLEMENTATIONS`, `availability()`, `use_impl()`, `Choice`, `last_choice()`, `impl_counts()`,
+`capabilities()`; written out in `attnres_core.dispatch`, whose bookkeeping this module uses:
+the forcing, the record, the refusal rule).  Here `IMPLEMENTATIONS` is "metal" (`metal.py`, the
+`mx.fast.metal_kernel` kernels: Apple GPUs, every dtype but float64), then "compiled"
+(`compiled.py`, the `mx.compile`d composition: everywhere); `use_impl` takes no options.  This
+module supplies the implementations, their support checks, availability and capabilities.
 
 The ops (`ops.py`) call `choose(op, dtype)` once per call with the sources' dtype; forward and
 backward of that call both run on the implementation it returns.  Under `mx.compile` a call is
@@ -25,14 +17,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
-import threading
 from typing import Dict, Iterator, NamedTuple, Optional, Protocol, Tuple
+
+from attnres_core import dispatch as contract
+from attnres_core.dispatch import Choice
 
 from . import compiled, metal
 from .common import dtype_name
 
-OPS = ("depth_attention", "depth_attention_multi", "merge_partial")
+#: The public ops dispatched here.
+OPS = contract.OPS
 
 
 class Implementation(Protocol):
@@ -84,26 +78,13 @@ REGISTRY: Dict[str, Implementation] = {
 IMPLEMENTATIONS: Tuple[str, ...] = tuple(REGISTRY)
 
 
-class Choice(NamedTuple):
-    """What served one op call: `op` ("depth_attention" | "depth_attention_multi" |
-    "merge_partial"), `impl` (the implementation's name) and `refused`, (name, reason) for each
-    implementation before `impl` in preference order that did not take the call."""
-
-    op: str
-    impl: str
-    refused: Tuple[Tuple[str, str], ...]
-
-
 class _Forced(NamedTuple):
     name: str
     legacy: bool  # `ops.use_implementation` (deprecated): runs where it reports itself unavailable
 
 
-_FORCED: contextvars.ContextVar[Optional[_Forced]] = contextvars.ContextVar(
-    "attnres_mlx_implementation", default=None)
-_LOCK = threading.Lock()
-_LAST: Optional[Choice] = None
-_COUNTS: collections.Counter = collections.Counter()
+#: The contract's bookkeeping (`attnres_core.dispatch`): the forcing (a `_Forced`) and the record.
+_REGISTRY = contract.Registry("attnres_mlx", IMPLEMENTATIONS)
 
 
 def _check_name(name) -> None:
@@ -135,11 +116,8 @@ def use_impl(name: str, **options) -> Iterator[None]:
                         f"{', '.join(sorted(options))}")
     if name != "auto":
         _check_name(name)
-    token = _FORCED.set(None if name == "auto" else _Forced(name, False))
-    try:
+    with _REGISTRY.forcing(None if name == "auto" else _Forced(name, False)):
         yield
-    finally:
-        _FORCED.reset(token)
 
 
 @contextlib.contextmanager
@@ -149,17 +127,14 @@ def _use_legacy(name: Optional[str]) -> Iterator[None]:
     if name is not None and name not in REGISTRY:
         raise ValueError(f"implementation: expected one of {', '.join(IMPLEMENTATIONS)} or None, "
                          f"got {name!r}")
-    token = _FORCED.set(None if name is None else _Forced(name, True))
-    try:
+    with _REGISTRY.forcing(None if name is None else _Forced(name, True)):
         yield
-    finally:
-        _FORCED.reset(token)
 
 
 def _select(op: str, dtype) -> Tuple[Implementation, Tuple[Tuple[str, str], ...]]:
     """(implementation, refusals) for a call of `op` with sources of `dtype`; nothing recorded."""
-    forced = _FORCED.get()
-    refused = []
+    forced = _REGISTRY.forced()
+    given = {}
     if forced is not None:
         impl = REGISTRY[forced.name]
         reason = impl.unsupported(dtype)
@@ -169,29 +144,21 @@ def _select(op: str, dtype) -> Tuple[Implementation, Tuple[Tuple[str, str], ...]
                 raise ValueError(f"use_impl: implementation {forced.name!r} cannot serve {op} "
                                  f"({dtype_name(dtype)} sources): {reason}")
         if reason is None:
-            for name in IMPLEMENTATIONS[:IMPLEMENTATIONS.index(forced.name)]:
-                refused.append((name, f"not forced (use_impl({forced.name!r}))"))
-            return impl, tuple(refused)
-        refused.append((forced.name, reason))  # metal with float64: the documented fallback
-    for name, impl in REGISTRY.items():
-        if forced is not None and name == forced.name:
-            continue
-        reason = impl.unavailable() or impl.unsupported(dtype)
-        if reason is None:
-            return impl, tuple(refused)
-        refused.append((name, reason))
-    raise ValueError(f"{op}: no implementation serves {dtype_name(dtype)} sources here: "
-                     + "; ".join(f"{n}: {r}" for n, r in refused))
+            return impl, _REGISTRY.refused_before(forced.name, f"use_impl({forced.name!r})")
+        given[forced.name] = reason  # metal with float64: the documented fallback
+    name, refused = _REGISTRY.auto(lambda n: REGISTRY[n].unavailable() or REGISTRY[n].unsupported(dtype),
+                                   given)
+    if name is None:
+        raise ValueError(f"{op}: no implementation serves {dtype_name(dtype)} sources here: "
+                         + "; ".join(f"{n}: {r}" for n, r in refused))
+    return REGISTRY[name], refused
 
 
 def choose(op: str, dtype) -> Implementation:
     """The implementation that serves this call of `op` (one of `OPS`) whose sources have
     `dtype`, recorded for `last_choice` and `impl_counts`."""
-    global _LAST
     impl, refused = _select(op, dtype)
-    with _LOCK:
-        _LAST = Choice(op, impl.name, refused)
-        _COUNTS[impl.name] += 1
+    _REGISTRY.record(Choice(op, impl.name, refused))
     return impl
 
 
@@ -203,14 +170,12 @@ def _implementation_for(dtype) -> Implementation:
 
 def last_choice() -> Optional[Choice]:
     """The Choice of the most recent op call in this process (None before the first)."""
-    with _LOCK:
-        return _LAST
+    return _REGISTRY.last_choice()
 
 
 def impl_counts() -> collections.Counter:
     """Op calls served per implementation since import (a copy)."""
-    with _LOCK:
-        return collections.Counter(_COUNTS)
+    return _REGISTRY.impl_counts()
 
 
 def capabilities() -> dict:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..diagnostics import POLICIES, DepthCollapseWarning, DepthMonitor, collapse_policy
-from ..schedules import MIX_SCHEDULES, TemperatureSchedule
+from ..training import MIX_SCHEDULES, TemperatureSchedule
 from . import report
 from .data import fixed_batches, load_stdlib_corpus, random_batch
 from .model import VARIANTS, ExampleLM, variant_config

@@ -255,7 +255,8 @@ def summary_markdown(runs: List[dict], result: dict) -> str:
         by = {(r["lr"], r["variant"]): final_loss(r) for r in sweep}
         size = f"{sweep[0]['blocks']}x{sweep[0]['dim']}"
         lines += [f"## Learning-rate sweep at {size} (seed 0)", "",
-                  f"Chosen: the lowest PreNorm loss, peak lr {result['best_lr']:g} at {size}, used for every "
+                  f"Chosen: the lowest PreNorm loss of the {sum(r['variant'] == BASELINE for r in sweep)} "
+                  f"PreNorm sweep runs finished, peak lr {result['best_lr']:g} at {size}, used for every "
                   f"variant and scaled as {s0['lr_rule']}."
                   + ("  **It is at the edge of the grid**: the optimum may lie outside it."
                      if result["best_lr_at_edge"] else ""), ""]

@@ -78,6 +78,7 @@ def kimi_k3_router(model) -> DepthRouter:
                          f"of width {text.args.hidden_size}, found rows {rows['queries'].shape}")
     router = DepthRouter(kimi_k3_config(model), L, text.args.hidden_size)
     router.update({k: v.astype(mx.float32) for k, v in rows.items()})
+    router.fused_reads = False  # the spec's ops: K3's arithmetic, so its logits bit for bit
     return router
 
 

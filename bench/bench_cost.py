@@ -1,0 +1,885 @@
+"""The user's cost at realistic width: train step, peak memory and KV-cache decode of Block and
+Full AttnRes against PreNorm on each backend's fastest CPU path (issue 31 item 2).
+
+Models (random weights, vocab 256, MLP ratio 4, one shape per run; L = sublayers = 2 x layers):
+
+* train: torch `AttnResTransformer` (the depth attention dispatched to the C kernel: the worker
+  records `attnres_torch.dispatch.impl_counts()` over its steps and reports it), JAX NNX
+  `Transformer` (one `jax.jit` AdamW step, each `--jax-forms` form: "scanned" = `scan_layers=True`,
+  "unrolled" = `stack_apply`), MLX `attnres_mlx.Transformer` (an `mx.compile`d AdamW step with the
+  model and optimizer state as its inputs and outputs).  Every step: AdamW (lr 1e-3), next-token
+  cross-entropy on `[B, T + 1]` tokens, backward, update.
+* decode, batch 1: prefill P tokens, then one token per call with a KV cache.  torch: the
+  `AttnResTransformer` has no KV cache, so torch decodes a transformers `LlamaForCausalLM` of the
+  same width and depth (SwiGLU MLP 4 d, `bench_memory._hf_llama`) converted by `attnres_torch.hf`
+  (PreNorm: the unconverted model), with HF's `DynamicCache`.  MLX: `Transformer.compile_step`
+  on a `make_cache` fixed-size cache (`bench_mlx._Decoder`).  JAX: the NNX `Transformer` has no
+  KV cache: only the prefill (a jitted forward of `[1, P]`) is measured, no per-token cell.
+* variants: PreNorm (`ResidualConfig` kind "standard"), Full, Block with S = 8 sublayers per block
+  (`bench_jax_depth.KINDS`): N = L / 8 blocks plus the embedding, i.e. 4 at L = 32 and the
+  paper's N = 8 at L = 64.  Decode runs Block twice: direct and two-phase.
+
+Method.  Every variant is a persistent worker process of its framework's interpreter
+(.nox/tests-{torch,jax,mlx}); the driver (any Python 3) asks them in turn, one step / token each
+(A B C A B C ...), so every ratio is the median of per-round ratios to PreNorm measured seconds
+apart under the same load, and each worker's peak memory is its own.  Train: `--warmup` steps,
+then the median of `--steps`.  Decode: `--prefill-reps` timed prefills after one warm-up prefill,
+2 warm-up tokens, then the median of `--tokens` tokens.  Peak memory: torch and decode everywhere
+= the worker's peak RSS (VmHWM) minus its RSS after the imports (model, optimizer state,
+activations, allocator slack); torch train also `examples.probes.training_memory` (16 B per
+parameter + the tensors autograd saves, each storage once); JAX train =
+`compiled.memory_analysis()` (arguments + outputs - aliased + temporaries), with the RSS beside
+it; MLX = `mx.get_peak_memory()`.  Where a ratio exceeds the paper's overhead (< 4 % train, < 2 %
+inference) `--profile auto` profiles one step of every variant: torch `torch.profiler` self time
+by category, JAX the compiled step's HLO op counts and `cost_analysis()` flops / bytes, MLX the
+primitives of one step's graph (`mx.export_to_dot`).
+
+    python bench/bench_cost.py --json bench/results/cost.json            # d 1024, L 32, all three
+    python bench/bench_cost.py --frameworks torch --layers 32 64
+    python bench/bench_cost.py --quick --frameworks torch --json /tmp/c.json   # smoke, seconds
+
+The MLX wheel on this Linux CPU multiplies with a reference BLAS (~2 GFLOP/s against torch's ~70),
+so MLX trains at `--mlx-batch` x `--mlx-seq` and prefills `--mlx-prefill` tokens (smaller; the
+table says so), and its matmuls dilute every other cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+FRAMEWORKS = ("torch", "jax", "mlx")
+TRAIN_VARIANTS = ("prenorm", "full", "block")
+DECODE_VARIANTS = ("prenorm", "full", "block-direct", "block-two_phase")
+#: The paper's overheads of Block AttnRes over the PreNorm baseline (arXiv 2603.15031).
+PAPER = {"train": 0.04, "inference": 0.02}
+BLOCK_SIZE = 8  # bench_jax_depth.KINDS["block"]
+
+
+def _bench_module(name: str):
+    """A sibling bench script as a module (their helpers are reused, not copied)."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    return __import__(name)
+
+
+def _kind(variant: str):
+    return _bench_module("bench_jax_depth").KINDS[variant.split("-")[0]]
+
+
+def _schedule(variant: str) -> str:
+    return variant.split("-")[1] if "-" in variant else "direct"
+
+
+def _status(field: str) -> int:
+    return _bench_module("bench_memory")._status(field)
+
+
+def _rss_peak(base: int) -> dict:
+    return {"peak_bytes": _status("VmHWM") - base, "rss_peak_bytes": _status("VmHWM"),
+            "rss_base_bytes": base}
+
+
+# ---------------------------------------------------------------------------------------------
+# workers: one variant each; `info`, `step()` (seconds), `prefill()` (decode), `memory()`,
+# `profile()`
+
+
+def _torch_categories(events, wall_s: float) -> dict:
+    """Self time (ms) of one profiled step by category; "outside ops" = wall - every op's self time
+    (Python: the router's stream, autograd's engine bookkeeping, the optimizer loop)."""
+    cats = {"depth attention (attnres ops)": 0.0, "matmul": 0.0, "sdpa": 0.0, "norms": 0.0,
+            "copies / allocation": 0.0, "elementwise / other aten": 0.0,
+            "autograd nodes / other": 0.0}
+    copies = {"aten::copy_", "aten::cat", "aten::stack", "aten::clone", "aten::empty",
+              "aten::empty_like", "aten::empty_strided", "aten::zeros", "aten::zero_", "aten::fill_",
+              "aten::contiguous", "aten::new_empty", "aten::new_zeros", "aten::zeros_like",
+              "aten::resize_", "aten::to", "aten::_to_copy", "aten::index_select"}
+    matmul = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"}
+    total = 0.0
+    for e in events:
+        n, ms = e.key, e.self_cpu_time_total / 1e3
+        total += ms
+        if n.startswith("attnres::"):
+            cats["depth attention (attnres ops)"] += ms
+        elif n in matmul:
+            cats["matmul"] += ms
+        elif "scaled_dot_product" in n or "flash_attention" in n:
+            cats["sdpa"] += ms
+        elif "rms_norm" in n or "layer_norm" in n:
+            cats["norms"] += ms
+        elif n in copies:
+            cats["copies / allocation"] += ms
+        elif n.startswith("aten::"):
+            cats["elementwise / other aten"] += ms
+        else:
+            cats["autograd nodes / other"] += ms
+    cats["outside ops (Python)"] = max(0.0, 1e3 * wall_s - total)
+    cats = {k: round(v, 2) for k, v in cats.items()}
+    cats["wall"] = round(1e3 * wall_s, 2)
+    return cats
+
+
+def _torch_profile(fn) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+    return {"method": "torch.profiler self CPU time (ms)", "ms": _torch_categories(prof.key_averages(), wall)}
+
+
+class TorchTrain:
+    def __init__(self, a):
+        import torch
+        from attnres_torch import dispatch
+        from attnres_torch.modules import AttnResTransformer
+
+        torch.set_num_threads(a.threads)
+        self.base = _status("VmRSS")
+        torch.manual_seed(0)
+        self.vocab = a.vocab
+        self.model = AttnResTransformer(a.vocab, a.dim, a.layers // 2, a.heads, _kind(a.variant))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
+        before = dispatch.impl_counts()
+        for _ in range(a.warmup):
+            self._step()
+        counts = dispatch.impl_counts() - before
+        last = dispatch.last_choice()
+        self.dispatch, self.counts0 = dispatch, dispatch.impl_counts()
+        self.info = {"model": "AttnResTransformer", "path": "eager, C kernel" if "cpu_c" in counts else "eager",
+                     "params": sum(p.numel() for p in self.model.parameters()),
+                     "impl_counts_warmup": dict(counts), "last_choice": None if last is None else last._asdict(),
+                     "threads": torch.get_num_threads(), "version": torch.__version__}
+
+    def _forward_backward(self):
+        import torch.nn.functional as F
+
+        self.opt.zero_grad(set_to_none=True)
+        logits = self.model(self.tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, self.vocab), self.tokens[:, 1:].reshape(-1)).backward()
+
+    def _step(self):
+        self._forward_backward()
+        self.opt.step()
+
+    def step(self):
+        t0 = time.perf_counter()
+        self._step()
+        return time.perf_counter() - t0
+
+    def memory(self):
+        from attnres_torch.examples.probes import training_memory
+
+        out = _rss_peak(self.base)  # read before the probe's extra pass
+        out["method"] = "peak RSS (VmHWM) - RSS after imports"
+        probe = training_memory(self.model, self.tokens)
+        out.update(state_bytes=probe["state"], saved_activation_bytes=probe["activations"])
+        out["impl_counts_timed"] = dict(self.dispatch.impl_counts() - self.counts0)
+        return out
+
+    def profile(self):
+        """Forward + backward profiled; the optimizer step (AdamW's per-parameter loop) timed
+        apart and added as its own line."""
+        out = _torch_profile(self._forward_backward)
+        t0 = time.perf_counter()
+        self.opt.step()
+        out["ms"]["AdamW step (timed apart)"] = round(1e3 * (time.perf_counter() - t0), 2)
+        return out
+
+
+class TorchDecode:
+    def __init__(self, a):
+        import torch
+        from attnres_torch import dispatch, hf
+
+        torch.set_num_threads(a.threads)
+        self.base = _status("VmRSS")
+        torch.manual_seed(0)
+        ns = SimpleNamespace(dim=a.dim, depth=a.layers, heads=a.heads,
+                             context=a.prefill + a.tokens + 8)
+        self.model = _bench_module("bench_memory")._hf_llama(ns, _kind(a.variant))[0].eval()
+        if a.variant != "prenorm":
+            hf.router(self.model).schedule = _schedule(a.variant)
+        g = torch.Generator().manual_seed(0)
+        self.prompt = torch.randint(0, 256, (1, a.prefill), generator=g)
+        self.torch, self.dispatch = torch, dispatch
+        before = dispatch.impl_counts()
+        self.prefill()  # warm-up
+        self.step()
+        self.counts0 = dispatch.impl_counts()
+        counts = self.counts0 - before
+        last = dispatch.last_choice()
+        self.info = {"model": "transformers LlamaForCausalLM" + ("" if a.variant == "prenorm" else
+                                                                  ", converted by attnres_torch.hf"),
+                     "path": "eager, DynamicCache", "kv_cache": True, "impl_counts_warmup": dict(counts),
+                     "params": sum(p.numel() for p in self.model.parameters()),
+                     "last_choice": None if last is None or a.variant == "prenorm" else last._asdict(),
+                     "threads": torch.get_num_threads(), "version": torch.__version__}
+
+    def prefill(self):
+        with self.torch.no_grad():
+            t0 = time.perf_counter()
+            out = self.model(input_ids=self.prompt, use_cache=True)
+            self.cache, self.tok = out.cache, out.logits[:, -1:].argmax(-1)
+            return time.perf_counter() - t0
+
+    def step(self):
+        with self.torch.no_grad():
+            t0 = time.perf_counter()
+            out = self.model(input_ids=self.tok, cache=self.cache, use_cache=True)
+            self.cache, self.tok = out.cache, out.logits[:, -1:].argmax(-1)
+            return time.perf_counter() - t0
+
+    def memory(self):
+        out = _rss_peak(self.base)
+        out["method"] = "peak RSS (VmHWM) - RSS after imports"
+        out["impl_counts_timed"] = dict(self.dispatch.impl_counts() - self.counts0)
+        return out
+
+    def profile(self):
+        with self.torch.no_grad():
+            _torch_profile(self.step)  # the profiler's first use in a process costs more
+            return _torch_profile(self.step)
+
+
+def _hlo_counts(text: str) -> dict:
+    """Instruction counts by opcode in an HLO module's text (the compiled step)."""
+    import re
+
+    counts: dict = {}
+    for m in re.finditer(r"=\s*[^=]*?\s([a-z][a-z0-9-]*)\(", text):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    top = dict(sorted(counts.items(), key=lambda kv: -kv[1])[:12])
+    return {"instructions": sum(counts.values()), "by_opcode": top}
+
+
+def _jax_analysis(compiled) -> dict:
+    ma = compiled.memory_analysis()
+    mem = {k: int(getattr(ma, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+    mem["peak_bytes"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return mem, {"flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                 **_hlo_counts(compiled.as_text())}
+
+
+#: XLA's cost analysis counts a while loop's body once, whatever its trip count.
+_SCAN_NOTE = {"scanned": " (the scanned layers' loop body counted once)", "unrolled": ""}
+
+
+class JaxTrain:
+    def __init__(self, a):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        import optax
+        from attnres_jax import dispatch
+        from attnres_jax.modules import Transformer
+        from flax import nnx
+
+        self.base = _status("VmRSS")
+        forms = _bench_module("bench_jax_depth").FORMS
+        model = Transformer(_kind(a.variant), vocab_size=a.vocab, dim=a.dim, num_blocks=a.layers // 2,
+                            num_heads=a.heads, rngs=nnx.Rngs(0), **forms[a.form])
+        graphdef, self.params = nnx.split(model)
+        tx = optax.adamw(1e-3)
+        self.opt_state = tx.init(self.params)
+        self.tokens = jnp.asarray(np.random.default_rng(0).integers(0, a.vocab, (a.batch, a.seq + 1)))
+
+        def step(params, opt_state, tokens):
+            def loss(p):
+                logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return value, optax.apply_updates(params, updates), opt_state
+
+        before = dispatch.impl_counts()
+        t0 = time.perf_counter()
+        self.compiled = jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.opt_state,
+                                                                   self.tokens).compile()
+        compile_s = time.perf_counter() - t0
+        self.mem, self.cost = _jax_analysis(self.compiled)
+        self.jax, self.form = jax, a.form
+        for _ in range(a.warmup):
+            self.step()
+        last = dispatch.last_choice()
+        self.info = {"model": "NNX Transformer", "path": f"jit, {a.form}", "compile_s": compile_s,
+                     "params": sum(x.size for x in jax.tree.leaves(self.params)),
+                     "impl_counts_traced": dict(dispatch.impl_counts() - before),
+                     "last_choice": None if last is None else last._asdict(),
+                     "version": jax.__version__, "devices": str(jax.devices())}
+
+    def step(self):
+        t0 = time.perf_counter()
+        value, self.params, self.opt_state = self.compiled(self.params, self.opt_state, self.tokens)
+        self.jax.block_until_ready((value, self.params, self.opt_state))
+        return time.perf_counter() - t0
+
+    def memory(self):
+        out = dict(self.mem, method="compiled.memory_analysis(): argument + output - alias + temp")
+        out.update({"rss_" + k: v for k, v in _rss_peak(self.base).items()})
+        return out
+
+    def profile(self):
+        return {"method": "compiled step: cost_analysis() and HLO instruction counts" + _SCAN_NOTE[self.form],
+                **self.cost}
+
+
+class JaxPrefill:
+    """The NNX Transformer has no KV cache: only the prompt's jitted forward."""
+
+    def __init__(self, a):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from attnres_jax import dispatch
+        from attnres_jax.modules import Transformer
+        from flax import nnx
+
+        self.base = _status("VmRSS")
+        forms = _bench_module("bench_jax_depth").FORMS
+        model = Transformer(_kind(a.variant), vocab_size=a.vocab, dim=a.dim, num_blocks=a.layers // 2,
+                            num_heads=a.heads, rngs=nnx.Rngs(0), **forms[a.form])
+        graphdef, self.params = nnx.split(model)
+        schedule = _schedule(a.variant)
+        self.prompt = jnp.asarray(np.random.default_rng(0).integers(0, a.vocab, (1, a.prefill)))
+
+        def forward(params, tokens):
+            return nnx.merge(graphdef, params)(tokens, schedule=schedule)[:, -1].argmax(-1)
+
+        before = dispatch.impl_counts()
+        t0 = time.perf_counter()
+        self.compiled = jax.jit(forward).lower(self.params, self.prompt).compile()
+        compile_s = time.perf_counter() - t0
+        self.mem, self.cost = _jax_analysis(self.compiled)
+        self.jax, self.form = jax, a.form
+        last = dispatch.last_choice()
+        self.info = {"model": "NNX Transformer", "path": f"jit forward, {a.form}", "kv_cache": False,
+                     "compile_s": compile_s, "impl_counts_traced": dict(dispatch.impl_counts() - before),
+                     "last_choice": None if last is None else last._asdict(), "version": jax.__version__}
+
+    def prefill(self):
+        t0 = time.perf_counter()
+        self.jax.block_until_ready(self.compiled(self.params, self.prompt))
+        return time.perf_counter() - t0
+
+    def step(self):
+        raise ValueError("the JAX Transformer has no KV cache: no per-token decode")
+
+    def memory(self):
+        out = dict(self.mem, method="compiled.memory_analysis(): argument + output - alias + temp")
+        out.update({"rss_" + k: v for k, v in _rss_peak(self.base).items()})
+        return out
+
+    def profile(self):
+        return {"method": "compiled forward: cost_analysis() and HLO instruction counts" + _SCAN_NOTE[self.form],
+                **self.cost}
+
+
+def _mlx_graph_counts(*outputs) -> dict:
+    """Primitives of the (unevaluated) graph of `outputs`, by name (`mx.export_to_dot`)."""
+    import re
+
+    import mlx.core as mx
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        text = Path(f.name).read_text()
+    counts: dict = {}
+    for m in re.finditer(r'label\s*=\s*"([A-Za-z][A-Za-z0-9_]*)', text):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    top = dict(sorted(counts.items(), key=lambda kv: -kv[1])[:12])
+    return {"primitives": sum(counts.values()), "by_primitive": top}
+
+
+class MlxTrain:
+    def __init__(self, a):
+        import mlx.core as mx
+        import mlx.nn as nn
+        import mlx.optimizers as optim
+        import numpy as np
+        from attnres_mlx import Transformer, dispatch
+
+        self.base = _status("VmRSS")
+        mx.random.seed(0)
+        self.model = model = Transformer(_kind(a.variant), vocab_size=a.vocab, dim=a.dim,
+                                         num_blocks=a.layers // 2, num_heads=a.heads)
+        mx.eval(model.parameters())
+        self.opt = opt = optim.AdamW(learning_rate=1e-3)
+        opt.init(model.trainable_parameters())
+        tokens = mx.array(np.random.default_rng(0).integers(0, a.vocab, (a.batch, a.seq + 1)))
+        self.x, self.y = tokens[:, :-1], tokens[:, 1:]
+
+        def loss_fn(model, x, y):
+            return nn.losses.cross_entropy(model(x)[0], y).mean()
+
+        self.loss_and_grad = nn.value_and_grad(model, loss_fn)
+        self.state = [model.state, opt.state]
+
+        def step(x, y):
+            loss, grads = self.loss_and_grad(model, x, y)
+            opt.update(model, grads)
+            return loss
+
+        self.mx, self.compiled = mx, True
+        before = dispatch.impl_counts()
+        try:
+            self.fn = mx.compile(step, inputs=self.state, outputs=self.state)
+            t0 = time.perf_counter()
+            self.step()
+        except Exception as e:  # an mx.compile refusal: say so and step eagerly
+            self.compiled, self.error = False, f"{type(e).__name__}: {e}"
+            self.fn = step
+            t0 = time.perf_counter()
+            self.step()
+        first = time.perf_counter() - t0
+        for _ in range(max(0, a.warmup - 1)):
+            self.step()
+        last = dispatch.last_choice()
+        self.info = {"model": "attnres_mlx.Transformer",
+                     "path": "mx.compile step" if self.compiled else "eager (mx.compile failed)",
+                     "first_step_s": first, "impl_counts_warmup": dict(dispatch.impl_counts() - before),
+                     "last_choice": None if last is None else last._asdict(), "version": mx.__version__}
+        if not self.compiled:
+            self.info["compile_error"] = self.error
+
+    def step(self):
+        t0 = time.perf_counter()
+        loss = self.fn(self.x, self.y)
+        self.mx.eval(loss, self.state)
+        return time.perf_counter() - t0
+
+    def memory(self):
+        return {"peak_bytes": int(self.mx.get_peak_memory()), "active_bytes": int(self.mx.get_active_memory()),
+                "method": "mx.get_peak_memory()", **{"rss_" + k: v for k, v in _rss_peak(self.base).items()}}
+
+    def profile(self):
+        loss, grads = self.loss_and_grad(self.model, self.x, self.y)  # eager graph, unevaluated
+        out = {"method": "primitives of one eager step's graph (mx.export_to_dot)", **_mlx_graph_counts(loss, grads)}
+        self.mx.eval(loss, grads)
+        return out
+
+
+class MlxDecode:
+    def __init__(self, a):
+        import mlx.core as mx
+        from attnres_mlx import Transformer, dispatch
+
+        self.base = _status("VmRSS")
+        mx.random.seed(0)
+        model = Transformer(_kind(a.variant), vocab_size=a.vocab, dim=a.dim, num_blocks=a.layers // 2,
+                            num_heads=a.heads)
+        mx.eval(model.parameters())
+        self.max_len = a.prefill + a.tokens + 8
+        self.dec = _bench_module("bench_mlx")._Decoder(model, "compiled", _schedule(a.variant), a.prefill,
+                                                       self.max_len)  # the first prefill (traces)
+        self.model, self.mx = model, mx
+        self.prompt = mx.array([[1] * a.prefill])
+        before = dispatch.impl_counts()
+        self.step()  # traces the T = 1 step
+        last = dispatch.last_choice()
+        self.info = {"model": "attnres_mlx.Transformer", "path": "compile_step, make_cache", "kv_cache": True,
+                     "impl_counts_warmup": dict(dispatch.impl_counts() - before),
+                     "last_choice": None if last is None else last._asdict(), "version": mx.__version__}
+
+    def prefill(self):
+        mx, d = self.mx, self.dec
+        t0 = time.perf_counter()
+        logits, d.cache = d.fn(self.prompt, self.model.make_cache(1, self.max_len), mx.array(0))
+        d.tok = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(d.tok, d.cache)
+        d.pos = self.prompt.shape[1]
+        return time.perf_counter() - t0
+
+    def step(self):
+        return self.dec.step()
+
+    def memory(self):
+        return {"peak_bytes": int(self.mx.get_peak_memory()), "method": "mx.get_peak_memory()",
+                **{"rss_" + k: v for k, v in _rss_peak(self.base).items()}}
+
+    def profile(self):
+        d, mx = self.dec, self.mx
+        logits, _ = self.model(d.tok, d.cache, offset=mx.array(d.pos), schedule=d.schedule)  # eager, unevaluated
+        return {"method": "primitives of one eager token's graph (mx.export_to_dot)", **_mlx_graph_counts(logits)}
+
+
+WORKERS = {("torch", "train"): TorchTrain, ("torch", "decode"): TorchDecode, ("jax", "train"): JaxTrain,
+           ("jax", "decode"): JaxPrefill, ("mlx", "train"): MlxTrain, ("mlx", "decode"): MlxDecode}
+
+
+def worker_main(a) -> None:
+    """Line protocol: the first line is {"info"} (or {"error"}); then {"cmd": "step" | "prefill" |
+    "memory" | "profile" | "quit"} -> {"s"} | {"memory"} | {"profile"} | {"error"}."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything a library prints goes to stderr; the protocol keeps the real stdout
+    sys.stdout = sys.stderr
+
+    def reply(obj):
+        proto.write(json.dumps(obj) + "\n")
+
+    try:
+        w = WORKERS[a.framework, a.task](a)
+        reply({"info": w.info})
+    except Exception:
+        reply({"error": traceback.format_exc()})
+        return
+    for line in sys.stdin:
+        cmd = json.loads(line)["cmd"]
+        if cmd == "quit":
+            break
+        try:
+            if cmd in ("step", "prefill"):
+                reply({"s": getattr(w, cmd)()})
+            else:
+                reply({cmd: getattr(w, cmd)()})
+        except Exception:
+            reply({"error": traceback.format_exc()})
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+
+
+class Worker:
+    def __init__(self, python: str, framework: str, task: str, variant: str, s: dict, form: str = "-"):
+        self.name = f"{framework}/{task}/{form}/{variant}"
+        self.log = tempfile.TemporaryFile("w+")
+        cmd = [python, str(Path(__file__).resolve()), "--worker", framework, task, variant, form,
+               json.dumps(s)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, cwd=str(ROOT))
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise RuntimeError(f"worker {self.name} died (exit {self.proc.wait()}):\n{self.log.read()[-3000:]}")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"worker {self.name}: {msg['error']}")
+        return msg
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": cmd}) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def _per_round(times: dict, base: str) -> dict:
+    """Median over rounds of time / PreNorm's time of the same round, per variant."""
+    return {v: statistics.median(t / b for t, b in zip(ts, times[base])) for v, ts in times.items()}
+
+
+def _loadavg() -> str:
+    return _bench_module("bench_user_loop").loadavg()
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _start(python, framework, task, variants, s, form):
+    """Start one worker per variant (their imports, compiles and warm-ups overlap; nothing is
+    timed until every one is ready)."""
+    workers = []
+    try:
+        for v in variants:
+            workers.append(Worker(python, framework, task, v, s, form))
+            workers[-1].variant = v
+        for w in workers:
+            w.info = w.read()["info"]
+            _log(f"  ready {w.name}: {w.info.get('path')}, impl "
+                 f"{w.info.get('impl_counts_warmup', w.info.get('impl_counts_traced', {}))}")
+    except BaseException:
+        for w in workers:
+            w.close()
+        raise
+    return workers
+
+
+def _profile_all(workers, exceeded: bool, mode: str) -> dict:
+    if mode == "never" or (mode == "auto" and not exceeded):
+        return {}
+    return {w.variant: w.ask("profile")["profile"] for w in workers}
+
+
+def measure_train(python, framework, s, args, form) -> dict:
+    workers = _start(python, framework, "train", TRAIN_VARIANTS, s, form)
+    try:
+        times = {v: [] for v in TRAIN_VARIANTS}
+        for r in range(s["steps"]):
+            for w in workers:
+                time.sleep(args.gap)  # the previous worker's pool threads park
+                times[w.variant].append(w.ask("step")["s"])
+            _log(f"  round {r + 1}: " + ", ".join(f"{v} {t[-1]:.2f} s" for v, t in times.items()))
+        memory = {w.variant: w.ask("memory")["memory"] for w in workers}
+        ratio = _per_round(times, "prenorm")
+        prof = _profile_all(workers, max(ratio.values()) > 1 + PAPER["train"], args.profile)
+    finally:
+        for w in workers:
+            w.close()
+    rows = []
+    for w in workers:
+        v, m = w.variant, memory[w.variant]
+        rows.append({"framework": framework, "form": form, "layers": s["layers"], "dim": s["dim"],
+                     "batch": s["batch"], "seq": s["seq"], "variant": v,
+                     "step_s": statistics.median(times[v]), "steps_s": times[v], "step_ratio": ratio[v],
+                     "peak_bytes": m["peak_bytes"], "memory_ratio": m["peak_bytes"] / memory["prenorm"]["peak_bytes"],
+                     "memory": m, "info": w.info, "profile": prof.get(v)})
+    return {"rows": rows}
+
+
+def measure_decode(python, framework, s, args, form) -> dict:
+    variants = [v for v in DECODE_VARIANTS if not (framework == "jax" and form != "unrolled" and "two_phase" in v)]
+    workers = _start(python, framework, "decode", variants, s, form)
+    has_cache = framework != "jax"
+    try:
+        prefill = {v: [] for v in variants}
+        tokens = {v: [] for v in variants}
+        for r in range(s["prefill_reps"] + (1 if has_cache else 0)):  # JAX warmed up at compile
+            for w in workers:
+                time.sleep(args.gap)
+                t = w.ask("prefill")["s"]
+                if r or not has_cache:
+                    prefill[w.variant].append(t)
+        if has_cache:
+            for _ in range(2):  # warm-up tokens
+                for w in workers:
+                    w.ask("step")
+            for _ in range(s["tokens"]):
+                for w in workers:
+                    time.sleep(args.token_gap)
+                    tokens[w.variant].append(w.ask("step")["s"])
+        memory = {w.variant: w.ask("memory")["memory"] for w in workers}
+        pr = _per_round(prefill, "prenorm")
+        tr = _per_round(tokens, "prenorm") if has_cache else {}
+        worst = max(list(pr.values()) + list(tr.values()))
+        prof = _profile_all(workers, worst > 1 + PAPER["inference"], args.profile)
+    finally:
+        for w in workers:
+            w.close()
+    rows = []
+    for w in workers:
+        v, m = w.variant, memory[w.variant]
+        rows.append({"framework": framework, "form": form, "layers": s["layers"], "dim": s["dim"],
+                     "prefill": s["prefill"], "variant": v, "kv_cache": has_cache,
+                     "prefill_s": statistics.median(prefill[v]), "prefills_s": prefill[v], "prefill_ratio": pr[v],
+                     "token_s": statistics.median(tokens[v]) if has_cache else None,
+                     "tokens_s": tokens[v], "token_ratio": tr.get(v),
+                     "peak_bytes": m["peak_bytes"], "memory_ratio": m["peak_bytes"] / memory["prenorm"]["peak_bytes"],
+                     "memory": m, "info": w.info, "profile": prof.get(v)})
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+
+
+def _x(r: float) -> str:
+    return f"{r:.3f}x ({100 * (r - 1):+.1f} %)"
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**28 else f"{b / 2**20:.0f} MiB"
+
+
+def _impls(r: dict) -> str:
+    """The implementations that served the row's depth attention, with their call counts."""
+    counts = (r["memory"].get("impl_counts_timed") or r["info"].get("impl_counts_warmup")
+              or r["info"].get("impl_counts_traced") or {})
+    return ", ".join(f"{k} x{v}" for k, v in counts.items()) or "none recorded"
+
+
+def _label(g: dict) -> str:
+    r = g.get("block") or g.get("block-direct")
+    return f"{r['framework']}, {r['info']['path']} (depth attention: {_impls(r)})"
+
+
+def markdown(doc: dict) -> str:
+    m = doc["meta"]
+    lines = [f"{m['date']}, {m['cpu']} ({m['cpus']} CPUs), load average {m['load_before']} before / "
+             f"{m['load_after']} after. Command: `{m['command']}`.", "",
+             "Train step (AdamW), medians of per-round ratios to PreNorm; peak memory per worker "
+             "process. The paper: Block AttnRes < 4 % training overhead.", "",
+             "| backend, path | L | B x T | PreNorm step | Full step | Block step | PreNorm peak | Full peak | "
+             "Block peak | paper (Block) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    by = {}
+    for r in doc["train"]:
+        by.setdefault((r["framework"], r["form"], r["layers"]), {})[r["variant"]] = r
+    for (fw, form, L), g in by.items():
+        p = g["prenorm"]
+        lines.append(f"| {_label(g)} | {L} | {p['batch']} x {p['seq']} | {p['step_s']:.2f} s | "
+                     f"{_x(g['full']['step_ratio'])} | {_x(g['block']['step_ratio'])} | {_gib(p['peak_bytes'])} | "
+                     f"{_x(g['full']['memory_ratio'])} | {_x(g['block']['memory_ratio'])} | < 1.04x |")
+    notes = []
+    for (fw, form, L), g in by.items():
+        if "saved_activation_bytes" in g["prenorm"]["memory"]:
+            a = {v: g[v]["memory"]["saved_activation_bytes"] for v in TRAIN_VARIANTS}
+            notes.append(f"{fw} L={L}, saved activations (`examples.probes.training_memory`): PreNorm "
+                         f"{_gib(a['prenorm'])}, Full {_x(a['full'] / a['prenorm'])}, Block "
+                         f"{_x(a['block'] / a['prenorm'])}; 16 B/parameter state "
+                         f"{_gib(g['prenorm']['memory']['state_bytes'])}.")
+    for L in sorted({k[2] for k in by if k[0] == "jax"}):
+        forms = {k[1]: g["prenorm"]["step_s"] for k, g in by.items() if k[0] == "jax" and k[2] == L}
+        if len(forms) > 1:
+            best = min(forms, key=forms.get)
+            notes.append(f"jax L={L}: the faster form at this shape is {best} (PreNorm step " +
+                         ", ".join(f"{f} {t:.2f} s" for f, t in forms.items()) + ").")
+    lines += [""] + [f"- {n}" for n in notes] if notes else []
+    lines += ["", "Decode, batch 1: prefill P tokens, then per-token latency with a KV cache. The paper: "
+              "Block AttnRes < 2 % inference overhead.", "",
+              "| backend, model, path | L | P | PreNorm prefill / token | Full | Block direct | "
+              "Block two-phase | paper (Block) |", "|---|---|---|---|---|---|---|---|"]
+    by = {}
+    for r in doc["decode"]:
+        by.setdefault((r["framework"], r["form"], r["layers"]), {})[r["variant"]] = r
+    for (fw, form, L), g in by.items():
+        p = g["prenorm"]
+
+        def cell(v):
+            r = g.get(v)
+            if r is None:
+                return "— (scanned: direct only)"
+            tok = _x(r["token_ratio"]) if r["kv_cache"] else "no KV cache"
+            return f"prefill {_x(r['prefill_ratio'])}; token {tok}"
+
+        base = (f"{1e3 * p['prefill_s']:.0f} ms / " +
+                (f"{1e3 * p['token_s']:.1f} ms" if p["kv_cache"] else "— (no KV cache in this model)"))
+        lines.append(f"| {_label(g)}, {g['block-direct']['info']['model']} | {L} | {p['prefill']} | {base} | "
+                     f"{cell('full')} | {cell('block-direct')} | {cell('block-two_phase')} | < 1.02x |")
+    if doc["skipped"]:
+        lines += [""] + [f"- skipped: {n}" for n in doc["skipped"]]
+    profiled = [r for r in doc["train"] + doc["decode"] if r.get("profile")]
+    if profiled:
+        lines += ["", "Profiles (one step / token per variant, where a ratio exceeded the paper's):", ""]
+        for r in profiled:
+            p = r["profile"]
+            task = "train" if "step_s" in r else "decode"
+            body = {k: v for k, v in p.items() if k != "method"}
+            lines.append(f"- {r['framework']} {task} {r['form']} L={r['layers']} {r['variant']} "
+                         f"({p['method']}): {json.dumps(body)}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def settings(args, framework: str, layers: int) -> dict:
+    s = dict(dim=args.dim, layers=layers, heads=args.heads, vocab=args.vocab, batch=args.batch, seq=args.seq,
+             prefill=args.prefill, tokens=args.tokens, steps=args.steps, warmup=args.warmup,
+             prefill_reps=args.prefill_reps, threads=args.threads)
+    if framework == "mlx":
+        s.update(batch=args.mlx_batch, seq=args.mlx_seq, prefill=args.mlx_prefill)
+    return s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    ap.add_argument("--tasks", nargs="+", default=["train", "decode"], choices=("train", "decode"))
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, nargs="+", default=[32], help="sublayers L (even)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=32, help="timed decode tokens")
+    ap.add_argument("--steps", type=int, default=4, help="timed train steps per variant")
+    ap.add_argument("--warmup", type=int, default=1, help="train warm-up steps")
+    ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--mlx-batch", type=int, default=1)
+    ap.add_argument("--mlx-seq", type=int, default=32)
+    ap.add_argument("--mlx-prefill", type=int, default=32)
+    ap.add_argument("--jax-forms", nargs="+", default=None, choices=("scanned", "unrolled"),
+                    help="default: both (--quick: scanned; the unrolled Full compiles for minutes)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    ap.add_argument("--gap", type=float, default=0.1, help="seconds of sleep before each step / prefill")
+    ap.add_argument("--token-gap", type=float, default=0.02, help="seconds of sleep before each token")
+    ap.add_argument("--profile", default="auto", choices=("auto", "always", "never"))
+    ap.add_argument("--quick", action="store_true", help="tiny shapes: a smoke of every code path")
+    ap.add_argument("--json", type=Path, default=None)
+    for fw in FRAMEWORKS:
+        ap.add_argument(f"--{fw}-python", default=str(ROOT / ".nox" / f"tests-{fw}" / "bin" / "python"))
+    args = ap.parse_args(argv)
+    if args.worker:
+        framework, task, variant, form, s = args.worker
+        worker_main(SimpleNamespace(framework=framework, task=task, variant=variant, form=form, **json.loads(s)))
+        return 0
+    if args.quick:
+        args.dim, args.layers, args.heads, args.batch, args.seq = 64, [16], 4, 2, 16
+        args.prefill = args.mlx_prefill = 8
+        args.mlx_batch, args.mlx_seq = 2, 16
+        args.tokens, args.steps, args.prefill_reps, args.gap, args.token_gap = 3, 3, 2, 0.0, 0.0
+        args.jax_forms = args.jax_forms or ["scanned"]
+    args.jax_forms = args.jax_forms or ["scanned", "unrolled"]
+    if any(L % 2 or L < 2 for L in args.layers):
+        raise SystemExit(f"--layers: expected even sublayer counts >= 2, got {args.layers}")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "host": platform.node(), "cpu": _bench_module("bench_user_loop").cpu_model(),
+            "cpus": os.cpu_count(), "load_before": _loadavg(),
+            "command": "python bench/bench_cost.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    _log(f"# {meta['date']}, {meta['cpu']}, load {meta['load_before']}")
+    doc = {"meta": meta, "paper": PAPER, "block_size": BLOCK_SIZE, "settings": {}, "train": [], "decode": [],
+           "skipped": []}
+    for fw in args.frameworks:
+        python = getattr(args, f"{fw}_python")
+        if not Path(python).exists():
+            doc["skipped"].append(f"{fw}: no interpreter at {python}")
+            _log(f"  {fw}: skipped (no {python})")
+            continue
+        for L in args.layers:
+            s = settings(args, fw, L)
+            doc["settings"][f"{fw}/L{L}"] = s
+            forms = args.jax_forms if fw == "jax" else ["-"]
+            for task in args.tasks:
+                for form in forms:
+                    _log(f"{fw} {task} {form} L={L}: load {_loadavg()}")
+                    fn = measure_train if task == "train" else measure_decode
+                    doc[task] += fn(python, fw, s, args, form)["rows"]
+    meta["load_after"] = _loadavg()
+    doc["markdown"] = markdown(doc)
+    print(doc["markdown"])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -159,7 +159,7 @@ def test_tiny_sweep_resumes_refuses_and_reports(tmp_path, monkeypatch):
 
     calls.clear()
     monkeypatch.setattr(scaling, "one_run", lambda *a, **k: calls.append(a[1:6]) or real(*a, **k))
-    assert scaling.main(argv) == 0
+    assert scaling.main(argv + ["--no-plots"]) == 0
     assert all((runs_dir / n).read_bytes() == data for n, data in before.items())  # not recomputed
     best = scaling.best_lr([json.loads((runs_dir / f"lr{lr}-1x16-standard-s0.json").read_text())
                             for lr in ("0.001", "0.003")])
@@ -191,8 +191,6 @@ def test_tiny_sweep_resumes_refuses_and_reports(tmp_path, monkeypatch):
     result = json.loads((out / "summary.json").read_text())
     assert result["comparisons"]["block"] is None  # 2 sizes: too few for a, b and c
     assert result["comparisons_no_asymptote"]["block"]["pairs"] == 3
-    for name in scaling_report.PLOTS:
-        assert (out / name).stat().st_size > 0, name
 
     # other settings, or another corpus, are refused; --report-only and --plan train nothing
     other = list(argv)
@@ -200,7 +198,10 @@ def test_tiny_sweep_resumes_refuses_and_reports(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="other settings.*context: saved 16, now 8"):
         scaling.main(other)
     monkeypatch.setattr(scaling, "one_run", None)
-    assert scaling.main(argv + ["--report-only", "--no-plots"]) == 0
+    assert not (out / scaling_report.PLOTS[0]).exists()
+    assert scaling.main(argv + ["--report-only"]) == 0
+    for name in scaling_report.PLOTS:
+        assert (out / name).stat().st_size > 0, name
     assert scaling.main(argv + ["--plan", "--plan-steps", "1"]) == 0
     plan = json.loads((out / "plan.json").read_text())
     assert [(r["blocks"], r["dim"]) for r in plan["sizes"]] == [(1, 16), (2, 32)]

@@ -4,12 +4,18 @@ machine's CPU (or Metal where available).
 
     python bench/bench_mlx.py [--reps 10] [--out bench/results/mlx.md]
     python bench/bench_mlx.py --decode [--layers 16 32] [--reps 7]
+    python bench/bench_mlx.py --prefill [--layers 16 32 64] [--tokens 64] [--reps 7]
 
 `--decode`: batch-1 single-token decode of `attnres_mlx.Transformer` (`--dim`, default 128; 4 heads, a
 32-token prompt, 16 x reps new tokens) with PreNorm (kind standard), Full and Block (S = 8) at
 L sublayers, eager (cache grown by concatenation) and `compile_step` (fixed-size cache, one
 trace), direct and (Block) two-phase; the models take turns token by token in one process, so
-each ratio to PreNorm is measured under the same load.
+each ratio to PreNorm is measured under the same load.  Per token: the wall time and the
+process CPU time (all threads; less sensitive to other jobs on a shared machine).
+
+`--prefill`: the same models' eager prefill of `--tokens` tokens (batch 1), Block S = 8 direct
+against two-phase: the first call (tracing and compiling included) and the median of reps
+later calls, the schemes taking turns call by call.
 
 Reported per shape: median wall time, achieved GB/s on the minimal bytes (read N sources, write
 out; backward also reads d_out and writes N source gradients), that as a fraction of the
@@ -107,7 +113,8 @@ class _Decoder:
         mx.eval(self.tok, self.cache)
 
     def step(self):
-        t0 = time.perf_counter()
+        """(wall, process CPU) seconds of one token."""
+        t0, c0 = time.perf_counter(), time.process_time()
         if self.mode == "compiled":
             logits, self.cache = self.fn(self.tok, self.cache, mx.array(self.pos))
         else:
@@ -115,7 +122,7 @@ class _Decoder:
         self.tok = mx.argmax(logits[:, -1:], axis=-1)
         mx.eval(self.tok, self.cache)
         self.pos += 1
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 def decode_main(args):
@@ -132,22 +139,58 @@ def decode_main(args):
         for d in decoders.values():  # the T = 1 trace / compiles
             d.step()
         times = {k: [] for k in keys}
+        cpu = {k: [] for k in keys}
         for _ in range(steps - 1):  # round robin, one token each: every ratio under one load
             for k, d in decoders.items():
-                times[k].append(d.step())
+                wall, used = d.step()
+                times[k].append(wall)
+                cpu[k].append(used)
         for key in keys:
             name, mode, schedule = key
             med, best = statistics.median(times[key]), min(times[key])
-            base = times["PreNorm", mode, "direct"]
+            base, cbase = times["PreNorm", mode, "direct"], cpu["PreNorm", mode, "direct"]
+            cmed = statistics.median(cpu[key])
             rows.append(f"| {num_layers} | {args.dim} | {name} | {mode} | {schedule} | "
                         f"{med * 1e3:.2f} | "
-                        f"{med / statistics.median(base):.2f}x | {best / min(base):.2f}x |")
+                        f"{med / statistics.median(base):.2f}x | {best / min(base):.2f}x | "
+                        f"{cmed * 1e3:.2f} | {cmed / statistics.median(cbase):.2f}x |")
             print(rows[-1], flush=True)
     print(f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after; "
           f"mlx {mx.__version__}; per-token median and fastest of {steps - 1} tokens, models "
           "taking turns token by token")
     print("| L | D | scheme | path | schedule | ms/token (median) | / PreNorm (median) | "
-          "/ PreNorm (fastest) |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+          "/ PreNorm (fastest) | CPU ms/token (median) | CPU / PreNorm |\n"
+          "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+
+
+def prefill_main(args):
+    load_before = os.getloadavg()[0]
+    rows = []
+    tokens = mx.array([[1] * args.tokens])
+    for num_layers in args.layers:
+        models = _decode_models(num_layers, args.dim)
+        keys = [("PreNorm", "direct"), ("Full", "direct"), ("Block S=8", "direct"),
+                ("Block S=8", "two_phase")]
+        first, times = {}, {k: [] for k in keys}
+        for key in keys:  # the first call: traces and compiles the reads' functions
+            t0 = time.perf_counter()
+            mx.eval(models[key[0]](tokens, schedule=key[1])[0])
+            first[key] = time.perf_counter() - t0
+        for _ in range(args.reps):
+            for key in keys:
+                t0 = time.perf_counter()
+                mx.eval(models[key[0]](tokens, schedule=key[1])[0])
+                times[key].append(time.perf_counter() - t0)
+        for key in keys:
+            med = statistics.median(times[key])
+            rows.append(f"| {num_layers} | {args.tokens} | {key[0]} | {key[1]} | "
+                        f"{first[key] * 1e3:.0f} | {med * 1e3:.1f} | "
+                        f"{med / statistics.median(times['PreNorm', 'direct']):.2f}x |")
+            print(rows[-1], flush=True)
+    print(f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after; "
+          f"mlx {mx.__version__}; eager prefill, batch 1, D = {args.dim}, median of {args.reps}")
+    print("| L | T | scheme | schedule | first call ms | ms (median) | / PreNorm |\n"
+          "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
 def main():
@@ -156,11 +199,15 @@ def main():
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mlx.md")
     ap.add_argument("--decode", action="store_true", help="the decode benchmark (see above)")
     ap.add_argument("--layers", type=int, nargs="+", default=[16],
-                    help="--decode: sublayer counts L (even)")
-    ap.add_argument("--dim", type=int, default=128, help="--decode: model width D")
+                    help="--decode/--prefill: sublayer counts L (even)")
+    ap.add_argument("--dim", type=int, default=128, help="--decode/--prefill: model width D")
+    ap.add_argument("--prefill", action="store_true", help="the prefill benchmark (see above)")
+    ap.add_argument("--tokens", type=int, default=64, help="--prefill: prompt length T")
     args = ap.parse_args()
     if args.decode:
         return decode_main(args)
+    if args.prefill:
+        return prefill_main(args)
     load_before = os.getloadavg()[0]
     copy_bw = _copy_bandwidth(args.reps)
     device = "Metal GPU" if mx.metal.is_available() else f"CPU ({platform.processor() or platform.machine()})"

@@ -9,6 +9,11 @@ representations of this step, phase 2 merges).  That cache grows by concatenatio
 step has new shapes.  `make_cache(batch, max_len)` gives fixed-size buffers instead: with
 `offset=` (a 0-d int32 array) every step has the same shapes, and `compile_step()` runs it as
 one `mx.compile`d program whatever the position (no Python per read after the first trace).
+
+A decode step's depth reads are the router's fused reads on the CPU (`router.fusable`: two
+matmuls and a softmax per read over the step's stacked keys, a merge per two-phase sublayer);
+on an Apple GPU they are the spec's ops, which `dispatch` serves with the Metal kernels (one
+kernel launch per read), traced by the compiled step like any other primitive.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def _argv(root, out):
     return ["--out", str(out), "--corpus-root", str(root), "--sizes", "1x16,2x32", "--residual",
             "standard,block", "--seeds", "2", "--multi-seed-sizes", "1", "--tokens-per-param", "0.15",
             "--batch", "2", "--context", "16", "--eval-batches", "1", "--evals", "1", "--lr-sweep",
-            "1e-3,3e-3", "--lr-size", "1x16", "--bootstrap", "20", "--val-fraction", "0.2"]
+            "1e-3,3e-3", "--lr-extend", "0", "--lr-size", "1x16", "--bootstrap", "20", "--val-fraction", "0.2"]
 
 
 def test_tiny_sweep_resumes_refuses_and_reports(tmp_path, monkeypatch):
@@ -209,6 +209,17 @@ def test_tiny_sweep_resumes_refuses_and_reports(tmp_path, monkeypatch):
     (root / "pkg2" / "m2.py").write_text("changed text")
     with pytest.raises(SystemExit, match="another corpus"):
         scaling.main(argv)
+
+
+def test_lr_sweep_extends_past_an_edge_optimum():
+    added = {}
+    assert scaling.next_lr([2e-3, 4e-3, 8e-3], 8e-3, added, 2) == 1.6e-2  # the grid's step, x2
+    assert scaling.next_lr([2e-3, 4e-3, 8e-3, 1.6e-2], 1.6e-2, added, 2) == 3.2e-2
+    assert scaling.next_lr([2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2], 3.2e-2, added, 2) is None  # 2 per side
+    assert scaling.next_lr([1e-3, 3e-3], 1e-3, added, 2) == pytest.approx(1e-3 / 3)  # the low side
+    assert added == {"high": 2, "low": 1}
+    assert scaling.next_lr([2e-3, 4e-3, 8e-3], 4e-3, {}, 2) is None  # inside: nothing to add
+    assert scaling.next_lr([2e-3], 2e-3, {}, 2) is None and scaling.next_lr([2e-3, 4e-3], None, {}, 2) is None
 
 
 def test_scaling_cli_errors():

@@ -15,6 +15,8 @@ seed every variant starts from the same sublayer, embedding and head weights.
   seed 0, saved like every run); the value with the lowest PreNorm validation loss is then used
   for every variant, the paper's choice (hyperparameters tuned for the baseline, shared by all),
   and scaled to the other sizes by lr(d) = lr_best * d_sweep / d (`--lr BASE` skips the sweep).
+  While the best value lies on an edge of the grid, the next value beyond it is tried (the
+  grid's spacing there), up to `--lr-extend` per side.
 * **Compute** per run: C = 6 * N * tokens, N the run's non-embedding parameters (everything but
   the token and position embeddings and the LM head), tokens = steps * batch * context.  The
   measured wall time and load average are recorded beside it.
@@ -98,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"peak learning rates tried at --lr-size (default {DEFAULT_LR_SWEEP})")
     p.add_argument("--lr-size", type=_shape, default=None,
                    help="BLOCKSxDIM of the lr sweep (default: the second-smallest size)")
+    p.add_argument("--lr-extend", type=int, default=2,
+                   help="while the best PreNorm lr is at an edge of the sweep's grid, try the next value "
+                        "beyond it (the grid's spacing at that edge), up to this many per side (2)")
     p.add_argument("--lr", type=float, default=None,
                    help="peak lr at --lr-size, skipping the sweep (default: the sweep's best for PreNorm)")
     p.add_argument("--evals", type=int, default=8, help="validation points per run after step 0 (8)")
@@ -126,6 +131,8 @@ def _check(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
     if args.tokens_per_param <= 0:
         raise SystemExit(f"--tokens-per-param: expected a number > 0, got {args.tokens_per_param}")
+    if args.lr_extend < 0:
+        raise SystemExit(f"--lr-extend: expected an int >= 0, got {args.lr_extend}")
     if args.lr is not None and args.lr <= 0:
         raise SystemExit(f"--lr: expected a number > 0, got {args.lr}")
     if "standard" not in args.residual:
@@ -277,6 +284,22 @@ def best_lr(records: List[dict]) -> Optional[float]:
     base = [(r["val"][-1]["loss"], r["lr"]) for r in records if r["variant"] == "standard"]
     base = [(loss if loss == loss else float("inf"), lr) for loss, lr in base]
     return min(base)[1] if base else None
+
+
+def next_lr(grid: Sequence[float], best: Optional[float], added: Dict[str, int], limit: int) -> Optional[float]:
+    """The lr to add to the sweep's `grid` when `best` lies on its edge: one grid step beyond it
+    (the ratio of the two outermost values on that side), while fewer than `limit` values were
+    added on that side (`added`: {"low": n, "high": n}, updated); None when the optimum is inside
+    the grid, the limit is reached or the grid has fewer than 2 values."""
+    values = sorted(set(grid))
+    if best is None or len(values) < 2 or values[0] < best < values[-1]:
+        return None
+    side = "high" if best == values[-1] else "low"
+    if added.get(side, 0) >= limit:
+        return None
+    added[side] = added.get(side, 0) + 1
+    ratio = values[-1] / values[-2] if side == "high" else values[1] / values[0]
+    return float(f"{(best * ratio if side == 'high' else best / ratio):.6g}")
 
 
 def _corpus(args: argparse.Namespace) -> Corpus:
@@ -443,6 +466,27 @@ def main(argv: Optional[List[str]] = None) -> int:
                 record = one_run(args, b, dim, variant, seed, lr, expected, corpus, val_batches, view)
                 study._save(path, record)
                 sweep_done.append(record)
+            grid, added = list(args.lr_sweep), {}
+            while args.lr is None:  # the optimum on the grid's edge: one more value beyond it
+                lr = next_lr(grid, best_lr(sweep_done), added, args.lr_extend)
+                if lr is None:
+                    break
+                grid.append(lr)
+                b, dim = sweep_size
+                train._say(f"lr sweep: the best PreNorm lr is on the grid's edge; trying {lr:g}")
+                for variant in args.residual:
+                    path = runs_dir / f"{run_key(b, dim, variant, 0, lr)}.json"
+                    expected = run_settings(args, common, b, dim, variant, 0, lr, "lr_sweep")
+                    if path.exists():
+                        refuse_if_mismatched(path, _load(path), expected)
+                        sweep_done.append(_load(path))
+                        continue
+                    weight = _weight(args, b, dim, variant)
+                    bar.total += steps_for(args, b, dim) * weight
+                    view = study._Weighted(bar, weight, f"extra run lr sweep {lr:g} {b}x{dim}")
+                    record = one_run(args, b, dim, variant, 0, lr, expected, corpus, val_batches, view)
+                    study._save(path, record)
+                    sweep_done.append(record)
             base = args.lr if args.lr is not None else best_lr(sweep_done)
             if base is None:
                 raise SystemExit("the lr sweep has no PreNorm ('standard') run to choose the lr from")

@@ -203,6 +203,13 @@ def train_run(variant: str, blocks: int, seed: int, args: argparse.Namespace,
             "load": [load_start, os.getloadavg()[0]]}
 
 
+def cost_weight(variant: str, blocks: int) -> int:
+    """Rough relative cost of one training step (for the ETA only): a fixed part per step, a part
+    per block, and the depth attention's extra for Full (most) and Block."""
+    extra = {"full": 6, "block": 3}.get(variant_config(variant, 2 * blocks).kind, 0)
+    return 4 + blocks * (10 + extra)
+
+
 def settings_of(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in RUN_SETTINGS}
 
@@ -352,18 +359,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="sequences per step (32)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate after warmup (3e-3)")
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps (100)")
-    p.add_argument("--max-steps", type=int, default=3000, help="step cap per run (3000)")
+    p.add_argument("--max-steps", type=int, default=1500, help="step cap per run (1500)")
     p.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations (100)")
     p.add_argument("--eval-sequences", type=int, default=512, help="held-out sequences (512)")
-    p.add_argument("--patience", type=int, default=800,
-                   help="steps without a gain of more than --min-delta that stop a run (800)")
+    p.add_argument("--patience", type=int, default=500,
+                   help="steps without a gain of more than --min-delta that stop a run (500)")
     p.add_argument("--min-delta", type=float, default=0.01,
                    help="held-out accuracy gain that counts as progress (0.01 = 1 point)")
     p.add_argument("--solved", type=float, default=0.99, help="held-out accuracy that stops a run (0.99)")
-    p.add_argument("--nodes", type=int, default=6, help="nodes of the cycle, pairs shown (6)")
-    p.add_argument("--symbols", type=int, default=16, help="symbol tokens the nodes are drawn from (16)")
+    p.add_argument("--nodes", type=int, default=5, help="nodes of the cycle, pairs shown (5)")
+    p.add_argument("--symbols", type=int, default=12, help="symbol tokens the nodes are drawn from (12)")
     p.add_argument("--hops", type=int, default=2, help="hops asked per query, 1..K (2)")
-    p.add_argument("--queries", type=int, default=6, help="queries per sequence (6)")
+    p.add_argument("--queries", type=int, default=5, help="queries per sequence (5)")
     p.add_argument("--block-size", type=int, default=4, help="sublayers per block for 'block' (4)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0 keeps torch's default (1)")
     p.add_argument("--out", type=Path, default=Path("attnres-recall"), help="output folder (./attnres-recall)")
@@ -422,7 +429,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  "argv": sys.argv[1:] if argv is None else list(argv),
                                  "runs": len(todo), "load": os.getloadavg()[0]})
         meta_path.write_text(json.dumps(meta, indent=1))
-        weight = {(b, v): study.cost_weight(v, b, args.dim) for b, v, _, _ in todo}
+        weight = {(b, v): cost_weight(v, b) for b, v, _, _ in todo}
         bar = train._progress(sum(args.max_steps * weight[(b, v)] for b, v, _, _ in todo) or 1)
         try:
             for i, (blocks, variant, seed, path) in enumerate(todo):

@@ -133,14 +133,18 @@ def _torch_categories(events, wall_s: float) -> dict:
     return cats
 
 
-def _torch_profile(fn) -> dict:
+def _torch_profile(fn, reps: int = 1) -> dict:
+    """`reps` calls of `fn` under torch.profiler: self time per call by category."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        fn()
+        for _ in range(reps):
+            fn()
         wall = time.perf_counter() - t0
-    return {"method": "torch.profiler self CPU time (ms)", "ms": _torch_categories(prof.key_averages(), wall)}
+    ms = {k: round(v / reps, 3) for k, v in _torch_categories(prof.key_averages(), wall).items()}
+    per = "" if reps == 1 else f", mean of {reps} calls"
+    return {"method": f"torch.profiler self CPU time (ms{per})", "ms": ms}
 
 
 class TorchTrain:
@@ -213,7 +217,7 @@ class TorchDecode:
         self.base = _status("VmRSS")
         torch.manual_seed(0)
         ns = SimpleNamespace(dim=a.dim, depth=a.layers, heads=a.heads,
-                             context=a.prefill + a.tokens + 8)
+                             context=a.prefill + a.tokens + 24)  # + warm-up and profiled tokens
         self.model = _bench_module("bench_memory")._hf_llama(ns, _kind(a.variant))[0].eval()
         if a.variant != "prenorm":
             hf.router(self.model).schedule = _schedule(a.variant)
@@ -256,7 +260,7 @@ class TorchDecode:
     def profile(self):
         with self.torch.no_grad():
             _torch_profile(self.step)  # the profiler's first use in a process costs more
-            return _torch_profile(self.step)
+            return _torch_profile(self.step, reps=8)
 
 
 def _hlo_counts(text: str) -> dict:
@@ -266,8 +270,7 @@ def _hlo_counts(text: str) -> dict:
     counts: dict = {}
     for m in re.finditer(r"=\s*[^=]*?\s([a-z][a-z0-9-]*)\(", text):
         counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    top = dict(sorted(counts.items(), key=lambda kv: -kv[1])[:12])
-    return {"instructions": sum(counts.values()), "by_opcode": top}
+    return {"instructions": sum(counts.values()), "by_opcode": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
 
 
 def _jax_analysis(compiled) -> dict:
@@ -407,8 +410,21 @@ def _mlx_graph_counts(*outputs) -> dict:
     counts: dict = {}
     for m in re.finditer(r'label\s*=\s*"([A-Za-z][A-Za-z0-9_]*)', text):
         counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    top = dict(sorted(counts.items(), key=lambda kv: -kv[1])[:12])
-    return {"primitives": sum(counts.values()), "by_primitive": top}
+    return {"primitives": sum(counts.values()), "by_primitive": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
+
+
+def _mlx_fused(model, tokens_shape) -> bool:
+    """Whether the router reads through its fused path (`attnres_mlx.router.fusable`, no
+    dispatch call recorded) for tokens of `tokens_shape` `[B, T]`."""
+    import mlx.core as mx
+
+    try:
+        from attnres_mlx.router import fusable
+    except ImportError:  # a router without fused reads
+        return False
+    router = model.router
+    embedding = mx.zeros((*tokens_shape, router.dim))
+    return bool(getattr(router, "fused_reads", False) and fusable(router.config, embedding, router.num_layers))
 
 
 class MlxTrain:
@@ -455,7 +471,7 @@ class MlxTrain:
         for _ in range(max(0, a.warmup - 1)):
             self.step()
         last = dispatch.last_choice()
-        self.info = {"model": "attnres_mlx.Transformer",
+        self.info = {"model": "attnres_mlx.Transformer", "fused_reads": _mlx_fused(model, (a.batch, a.seq)),
                      "path": "mx.compile step" if self.compiled else "eager (mx.compile failed)",
                      "first_step_s": first, "impl_counts_warmup": dict(dispatch.impl_counts() - before),
                      "last_choice": None if last is None else last._asdict(), "version": mx.__version__}
@@ -474,9 +490,7 @@ class MlxTrain:
 
     def profile(self):
         loss, grads = self.loss_and_grad(self.model, self.x, self.y)  # eager graph, unevaluated
-        out = {"method": "primitives of one eager step's graph (mx.export_to_dot)", **_mlx_graph_counts(loss, grads)}
-        self.mx.eval(loss, grads)
-        return out
+        return {"method": "primitives of one eager step's graph (mx.export_to_dot)", **_mlx_graph_counts(loss, grads)}
 
 
 class MlxDecode:
@@ -489,7 +503,7 @@ class MlxDecode:
         model = Transformer(_kind(a.variant), vocab_size=a.vocab, dim=a.dim, num_blocks=a.layers // 2,
                             num_heads=a.heads)
         mx.eval(model.parameters())
-        self.max_len = a.prefill + a.tokens + 8
+        self.max_len = a.prefill + a.tokens + 24  # + warm-up tokens
         self.dec = _bench_module("bench_mlx")._Decoder(model, "compiled", _schedule(a.variant), a.prefill,
                                                        self.max_len)  # the first prefill (traces)
         self.model, self.mx = model, mx
@@ -498,6 +512,7 @@ class MlxDecode:
         self.step()  # traces the T = 1 step
         last = dispatch.last_choice()
         self.info = {"model": "attnres_mlx.Transformer", "path": "compile_step, make_cache", "kv_cache": True,
+                     "fused_reads": {"token": _mlx_fused(model, (1, 1)), "prefill": _mlx_fused(model, (1, a.prefill))},
                      "impl_counts_warmup": dict(dispatch.impl_counts() - before),
                      "last_choice": None if last is None else last._asdict(), "version": mx.__version__}
 
@@ -511,7 +526,8 @@ class MlxDecode:
         return time.perf_counter() - t0
 
     def step(self):
-        return self.dec.step()
+        t = self.dec.step()
+        return t[0] if isinstance(t, tuple) else t  # bench_mlx's _Decoder: (wall, CPU) seconds
 
     def memory(self):
         return {"peak_bytes": int(self.mx.get_peak_memory()), "method": "mx.get_peak_memory()",
@@ -549,7 +565,9 @@ def worker_main(a) -> None:
             break
         try:
             if cmd in ("step", "prefill"):
-                reply({"s": getattr(w, cmd)()})
+                c0 = time.process_time()
+                wall = getattr(w, cmd)()
+                reply({"s": wall, "cpu": time.process_time() - c0})
             else:
                 reply({cmd: getattr(w, cmd)()})
         except Exception:
@@ -640,13 +658,16 @@ def measure_train(python, framework, s, args, form) -> dict:
     workers = _start(python, framework, "train", TRAIN_VARIANTS, s, form)
     try:
         times = {v: [] for v in TRAIN_VARIANTS}
+        cpu = {v: [] for v in TRAIN_VARIANTS}
         for r in range(s["steps"]):
             for w in workers:
                 time.sleep(args.gap)  # the previous worker's pool threads park
-                times[w.variant].append(w.ask("step")["s"])
+                t = w.ask("step")
+                times[w.variant].append(t["s"])
+                cpu[w.variant].append(t["cpu"])
             _log(f"  round {r + 1}: " + ", ".join(f"{v} {t[-1]:.2f} s" for v, t in times.items()))
         memory = {w.variant: w.ask("memory")["memory"] for w in workers}
-        ratio = _per_round(times, "prenorm")
+        ratio, cpu_ratio = _per_round(times, "prenorm"), _per_round(cpu, "prenorm")
         prof = _profile_all(workers, max(ratio.values()) > 1 + PAPER["train"], args.profile)
     finally:
         for w in workers:
@@ -657,6 +678,7 @@ def measure_train(python, framework, s, args, form) -> dict:
         rows.append({"framework": framework, "form": form, "layers": s["layers"], "dim": s["dim"],
                      "batch": s["batch"], "seq": s["seq"], "variant": v,
                      "step_s": statistics.median(times[v]), "steps_s": times[v], "step_ratio": ratio[v],
+                     "steps_cpu_s": cpu[v], "step_cpu_ratio": cpu_ratio[v],
                      "peak_bytes": m["peak_bytes"], "memory_ratio": m["peak_bytes"] / memory["prenorm"]["peak_bytes"],
                      "memory": m, "info": w.info, "profile": prof.get(v)})
     return {"rows": rows}
@@ -667,14 +689,15 @@ def measure_decode(python, framework, s, args, form) -> dict:
     workers = _start(python, framework, "decode", variants, s, form)
     has_cache = framework != "jax"
     try:
-        prefill = {v: [] for v in variants}
-        tokens = {v: [] for v in variants}
+        prefill, prefill_cpu = {v: [] for v in variants}, {v: [] for v in variants}
+        tokens, tokens_cpu = {v: [] for v in variants}, {v: [] for v in variants}
         for r in range(s["prefill_reps"] + (1 if has_cache else 0)):  # JAX warmed up at compile
             for w in workers:
                 time.sleep(args.gap)
-                t = w.ask("prefill")["s"]
+                t = w.ask("prefill")
                 if r or not has_cache:
-                    prefill[w.variant].append(t)
+                    prefill[w.variant].append(t["s"])
+                    prefill_cpu[w.variant].append(t["cpu"])
         if has_cache:
             for _ in range(2):  # warm-up tokens
                 for w in workers:
@@ -682,10 +705,14 @@ def measure_decode(python, framework, s, args, form) -> dict:
             for _ in range(s["tokens"]):
                 for w in workers:
                     time.sleep(args.token_gap)
-                    tokens[w.variant].append(w.ask("step")["s"])
+                    t = w.ask("step")
+                    tokens[w.variant].append(t["s"])
+                    tokens_cpu[w.variant].append(t["cpu"])
         memory = {w.variant: w.ask("memory")["memory"] for w in workers}
         pr = _per_round(prefill, "prenorm")
         tr = _per_round(tokens, "prenorm") if has_cache else {}
+        pr_cpu = _per_round(prefill_cpu, "prenorm")
+        tr_cpu = _per_round(tokens_cpu, "prenorm") if has_cache else {}
         worst = max(list(pr.values()) + list(tr.values()))
         prof = _profile_all(workers, worst > 1 + PAPER["inference"], args.profile)
     finally:
@@ -698,7 +725,8 @@ def measure_decode(python, framework, s, args, form) -> dict:
                      "prefill": s["prefill"], "variant": v, "kv_cache": has_cache,
                      "prefill_s": statistics.median(prefill[v]), "prefills_s": prefill[v], "prefill_ratio": pr[v],
                      "token_s": statistics.median(tokens[v]) if has_cache else None,
-                     "tokens_s": tokens[v], "token_ratio": tr.get(v),
+                     "tokens_s": tokens[v], "token_ratio": tr.get(v), "prefills_cpu_s": prefill_cpu[v],
+                     "prefill_cpu_ratio": pr_cpu[v], "tokens_cpu_s": tokens_cpu[v], "token_cpu_ratio": tr_cpu.get(v),
                      "peak_bytes": m["peak_bytes"], "memory_ratio": m["peak_bytes"] / memory["prenorm"]["peak_bytes"],
                      "memory": m, "info": w.info, "profile": prof.get(v)})
     return {"rows": rows}
@@ -712,15 +740,42 @@ def _x(r: float) -> str:
     return f"{r:.3f}x ({100 * (r - 1):+.1f} %)"
 
 
+def _xc(r: dict, what: str) -> str:
+    """The wall-time ratio, then the process CPU-time ratio."""
+    return f"{_x(r[what + '_ratio'])}, CPU {r[what + '_cpu_ratio']:.3f}x"
+
+
 def _gib(b: float) -> str:
     return f"{b / 2**30:.2f} GiB" if b >= 2**28 else f"{b / 2**20:.0f} MiB"
+
+
+#: Rows of a profile table: each variant's first (largest) this many entries.
+TOP_ROWS = 12
+
+
+def _profile_numbers(p: dict) -> dict:
+    """One profile as {row label: number}: torch's categories (ms), JAX's flops / bytes /
+    instruction counts, MLX's primitive counts."""
+    if "ms" in p:
+        return p["ms"]
+    if "flops" in p:
+        return {"GFLOP": p["flops"] / 1e9, "GB accessed": p["bytes_accessed"] / 1e9,
+                "HLO instructions": p["instructions"], **p["by_opcode"]}
+    return {"primitives": p["primitives"], **p["by_primitive"]}
+
+
+def _num(v) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:,.2f}"
 
 
 def _impls(r: dict) -> str:
     """The implementations that served the row's depth attention, with their call counts."""
     counts = (r["memory"].get("impl_counts_timed") or r["info"].get("impl_counts_warmup")
               or r["info"].get("impl_counts_traced") or {})
-    return ", ".join(f"{k} x{v}" for k, v in counts.items()) or "none recorded"
+    fused = r["info"].get("fused_reads")
+    fused = {"step": fused} if isinstance(fused, bool) else (fused or {})
+    said = [f"{k} x{v}" for k, v in counts.items()] + [f"fused router reads ({k})" for k, f in fused.items() if f]
+    return ", ".join(said) or "none recorded"
 
 
 def _label(g: dict) -> str:
@@ -732,8 +787,9 @@ def markdown(doc: dict) -> str:
     m = doc["meta"]
     lines = [f"{m['date']}, {m['cpu']} ({m['cpus']} CPUs), load average {m['load_before']} before / "
              f"{m['load_after']} after. Command: `{m['command']}`.", "",
-             "Train step (AdamW), medians of per-round ratios to PreNorm; peak memory per worker "
-             "process. The paper: Block AttnRes < 4 % training overhead.", "",
+             "Train step (AdamW). Ratios to PreNorm are medians of per-round ratios: wall time, then "
+             "the worker's process CPU time (less swayed by other jobs on a shared machine); peak memory "
+             "per worker process. The paper: Block AttnRes < 4 % training overhead.", "",
              "| backend, path | L | B x T | PreNorm step | Full step | Block step | PreNorm peak | Full peak | "
              "Block peak | paper (Block) |", "|---|---|---|---|---|---|---|---|---|---|"]
     by = {}
@@ -742,7 +798,7 @@ def markdown(doc: dict) -> str:
     for (fw, form, L), g in by.items():
         p = g["prenorm"]
         lines.append(f"| {_label(g)} | {L} | {p['batch']} x {p['seq']} | {p['step_s']:.2f} s | "
-                     f"{_x(g['full']['step_ratio'])} | {_x(g['block']['step_ratio'])} | {_gib(p['peak_bytes'])} | "
+                     f"{_xc(g['full'], 'step')} | {_xc(g['block'], 'step')} | {_gib(p['peak_bytes'])} | "
                      f"{_x(g['full']['memory_ratio'])} | {_x(g['block']['memory_ratio'])} | < 1.04x |")
     notes = []
     for (fw, form, L), g in by.items():
@@ -773,24 +829,28 @@ def markdown(doc: dict) -> str:
             r = g.get(v)
             if r is None:
                 return "— (scanned: direct only)"
-            tok = _x(r["token_ratio"]) if r["kv_cache"] else "no KV cache"
-            return f"prefill {_x(r['prefill_ratio'])}; token {tok}"
+            tok = _xc(r, "token") if r["kv_cache"] else "no KV cache"
+            return f"prefill {_xc(r, 'prefill')}; token {tok}"
 
         base = (f"{1e3 * p['prefill_s']:.0f} ms / " +
                 (f"{1e3 * p['token_s']:.1f} ms" if p["kv_cache"] else "— (no KV cache in this model)"))
         lines.append(f"| {_label(g)}, {g['block-direct']['info']['model']} | {L} | {p['prefill']} | {base} | "
                      f"{cell('full')} | {cell('block-direct')} | {cell('block-two_phase')} | < 1.02x |")
-    if doc["skipped"]:
+    if doc["skipped"] or doc["errors"]:
         lines += [""] + [f"- skipped: {n}" for n in doc["skipped"]]
-    profiled = [r for r in doc["train"] + doc["decode"] if r.get("profile")]
-    if profiled:
-        lines += ["", "Profiles (one step / token per variant, where a ratio exceeded the paper's):", ""]
-        for r in profiled:
-            p = r["profile"]
-            task = "train" if "step_s" in r else "decode"
-            body = {k: v for k, v in p.items() if k != "method"}
-            lines.append(f"- {r['framework']} {task} {r['form']} L={r['layers']} {r['variant']} "
-                         f"({p['method']}): {json.dumps(body)}")
+        lines += [f"- failed: {e.splitlines()[0]}" for e in doc["errors"]]
+    for task in ("train", "decode"):
+        groups: dict = {}
+        for r in doc[task]:
+            if r.get("profile"):
+                groups.setdefault((r["framework"], r["form"], r["layers"]), {})[r["variant"]] = r["profile"]
+        for (fw, form, L), g in groups.items():
+            flat = {v: _profile_numbers(p) for v, p in g.items()}
+            keys = list(dict.fromkeys(k for f in flat.values() for k in list(f)[:TOP_ROWS]))
+            method = next(iter(g.values()))["method"]
+            lines += ["", f"Profile, {fw} {task}{'' if form == '-' else ' ' + form} L = {L}: {method}.", "",
+                      "| | " + " | ".join(flat) + " |", "|---" * (len(flat) + 1) + "|"]
+            lines += [f"| {k} | " + " | ".join(_num(f.get(k, 0)) for f in flat.values()) + " |" for k in keys]
     return "\n".join(lines) + "\n"
 
 
@@ -856,7 +916,15 @@ def main(argv=None) -> int:
             "command": "python bench/bench_cost.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     _log(f"# {meta['date']}, {meta['cpu']}, load {meta['load_before']}")
     doc = {"meta": meta, "paper": PAPER, "block_size": BLOCK_SIZE, "settings": {}, "train": [], "decode": [],
-           "skipped": []}
+           "skipped": [], "errors": []}
+
+    def write():
+        meta["load_after"] = _loadavg()
+        doc["markdown"] = markdown(doc)
+        if args.json:  # after every group: a later failure keeps what was measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(doc, indent=1))
+
     for fw in args.frameworks:
         python = getattr(args, f"{fw}_python")
         if not Path(python).exists():
@@ -869,16 +937,22 @@ def main(argv=None) -> int:
             forms = args.jax_forms if fw == "jax" else ["-"]
             for task in args.tasks:
                 for form in forms:
-                    _log(f"{fw} {task} {form} L={L}: load {_loadavg()}")
+                    before = _loadavg()
+                    _log(f"{fw} {task} {form} L={L}: load {before}")
                     fn = measure_train if task == "train" else measure_decode
-                    doc[task] += fn(python, fw, s, args, form)["rows"]
-    meta["load_after"] = _loadavg()
-    doc["markdown"] = markdown(doc)
+                    try:
+                        rows = fn(python, fw, s, args, form)["rows"]
+                    except RuntimeError as e:  # a worker failed (or ran out of memory): the others go on
+                        doc["errors"].append(f"{fw} {task} {form} L={L}: {e}")
+                        _log(f"  FAILED: {e}")
+                        continue
+                    for r in rows:
+                        r["load_before"], r["load_after"] = before, _loadavg()
+                    doc[task] += rows
+                    write()
+    write()
     print(doc["markdown"])
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
-    return 0
+    return 1 if doc["errors"] else 0
 
 
 if __name__ == "__main__":

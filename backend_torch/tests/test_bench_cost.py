@@ -11,10 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_FIELDS = {"framework", "form", "layers", "dim", "batch", "seq", "variant", "step_s", "steps_s", "step_ratio",
-                "peak_bytes", "memory_ratio", "memory", "info", "profile"}
+                "steps_cpu_s", "step_cpu_ratio", "peak_bytes", "memory_ratio", "memory", "info", "profile",
+                "load_before", "load_after"}
 DECODE_FIELDS = {"framework", "form", "layers", "dim", "prefill", "variant", "kv_cache", "prefill_s", "prefills_s",
-                 "prefill_ratio", "token_s", "tokens_s", "token_ratio", "peak_bytes", "memory_ratio", "memory",
-                 "info", "profile"}
+                 "prefill_ratio", "token_s", "tokens_s", "token_ratio", "prefills_cpu_s", "prefill_cpu_ratio",
+                 "tokens_cpu_s", "token_cpu_ratio", "peak_bytes", "memory_ratio", "memory", "info", "profile",
+                 "load_before", "load_after"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def test_train_rows(doc):
         assert TRAIN_FIELDS <= set(r), TRAIN_FIELDS - set(r)
         assert r["framework"] == "torch" and r["info"]["model"] == "AttnResTransformer"
         assert len(r["steps_s"]) == 3 and min(r["steps_s"]) > 0 and r["step_s"] > 0
-        assert r["step_ratio"] > 0 and r["memory_ratio"] > 0 and r["peak_bytes"] > 0
+        assert r["step_ratio"] > 0 and r["step_cpu_ratio"] > 0 and r["memory_ratio"] > 0 and r["peak_bytes"] > 0
         assert r["memory"]["state_bytes"] == 16 * r["info"]["params"]
         assert r["memory"]["saved_activation_bytes"] > 0
         prof = r["profile"]["ms"]
@@ -73,7 +75,8 @@ def test_decode_rows(doc):
         assert DECODE_FIELDS <= set(r), DECODE_FIELDS - set(r)
         assert r["kv_cache"] is True and "LlamaForCausalLM" in r["info"]["model"]
         assert len(r["prefills_s"]) == 2 and len(r["tokens_s"]) == 3 and min(r["tokens_s"]) > 0
-        assert r["prefill_ratio"] > 0 and r["token_ratio"] > 0 and r["memory_ratio"] > 0
+        assert min(r["prefill_ratio"], r["token_ratio"], r["prefill_cpu_ratio"], r["token_cpu_ratio"],
+                   r["memory_ratio"]) > 0
         assert r["profile"]["ms"]["wall"] > 0
         if v != "prenorm":
             assert r["profile"]["ms"]["depth attention (attnres ops)"] > 0

@@ -53,6 +53,11 @@ def test_the_answers_are_determined_by_the_inputs():
         queries = row[2 * TASK["nodes"]::TASK["hops"]]
         assert len(set(queries)) == TASK["queries"]  # distinct query nodes
         assert all(q not in want[i * 3:(i + 1) * 3] for i, q in enumerate(queries))  # hops < nodes
+        # hop 2 is never q, f(q) or f^-1(q): the shortcut_ceiling guess is among nodes - 3 others
+        inverse = {y: x for x, y in zip(xs, ys)}
+        for i, q in enumerate(queries):
+            assert want[3 * i + 1] not in {q, want[3 * i], inverse[q]}
+    assert recall.shortcut_ceiling(TASK["nodes"]) == 1 / (TASK["nodes"] - 3)
     # the generator is deterministic in its generator and does not always draw the same sequence
     again = recall.hop_batch(torch.Generator().manual_seed(3), 64, **TASK)
     assert torch.equal(again["tokens"], tokens)
@@ -66,6 +71,8 @@ def test_bad_task_shapes_are_refused(bad, name):
         recall.hop_batch(torch.Generator(), 2, **{**TASK, **bad})
     with pytest.raises(ValueError, match="batch"):
         recall.hop_batch(torch.Generator(), 0, **TASK)
+    with pytest.raises(ValueError, match="nodes"):
+        recall.shortcut_ceiling(3)
 
 
 def test_stopping_rule():

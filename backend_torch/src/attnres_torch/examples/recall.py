@@ -6,8 +6,10 @@ tokens as its `nodes` pairs `x f(x)` in random order, then `queries` query block
 `q H_2 ... H_K` (q a node, H_j a marker token).  At q the model must name f(q) (hop 1: plain
 associative recall), at H_j it must name f^j(q).  The answers are never in the input, so hop j
 needs j lookups chained inside the network: hop 1 needs a binding layer and a lookup (two
-attention layers), every further hop at least one more, and a model with too few layers cannot
-answer it at all.  Chance is 1 / (nodes - 1) per answer (any node but q).
+attention layers), every further hop at least one more.  Chance is 1 / (nodes - 1) per answer
+(any node but q).  Without chaining, a model can still rule out q, f(q) and f^-1(q) (one lookup
+each) for hop 2, which gives 1 / (nodes - 3) (`shortcut_ceiling`); hop-2 accuracy above that
+needs the chained lookup.
 
     python -m attnres_torch.examples.recall --out DIR                 # the probe (resumes)
     python -m attnres_torch.examples.recall --out DIR --report-only   # summary.md from the runs
@@ -96,6 +98,14 @@ def hop_batch(gen: torch.Generator, batch: int, *, nodes: int, symbols: int, hop
     positions = (2 * nodes + hops * torch.arange(queries)[:, None] + j - 1).flatten()
     return {"tokens": tokens, "answers": answers, "positions": positions,
             "hop": j.repeat(queries)}
+
+
+def shortcut_ceiling(nodes: int) -> float:
+    """Hop-2 accuracy reachable without chaining two lookups: q, f(q) and f^-1(q) ruled out, a
+    guess among the other nodes - 3 (nodes >= 4)."""
+    if nodes < 4:
+        raise ValueError(f"nodes: expected >= 4 for a hop-2 shortcut ceiling, got {nodes}")
+    return 1.0 / (nodes - 3)
 
 
 def _task_kwargs(args: argparse.Namespace) -> dict:
@@ -272,7 +282,10 @@ def summary_markdown(runs: List[dict], meta: Optional[dict] = None) -> str:
              f"Task: one random cycle over {s['nodes']} of {s['symbols']} symbols shown as "
              f"{s['nodes']} pairs in random order, then {s['queries']} queries, each answered at "
              f"hops 1..{s['hops']} (T = {2 * s['nodes'] + s['queries'] * s['hops']}); chance "
-             f"{100 * chance:.1f} % per answer.  Batch {s['batch']} sequences, AdamW lr {s['lr']} "
+             f"{100 * chance:.1f} % per answer"
+             + (f"; without chaining two lookups, hop 2 can reach {100 * shortcut_ceiling(s['nodes']):.1f} % "
+                "(q, f(q), f^-1(q) ruled out)" if s["hops"] >= 2 and s["nodes"] >= 4 else "")
+             + f".  Batch {s['batch']} sequences, AdamW lr {s['lr']} "
              f"after {s['warmup']} warmup steps.  Held-out set: {s['eval_sequences']} sequences "
              f"from a generator no training stream uses, evaluated every {s['eval_every']} steps.",
              "",

@@ -1,46 +1,49 @@
 """The user's cost at realistic width: train step, peak memory and KV-cache decode of Block and
-Full AttnRes against PreNorm on each backend's fastest CPU path (issue 31 item 2).
+Full AttnRes against PreNorm on each backend's fastest CPU path.
 
-Models (random weights, vocab 256, MLP ratio 4, one shape per run; L = sublayers = 2 x layers):
+Models (random weights, vocab 256, MLP ratio 4; L = sublayers = 2 x layers):
 
-* train: torch `AttnResTransformer` (the depth attention dispatched to the C kernel: the worker
-  records `attnres_torch.dispatch.impl_counts()` over its steps and reports it), JAX NNX
-  `Transformer` (one `jax.jit` AdamW step, each `--jax-forms` form: "scanned" = `scan_layers=True`,
-  "unrolled" = `stack_apply`), MLX `attnres_mlx.Transformer` (an `mx.compile`d AdamW step with the
-  model and optimizer state as its inputs and outputs).  Every step: AdamW (lr 1e-3), next-token
-  cross-entropy on `[B, T + 1]` tokens, backward, update.
+* train: torch `AttnResTransformer` (the depth attention dispatched to the C kernel: each worker
+  records `attnres_torch.dispatch.impl_counts()` over its timed steps and the table names what
+  served), JAX NNX `Transformer` (one `jax.jit` AdamW step, each `--jax-forms` form: "scanned" =
+  `scan_layers=True`, "unrolled" = `stack_apply`), MLX `attnres_mlx.Transformer` (an
+  `mx.compile`d AdamW step with the model and optimizer state as its inputs and outputs).  Every
+  step: AdamW (lr 1e-3), next-token cross-entropy on `[B, T + 1]` tokens, backward, update.
 * decode, batch 1: prefill P tokens, then one token per call with a KV cache.  torch: the
   `AttnResTransformer` has no KV cache, so torch decodes a transformers `LlamaForCausalLM` of the
-  same width and depth (SwiGLU MLP 4 d, `bench_memory._hf_llama`) converted by `attnres_torch.hf`
-  (PreNorm: the unconverted model), with HF's `DynamicCache`.  MLX: `Transformer.compile_step`
-  on a `make_cache` fixed-size cache (`bench_mlx._Decoder`).  JAX: the NNX `Transformer` has no
-  KV cache: only the prefill (a jitted forward of `[1, P]`) is measured, no per-token cell.
+  same width and depth (SwiGLU, intermediate 4 d: `bench_memory._hf_llama`) converted by
+  `attnres_torch.hf` (PreNorm: the unconverted model), with HF's `DynamicCache`.  MLX:
+  `Transformer.compile_step` on a `make_cache` fixed-size cache (`bench_mlx._Decoder`).  JAX: the
+  NNX `Transformer` has no KV cache: only the prefill (a jitted forward of `[1, P]`) is measured
+  and the per-token cell says so.
 * variants: PreNorm (`ResidualConfig` kind "standard"), Full, Block with S = 8 sublayers per block
   (`bench_jax_depth.KINDS`): N = L / 8 blocks plus the embedding, i.e. 4 at L = 32 and the
-  paper's N = 8 at L = 64.  Decode runs Block twice: direct and two-phase.
+  paper's N ~ 8 at L = 64.  Decode runs Block twice: direct and two-phase.
 
 Method.  Every variant is a persistent worker process of its framework's interpreter
 (.nox/tests-{torch,jax,mlx}); the driver (any Python 3) asks them in turn, one step / token each
 (A B C A B C ...), so every ratio is the median of per-round ratios to PreNorm measured seconds
-apart under the same load, and each worker's peak memory is its own.  Train: `--warmup` steps,
-then the median of `--steps`.  Decode: `--prefill-reps` timed prefills after one warm-up prefill,
-2 warm-up tokens, then the median of `--tokens` tokens.  Peak memory: torch and decode everywhere
-= the worker's peak RSS (VmHWM) minus its RSS after the imports (model, optimizer state,
-activations, allocator slack); torch train also `examples.probes.training_memory` (16 B per
-parameter + the tensors autograd saves, each storage once); JAX train =
-`compiled.memory_analysis()` (arguments + outputs - aliased + temporaries), with the RSS beside
-it; MLX = `mx.get_peak_memory()`.  Where a ratio exceeds the paper's overhead (< 4 % train, < 2 %
-inference) `--profile auto` profiles one step of every variant: torch `torch.profiler` self time
-by category, JAX the compiled step's HLO op counts and `cost_analysis()` flops / bytes, MLX the
-primitives of one step's graph (`mx.export_to_dot`).
+apart under the same load, both of wall time and of the worker's process CPU time (which other
+jobs on a shared machine sway less).  Train: `--warmup` steps, then `--steps` timed ones.
+Decode: one warm-up prefill, `--prefill-reps` timed ones, 2 warm-up tokens, `--tokens` timed ones.
+All variants of a group are alive at once (three models with their AdamW state; `--train-pairs`
+keeps two: PreNorm + Full, then PreNorm + Block).  Peak memory, per worker: torch = peak RSS
+(VmHWM) minus the RSS after the imports (model, optimizer state, activations, allocator slack),
+and for training also `examples.probes.training_memory` (16 B per parameter + the tensors
+autograd saves, each storage once); JAX = `compiled.memory_analysis()` (arguments + outputs -
+aliased + temporaries), the RSS beside it; MLX = `mx.get_peak_memory()`.  Where a ratio exceeds
+the paper's overhead (< 4 % train, < 2 % inference), `--profile auto` profiles every variant of
+the group: torch `torch.profiler` self time by category (one step; decode: 8 tokens), JAX the
+compiled step's HLO instruction counts and `cost_analysis()` flops / bytes, MLX the primitives
+of one eager step's graph (`mx.export_to_dot`).
 
     python bench/bench_cost.py --json bench/results/cost.json            # d 1024, L 32, all three
-    python bench/bench_cost.py --frameworks torch --layers 32 64
-    python bench/bench_cost.py --quick --frameworks torch --json /tmp/c.json   # smoke, seconds
+    python bench/bench_cost.py --frameworks torch --layers 64 --train-pairs
+    python bench/bench_cost.py --quick --frameworks torch --json /tmp/c.json   # smoke
 
-The MLX wheel on this Linux CPU multiplies with a reference BLAS (~2 GFLOP/s against torch's ~70),
-so MLX trains at `--mlx-batch` x `--mlx-seq` and prefills `--mlx-prefill` tokens (smaller; the
-table says so), and its matmuls dilute every other cost.
+The mlx-cpu wheel on Linux links a reference BLAS, far slower at matmuls than torch's or XLA's,
+so MLX trains at `--mlx-batch` x `--mlx-seq` and prefills `--mlx-prefill` tokens (the table
+gives its shapes), and its slow matmuls dilute every other cost.
 """
 
 from __future__ import annotations
@@ -655,10 +658,23 @@ def _profile_all(workers, exceeded: bool, mode: str) -> dict:
 
 
 def measure_train(python, framework, s, args, form) -> dict:
-    workers = _start(python, framework, "train", TRAIN_VARIANTS, s, form)
+    """PreNorm, Full and Block interleaved; with `--train-pairs` (three models' optimizer state
+    do not fit) PreNorm + Full, then PreNorm + Block, each pair interleaved, each ratio to its own
+    pair's PreNorm (the second PreNorm's steps are kept in the Block row as baseline_steps_s)."""
+    if not args.train_pairs:
+        return {"rows": _train_group(python, framework, s, args, form, TRAIN_VARIANTS)}
+    first = _train_group(python, framework, s, args, form, ("prenorm", "full"))
+    second = {r["variant"]: r for r in _train_group(python, framework, s, args, form, ("prenorm", "block"))}
+    block = dict(second["block"], baseline_steps_s=second["prenorm"]["steps_s"],
+                 baseline_peak_bytes=second["prenorm"]["peak_bytes"])
+    return {"rows": first + [block]}
+
+
+def _train_group(python, framework, s, args, form, variants) -> list:
+    workers = _start(python, framework, "train", variants, s, form)
     try:
-        times = {v: [] for v in TRAIN_VARIANTS}
-        cpu = {v: [] for v in TRAIN_VARIANTS}
+        times = {v: [] for v in variants}
+        cpu = {v: [] for v in variants}
         for r in range(s["steps"]):
             for w in workers:
                 time.sleep(args.gap)  # the previous worker's pool threads park
@@ -680,8 +696,8 @@ def measure_train(python, framework, s, args, form) -> dict:
                      "step_s": statistics.median(times[v]), "steps_s": times[v], "step_ratio": ratio[v],
                      "steps_cpu_s": cpu[v], "step_cpu_ratio": cpu_ratio[v],
                      "peak_bytes": m["peak_bytes"], "memory_ratio": m["peak_bytes"] / memory["prenorm"]["peak_bytes"],
-                     "memory": m, "info": w.info, "profile": prof.get(v)})
-    return {"rows": rows}
+                     "memory": m, "info": w.info, "profile": prof.get(v), "alive": list(variants)})
+    return rows
 
 
 def measure_decode(python, framework, s, args, form) -> dict:
@@ -785,9 +801,9 @@ def _label(g: dict) -> str:
 
 def markdown(doc: dict) -> str:
     m = doc["meta"]
-    lines = [f"{m['date']}, {m['cpu']} ({m['cpus']} CPUs), load average {m['load_before']} before / "
-             f"{m['load_after']} after. Command: `{m['command']}`.", "",
-             "Train step (AdamW). Ratios to PreNorm are medians of per-round ratios: wall time, then "
+    head = [f"{m['date']}, {m['cpu']} ({m['cpus']} CPUs), load average {m['load_before']} before / "
+            f"{m['load_after']} after. Command: `{m['command']}`."]
+    lines = ["", "Train step (AdamW). Ratios to PreNorm are medians of per-round ratios: wall time, then "
              "the worker's process CPU time (less swayed by other jobs on a shared machine); peak memory "
              "per worker process. The paper: Block AttnRes < 4 % training overhead.", "",
              "| backend, path | L | B x T | PreNorm step | Full step | Block step | PreNorm peak | Full peak | "
@@ -809,16 +825,26 @@ def markdown(doc: dict) -> str:
                          f"{_x(a['block'] / a['prenorm'])}; 16 B/parameter state "
                          f"{_gib(g['prenorm']['memory']['state_bytes'])}.")
     for L in sorted({k[2] for k in by if k[0] == "jax"}):
-        forms = {k[1]: g["prenorm"]["step_s"] for k, g in by.items() if k[0] == "jax" and k[2] == L}
-        if len(forms) > 1:
-            best = min(forms, key=forms.get)
-            notes.append(f"jax L={L}: the faster form at this shape is {best} (PreNorm step " +
-                         ", ".join(f"{f} {t:.2f} s" for f, t in forms.items()) + ").")
+        groups = {k[1]: g for k, g in by.items() if k[0] == "jax" and k[2] == L}
+        if len(groups) > 1:
+            said = []
+            for v in TRAIN_VARIANTS:
+                steps = {f: g[v]["step_s"] for f, g in groups.items()}
+                said.append(f"{v} {min(steps, key=steps.get)} (" +
+                            ", ".join(f"{f} {t:.2f} s" for f, t in steps.items()) + ")")
+            notes.append(f"jax L={L}, the faster form per variant (medians from separate runs): " +
+                         "; ".join(said) + ".")
+    for (fw, form, L), g in by.items():
+        if len(g["block"].get("alive", TRAIN_VARIANTS)) < len(TRAIN_VARIANTS):
+            notes.append(f"{fw} L={L}: measured in pairs (`--train-pairs`): PreNorm + Full, then PreNorm + "
+                         "Block, each ratio to its own pair's PreNorm.")
     lines += [""] + [f"- {n}" for n in notes] if notes else []
-    lines += ["", "Decode, batch 1: prefill P tokens, then per-token latency with a KV cache. The paper: "
+    lines = head + (lines if doc["train"] else [])
+    decode = ["", "Decode, batch 1: prefill P tokens, then per-token latency with a KV cache. The paper: "
               "Block AttnRes < 2 % inference overhead.", "",
               "| backend, model, path | L | P | PreNorm prefill / token | Full | Block direct | "
               "Block two-phase | paper (Block) |", "|---|---|---|---|---|---|---|---|"]
+    lines += decode if doc["decode"] else []
     by = {}
     for r in doc["decode"]:
         by.setdefault((r["framework"], r["form"], r["layers"]), {})[r["variant"]] = r
@@ -886,6 +912,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mlx-batch", type=int, default=1)
     ap.add_argument("--mlx-seq", type=int, default=32)
     ap.add_argument("--mlx-prefill", type=int, default=32)
+    ap.add_argument("--train-pairs", action="store_true",
+                    help="train PreNorm + Full, then PreNorm + Block (two models alive, not three)")
     ap.add_argument("--jax-forms", nargs="+", default=None, choices=("scanned", "unrolled"),
                     help="default: both (--quick: scanned; the unrolled Full compiles for minutes)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")

@@ -24,11 +24,14 @@ from attnres_core.schedule import (
     FixedResidualStream,
     ResidualOps,
     ScheduleObserver,
+    call_scale,
+    check_mix,
     run_schedule,
     split_result,
 )
 from jax.ad_checkpoint import checkpoint_name
 
+from . import _scan_full
 from .ops import compute_dtype, depth_attention, depth_attention_multi, dtype_name, merge_partial
 
 Sublayer = Callable[[jax.Array], jax.Array]
@@ -241,15 +244,20 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
       stages: the scan is split into this many consecutive scans (None: 4 for kind="full", else
         1), each holding only the buffer rows its sublayers touch: the rows read per sublayer
         are ~(stages + 1) / (2 stages) of L instead of L, each stage one more body in the program.
-      backward: how the gradient of a Full or Block stack is formed.  "replay": the forward
-        keeps only the final buffer (and, per step, the small carries: the open block's partial
-        row, the M10 PreNorm sum), and the backward is a reverse scan that rebuilds each step's
-        entry buffer from it and takes that step's VJP: O(L) saved rows instead of a buffer per
-        step (O(L^2)), at the cost of one more forward of each step (remat "recompute" is then
-        implied).  "scan": `lax.scan`'s own autodiff, which saves every step's carry.  None
-        (default): "replay" for block (less memory and faster), "scan" for full (on XLA:CPU its
-        replay steps slower with two sublayers per step; choose "replay" where the O(L^2)
-        history does not fit; docs/benchmarks.md).  remat="offload" always uses "scan".
+      backward: how the gradient of a Full or Block stack is formed.  "fused" (kind full with
+        static queries, no M13 keys, remat None or "recompute"; `attnres_jax._scan_full`): the
+        forward keeps the final buffer, each row's inverse RMS (computed once, when the row is
+        written), each read's weights and logits and each sublayer's own VJP residuals (with
+        remat="recompute" only its input), and a hand-written reverse scan adds every read's
+        gradient to the buffer's cotangent in place: O(L) buffer rows, two passes over the
+        history per read in each direction.  "replay": the forward keeps only the final
+        buffer (and, per step, the small carries: the open block's partial row, the M10 PreNorm
+        sum), and the backward is a reverse scan that rebuilds each step's entry buffer from it
+        and takes that step's VJP: O(L) saved rows instead of a buffer per step (O(L^2)), at the
+        cost of one more forward of each step (remat "recompute" is then implied).  "scan":
+        `lax.scan`'s own autodiff of the shared schedule, which saves every step's carry.  None
+        (default): "fused" for full where it runs (else "scan"), "replay" for block
+        (docs/benchmarks.md).  remat="offload" always uses "scan".
 
     Returns: out `[..., D]` (h_{L+1}, before any final norm) in the embedding's dtype.
     """
@@ -268,10 +276,25 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
     scale = _as_scale(scale, embedding)
     stream = FixedResidualStream(config, JaxOps(params), embedding, num_layers=n * period, mix=mix,
                                  scale=scale)
-    if backward is not None and backward not in SCAN_BACKWARDS:
+    if backward is not None and (not isinstance(backward, str) or backward not in SCAN_BACKWARDS):
         raise ValueError(f"backward: expected one of {SCAN_BACKWARDS} or None, got {backward!r}")
+    called, query_scale = call_scale(config, scale)
+    alpha = check_mix(mix, called)
+    why_not = _scan_full.unsupported(config, alpha, remat)
     if backward is None:
-        backward = "replay" if config.kind == "block" else "scan"
+        backward = "replay" if config.kind == "block" else ("fused" if why_not is None else "scan")
+    stages = min(n, 4 if config.kind == "full" else 1) if stages is None else stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= n:
+        raise ValueError(f"stages: expected an int in [1, {n}] (the scan steps) or None, got {stages!r}")
+    if backward == "fused":
+        if why_not is not None:
+            raise ValueError(f"backward='fused' runs kind='full' with static queries, remat None or "
+                             f"'recompute' and no M13 keys; got {why_not}")
+        remat_policy(remat)
+        return _scan_full.full_scan(
+            called, embedding, _fused_queries(called, params, n * period, embedding.dtype, query_scale),
+            list(sublayers), layer_params, mix=alpha, stages=stages, unroll=unroll, remat=remat,
+            out_norm_weights=params.get("out_norm_weights") if config.fuse_out_norm else None)
     replay = backward == "replay" and remat != "offload" and stream.buffer is not None
     policy = remat_policy(remat)  # checks remat in every case
     if replay:  # the replay recomputes each step itself: no checkpoint policy on top
@@ -294,9 +317,6 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
 
     if policy is not None:
         step = jax.checkpoint(step, policy=policy)
-    stages = min(n, 4 if config.kind == "full" else 1) if stages is None else stages
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= n:
-        raise ValueError(f"stages: expected an int in [1, {n}] (the scan steps) or None, got {stages!r}")
     state, start = stream.state, 0
     for stage in range(stages):
         stop = n * (stage + 1) // stages
@@ -318,7 +338,20 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
     return stream.output()
 
 
-SCAN_BACKWARDS = ("replay", "scan")
+SCAN_BACKWARDS = ("fused", "replay", "scan")
+
+
+def _fused_queries(config: ResidualConfig, params: Mapping, num_layers: int, dtype, query_scale):
+    """`[L + 1, D]` in the compute dtype: row l - 1 = q * g of sublayer l's read (row L: the
+    output's), q the M11 query row times an array call scale, g its key-norm gain (C10: as
+    `_query_and_gain` and the op's query side form them)."""
+    ct = compute_dtype(dtype)
+    rows = jnp.asarray([config.query_row(l, num_layers) for l in range(1, num_layers + 2)])
+    q = jnp.take(jnp.asarray(params["queries"]), rows, axis=0).astype(ct)
+    if query_scale is not None:
+        q = q * query_scale
+    gain = params.get("norm_weights")
+    return q if gain is None else q * jnp.take(jnp.asarray(gain), rows, axis=0).astype(ct)
 
 
 def _entry_row(config: ResidualConfig, period: int) -> Callable:

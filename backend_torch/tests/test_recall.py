@@ -111,5 +111,26 @@ def test_a_five_step_probe_writes_its_runs_resumes_and_reports(tmp_path, monkeyp
     assert {p.name: p.read_bytes() for p in (out / "runs").glob("*.json")} == before
     assert len(json.loads((out / "recall.json").read_text())["sessions"]) == 2
     with pytest.raises(SystemExit, match="other settings"):
-        recall.main([a if a != "5" else "6" for a in argv])
+        recall.main(_with(argv, "--batch", "3"))
+    with pytest.raises(SystemExit, match="past --max-steps"):
+        recall.main(_with(argv, "--max-steps", "4"))
     assert recall.main(argv + ["--report-only"]) == 0
+
+
+def _with(argv: list, flag: str, value: str) -> list:
+    i = argv.index(flag)
+    return argv[:i + 1] + [value] + argv[i + 2:]
+
+
+def test_a_run_continues_from_its_state_as_if_never_stopped(tmp_path):
+    argv = ["--depths", "1", "--residual", "block", "--seeds", "1", "--dim", "16", "--heads", "2",
+            "--batch", "4", "--eval-every", "2", "--eval-sequences", "8", "--nodes", "4",
+            "--symbols", "6", "--hops", "2", "--queries", "2", "--no-plots"]
+    key = "runs/L2-block-s0.json"
+    assert recall.main(argv + ["--max-steps", "4", "--out", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "state" / "L2-block-s0.pt").exists()
+    assert recall.main(argv + ["--max-steps", "6", "--out", str(tmp_path / "a")]) == 0  # extended
+    assert recall.main(argv + ["--max-steps", "6", "--out", str(tmp_path / "b")]) == 0  # in one go
+    extended, whole = (json.loads((tmp_path / d / key).read_text()) for d in "ab")
+    assert [p["step"] for p in extended["curve"]] == [0, 2, 4, 6] and extended["stop"]["step"] == 6
+    assert extended["curve"] == whole["curve"]  # the same losses and accuracies, bit for bit

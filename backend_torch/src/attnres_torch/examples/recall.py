@@ -26,8 +26,11 @@ accuracy for `--patience` steps ("plateau"); `--max-steps` ("cap").  Its result 
 accuracy at the stop, overall and per hop.
 
 Each finished run is `OUT/runs/L<layers>-<variant>-s<seed>.json`; the same command again skips
-finished runs (a saved run made with other settings stops it).  `OUT/summary.md` (and
-`recall_curves.png` with matplotlib) is written at the end.
+finished runs (a saved run made with other settings stops it).  A run's training state is kept in
+`OUT/state/` (git-ignored, about 10 MB a run at L = 16), written at every evaluation: an
+interrupted run continues from its last evaluation, and a run that stopped at the cap continues
+when the command is given a larger `--max-steps`, with the curve it would have had uninterrupted.
+`OUT/summary.md` (and `recall_curves.png` with matplotlib) is written at the end.
 """
 
 from __future__ import annotations
@@ -164,8 +167,13 @@ def stop_reason(curve: List[dict], args: argparse.Namespace) -> Optional[str]:
 
 
 def train_run(variant: str, blocks: int, seed: int, args: argparse.Namespace,
-              held_out: Dict[str, torch.Tensor], progress) -> dict:
-    """Train one (depth, variant, seed) to the stopping rule; returns its JSON-ready record."""
+              held_out: Dict[str, torch.Tensor], progress, state: Optional[Path] = None) -> dict:
+    """Train one (depth, variant, seed) to the stopping rule; returns its JSON-ready record.
+
+    state: a file for the run's training state (model, AdamW, data generator, curve), written at
+    every evaluation; when it exists the run continues from it (after an interruption, or past
+    its old cap when --max-steps grew), which gives the run an uninterrupted one would (the
+    learning rate does not depend on the cap)."""
     if seed == HELD_OUT_SEED:
         raise ValueError(f"seed: {HELD_OUT_SEED} is the held-out set's seed; choose another")
     vocab, T = task_shape(**_task_kwargs(args))
@@ -176,11 +184,24 @@ def train_run(variant: str, blocks: int, seed: int, args: argparse.Namespace,
                       num_heads=args.heads, context=T, positional="rope")
     optimizer = train._optimizer(model, args.lr)
     gen = torch.Generator().manual_seed(seed)
-    curve = [{"step": 0, "train_loss": None, **evaluate(model, held_out, args.hops)}]
-    load_start = os.getloadavg()[0]
-    start, step_time, losses, step = time.perf_counter(), 0.0, [], 0
+    step, step_time, wall, loads = 0, 0.0, 0.0, []
+    if state is not None and state.exists():
+        saved = torch.load(state, weights_only=True)
+        if _without_cap(saved["settings"]) != _without_cap(settings_of(args)):
+            raise SystemExit(f"{state}: saved with other settings {saved['settings']}, now "
+                             f"{settings_of(args)}; use another --out or delete it")
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        gen.set_state(saved["gen"])
+        step, step_time, wall, loads, curve = (saved["step"], saved["step_time"], saved["wall_s"],
+                                               saved["load"], saved["curve"])
+        reason = stop_reason(curve, args) if step else None
+    else:
+        curve = [{"step": 0, "train_loss": None, **evaluate(model, held_out, args.hops)}]
+        reason = None
+    loads = loads + [os.getloadavg()[0]]
+    start, losses = time.perf_counter(), []
     progress.set_description(f"L={layers} {variant} seed {seed}")
-    reason = None
     while reason is None:
         batch = hop_batch(gen, args.batch, **_task_kwargs(args))
         for group in optimizer.param_groups:
@@ -203,14 +224,30 @@ def train_run(variant: str, blocks: int, seed: int, args: argparse.Namespace,
             by_hop = " ".join(f"{a:.2f}" for a in curve[-1]["by_hop"])
             progress.set_postfix_str(f"held-out acc {curve[-1]['acc']:.3f} (by hop {by_hop}) "
                                      f"at step {step}")
-    progress.update(args.max_steps - step)  # a run that stopped early frees its share of the bar
+            if state is not None:
+                _save_state(state, {"settings": settings_of(args), "step": step, "curve": curve,
+                                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                    "gen": gen.get_state(), "step_time": step_time,
+                                    "wall_s": wall + time.perf_counter() - start,
+                                    "load": loads + [os.getloadavg()[0]]})
+    progress.update(max(0, args.max_steps - step))  # a run that stopped early frees its share
     return {"variant": variant, "blocks": blocks, "layers": layers, "seed": seed,
             "settings": settings_of(args), "config": config.to_dict(),
             "params": sum(p.numel() for p in model.parameters()),
             "router_params": sum(p.numel() for p in model.router.parameters()),
             "curve": curve, "final": curve[-1], "stop": {"step": step, "reason": reason},
-            "wall_s": time.perf_counter() - start, "step_s": step_time / step,
-            "load": [load_start, os.getloadavg()[0]]}
+            "wall_s": wall + time.perf_counter() - start, "step_s": step_time / max(1, step),
+            "load": loads + [os.getloadavg()[0]]}
+
+
+def _without_cap(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k != "max_steps"}
+
+
+def _save_state(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 def cost_weight(variant: str, blocks: int) -> int:
@@ -291,7 +328,7 @@ def summary_markdown(runs: List[dict], meta: Optional[dict] = None) -> str:
              "",
              f"Stopping rule: solved (held-out accuracy >= {100 * s['solved']:.0f} %), plateau "
              f"(no gain over the best of more than {100 * s['min_delta']:.1f} points for "
-             f"{s['patience']} steps) or the cap of {s['max_steps']} steps, whichever comes first.",
+             f"{s['patience']} steps) or the cap of {max(r['settings']['max_steps'] for r in runs)} steps, whichever comes first.",
              "", "Accuracies in %: mean ± standard deviation over seeds (each seed in brackets); "
              "Δ = the run minus the PreNorm (standard) run of the same seed and depth.", ""]
     head = (["L", "variant", "params", "steps (stop)", "held-out acc"]
@@ -372,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="sequences per step (32)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate after warmup (3e-3)")
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps (100)")
-    p.add_argument("--max-steps", type=int, default=1500, help="step cap per run (1500)")
+    p.add_argument("--max-steps", type=int, default=3000, help="step cap per run (3000)")
     p.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations (100)")
     p.add_argument("--eval-sequences", type=int, default=512, help="held-out sequences (512)")
     p.add_argument("--patience", type=int, default=500,
@@ -419,19 +456,34 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.threads > 0:
             torch.set_num_threads(args.threads)
         todo, settings = [], settings_of(args)
+        state_dir = args.out / "state"
+        state_dir.mkdir(exist_ok=True)
+        (state_dir / ".gitignore").write_text("# training states to resume or extend runs (large)\n*\n")
         for seed in args.seeds:  # seed outermost: an interrupted probe has whole seeds done
             for blocks in args.depths:
                 for variant in args.residual:
-                    path = runs_dir / f"{run_key(2 * blocks, variant, seed)}.json"
+                    key = run_key(2 * blocks, variant, seed)
+                    path, state = runs_dir / f"{key}.json", state_dir / f"{key}.pt"
+                    done = 0
                     if path.exists():
-                        saved = json.loads(path.read_text()).get("settings")
-                        if saved != settings:
-                            raise SystemExit(f"{path}: saved with other settings {saved}, now {settings}; "
-                                             "use another --out or delete it")
-                        continue
-                    todo.append((blocks, variant, seed, path))
+                        record = json.loads(path.read_text())
+                        if _without_cap(record["settings"]) != _without_cap(settings):
+                            raise SystemExit(f"{path}: saved with other settings {record['settings']}, "
+                                             f"now {settings}; use another --out or delete it")
+                        done = record["stop"]["step"]
+                        if done > args.max_steps:
+                            raise SystemExit(f"{path}: trained {done} steps, past --max-steps "
+                                             f"{args.max_steps}; use --max-steps >= {done}")
+                        if record["stop"]["reason"] != "cap" or done == args.max_steps:
+                            continue  # finished under this cap too
+                        if not state.exists():
+                            done = 0  # no state to extend from: trained again (the same steps)
+                    elif state.exists():
+                        done = torch.load(state, weights_only=True)["step"]
+                    todo.append((blocks, variant, seed, path, state, done))
         total = len(args.depths) * len(args.residual) * len(args.seeds)
-        train._say(f"attnres recall probe: {total} runs, {total - len(todo)} already done in {runs_dir}/")
+        train._say(f"attnres recall probe: {total} runs, {total - len(todo)} already done in {runs_dir}/, "
+                   f"{sum(1 for *_, d in todo if d)} continued from their saved state")
         held_out = hop_batch(torch.Generator().manual_seed(HELD_OUT_SEED), args.eval_sequences,
                              **_task_kwargs(args))
         meta_path = args.out / "recall.json"
@@ -442,12 +494,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  "argv": sys.argv[1:] if argv is None else list(argv),
                                  "runs": len(todo), "load": os.getloadavg()[0]})
         meta_path.write_text(json.dumps(meta, indent=1))
-        weight = {(b, v): cost_weight(v, b) for b, v, _, _ in todo}
-        bar = train._progress(sum(args.max_steps * weight[(b, v)] for b, v, _, _ in todo) or 1)
+        weight = {(b, v): cost_weight(v, b) for b, v, *_ in todo}
+        bar = train._progress(sum((args.max_steps - d) * weight[(b, v)] for b, v, _, _, _, d in todo) or 1)
         try:
-            for i, (blocks, variant, seed, path) in enumerate(todo):
+            for i, (blocks, variant, seed, path, state, _) in enumerate(todo):
                 view = study._Weighted(bar, weight[(blocks, variant)], f"run {i + 1}/{len(todo)}")
-                _save(path, train_run(variant, blocks, seed, args, held_out, view))
+                _save(path, train_run(variant, blocks, seed, args, held_out, view, state))
         finally:
             bar.close()
         meta["sessions"][-1].update(finished=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -761,6 +761,10 @@ def _xc(r: dict, what: str) -> str:
     return f"{_x(r[what + '_ratio'])}, CPU {r[what + '_cpu_ratio']:.3f}x"
 
 
+def _sec(t: float) -> str:
+    return f"{t:.2f} s" if t >= 1 else f"{1e3 * t:.1f} ms"
+
+
 def _gib(b: float) -> str:
     return f"{b / 2**30:.2f} GiB" if b >= 2**28 else f"{b / 2**20:.0f} MiB"
 
@@ -791,12 +795,16 @@ def _impls(r: dict) -> str:
     fused = r["info"].get("fused_reads")
     fused = {"step": fused} if isinstance(fused, bool) else (fused or {})
     said = [f"{k} x{v}" for k, v in counts.items()] + [f"fused router reads ({k})" for k, f in fused.items() if f]
-    return ", ".join(said) or "none recorded"
+    return ", ".join(said) or "no dispatch record"
 
 
 def _label(g: dict) -> str:
+    """backend, path (what served each AttnRes variant's depth attention)."""
+    served = {v: _impls(r) for v, r in g.items() if v != "prenorm"}
+    said = (next(iter(served.values())) if len(set(served.values())) == 1
+            else "; ".join(f"{v}: {i}" for v, i in served.items()))
     r = g.get("block") or g.get("block-direct")
-    return f"{r['framework']}, {r['info']['path']} (depth attention: {_impls(r)})"
+    return f"{r['framework']}, {r['info']['path']} (depth attention: {said})"
 
 
 def markdown(doc: dict) -> str:
@@ -813,7 +821,7 @@ def markdown(doc: dict) -> str:
         by.setdefault((r["framework"], r["form"], r["layers"]), {})[r["variant"]] = r
     for (fw, form, L), g in by.items():
         p = g["prenorm"]
-        lines.append(f"| {_label(g)} | {L} | {p['batch']} x {p['seq']} | {p['step_s']:.2f} s | "
+        lines.append(f"| {_label(g)} | {L} | {p['batch']} x {p['seq']} | {_sec(p['step_s'])} | "
                      f"{_xc(g['full'], 'step')} | {_xc(g['block'], 'step')} | {_gib(p['peak_bytes'])} | "
                      f"{_x(g['full']['memory_ratio'])} | {_x(g['block']['memory_ratio'])} | < 1.04x |")
     notes = []
@@ -831,7 +839,7 @@ def markdown(doc: dict) -> str:
             for v in TRAIN_VARIANTS:
                 steps = {f: g[v]["step_s"] for f, g in groups.items()}
                 said.append(f"{v} {min(steps, key=steps.get)} (" +
-                            ", ".join(f"{f} {t:.2f} s" for f, t in steps.items()) + ")")
+                            ", ".join(f"{f} {_sec(t)}" for f, t in steps.items()) + ")")
             notes.append(f"jax L={L}, the faster form per variant (medians from separate runs): " +
                          "; ".join(said) + ".")
     for (fw, form, L), g in by.items():
@@ -858,8 +866,8 @@ def markdown(doc: dict) -> str:
             tok = _xc(r, "token") if r["kv_cache"] else "no KV cache"
             return f"prefill {_xc(r, 'prefill')}; token {tok}"
 
-        base = (f"{1e3 * p['prefill_s']:.0f} ms / " +
-                (f"{1e3 * p['token_s']:.1f} ms" if p["kv_cache"] else "— (no KV cache in this model)"))
+        base = (f"{_sec(p['prefill_s'])} / " +
+                (_sec(p["token_s"]) if p["kv_cache"] else "— (no KV cache in this model)"))
         lines.append(f"| {_label(g)}, {g['block-direct']['info']['model']} | {L} | {p['prefill']} | {base} | "
                      f"{cell('full')} | {cell('block-direct')} | {cell('block-two_phase')} | < 1.02x |")
     if doc["skipped"] or doc["errors"]:

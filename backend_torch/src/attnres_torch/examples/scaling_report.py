@@ -370,7 +370,8 @@ def plot_scaling(runs: List[dict], result: dict, path: Path) -> None:
     gap.set_xlabel("training compute C (FLOPs)")
     gap.set_ylabel("loss − PreNorm, paired by seed")
     gap.set_title("Paired difference to PreNorm per run", fontsize=10)
-    gap.legend(fontsize=8)
+    if gap.get_legend_handles_labels()[0]:  # no pair finished yet: nothing to label
+        gap.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

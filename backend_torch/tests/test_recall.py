@@ -112,7 +112,7 @@ def test_a_five_step_probe_writes_its_runs_resumes_and_reports(tmp_path, monkeyp
     assert len(json.loads((out / "recall.json").read_text())["sessions"]) == 2
     with pytest.raises(SystemExit, match="other settings"):
         recall.main(_with(argv, "--batch", "3"))
-    with pytest.raises(SystemExit, match="past --max-steps"):
+    with pytest.raises(SystemExit, match="past where these settings stop it"):
         recall.main(_with(argv, "--max-steps", "4"))
     assert recall.main(argv + ["--report-only"]) == 0
 
@@ -134,3 +134,15 @@ def test_a_run_continues_from_its_state_as_if_never_stopped(tmp_path):
     extended, whole = (json.loads((tmp_path / d / key).read_text()) for d in "ab")
     assert [p["step"] for p in extended["curve"]] == [0, 2, 4, 6] and extended["stop"]["step"] == 6
     assert extended["curve"] == whole["curve"]  # the same losses and accuracies, bit for bit
+
+    # another stopping rule that stops the saved run where it ended: reused, its record says so
+    out = tmp_path / "a"
+    assert recall.main(argv + ["--max-steps", "6", "--patience", "50", "--out", str(out)]) == 0
+    again = json.loads((out / key).read_text())
+    assert again["curve"] == extended["curve"] and again["settings"]["patience"] == 50
+    # one that would have stopped it earlier (no gain of 100 points in 2 steps) is refused
+    with pytest.raises(SystemExit, match="past where these settings stop it"):
+        recall.main(argv + ["--max-steps", "6", "--patience", "2", "--min-delta", "1", "--out", str(out)])
+    # first_stop: the first evaluation at which a rule stops the run (here the cap of 4)
+    assert recall.first_stop(extended["curve"], argparse.Namespace(
+        solved=2.0, min_delta=0.0, patience=100, max_steps=4)) == (2, "cap")

@@ -58,6 +58,10 @@ RUN_SETTINGS = ("dim", "heads", "batch", "lr", "warmup", "max_steps", "eval_ever
                 "eval_sequences", "patience", "min_delta", "solved", "nodes", "symbols", "hops",
                 "queries", "block_size")
 
+#: The stopping rule's settings: they decide where a run stops, never what it computes up to
+#: there, so a saved run is reused, or continued from its state, under other values of them.
+RULE_SETTINGS = ("max_steps", "patience", "min_delta", "solved")
+
 PLOT = "recall_curves.png"
 
 
@@ -166,14 +170,35 @@ def stop_reason(curve: List[dict], args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def first_stop(curve: List[dict], args: argparse.Namespace) -> Optional[Tuple[int, str]]:
+    """(index into curve, reason) of the first evaluation at which the stopping rule of `args`
+    stops the run of `curve`, or None if it would go on."""
+    for i in range(1, len(curve)):
+        reason = stop_reason(curve[:i + 1], args)
+        if reason is not None:
+            return i, reason
+    return None
+
+
+def _stop_under(curve: List[dict], args: argparse.Namespace, where: Path) -> Optional[str]:
+    """The reason these settings stop a saved curve at its end, None if they let it go on;
+    SystemExit if they would have stopped it before its end."""
+    stop = first_stop(curve, args)
+    if stop is not None and stop[0] < len(curve) - 1:
+        raise SystemExit(f"{where}: trained to step {curve[-1]['step']}, past where these settings "
+                         f"stop it (step {curve[stop[0]]['step']}, {stop[1]}); change --max-steps / "
+                         "--patience / --min-delta / --solved, use another --out or delete it")
+    return None if stop is None else stop[1]
+
+
 def train_run(variant: str, blocks: int, seed: int, args: argparse.Namespace,
               held_out: Dict[str, torch.Tensor], progress, state: Optional[Path] = None) -> dict:
     """Train one (depth, variant, seed) to the stopping rule; returns its JSON-ready record.
 
     state: a file for the run's training state (model, AdamW, data generator, curve), written at
-    every evaluation; when it exists the run continues from it (after an interruption, or past
-    its old cap when --max-steps grew), which gives the run an uninterrupted one would (the
-    learning rate does not depend on the cap)."""
+    every evaluation; when it exists the run continues from it (after an interruption, or when a
+    changed stopping rule lets it go on), which gives the run an uninterrupted one would (the
+    learning rate does not depend on the rule)."""
     if seed == HELD_OUT_SEED:
         raise ValueError(f"seed: {HELD_OUT_SEED} is the held-out set's seed; choose another")
     vocab, T = task_shape(**_task_kwargs(args))
@@ -187,7 +212,7 @@ def train_run(variant: str, blocks: int, seed: int, args: argparse.Namespace,
     step, step_time, wall, loads = 0, 0.0, 0.0, []
     if state is not None and state.exists():
         saved = torch.load(state, weights_only=True)
-        if _without_cap(saved["settings"]) != _without_cap(settings_of(args)):
+        if _training(saved["settings"]) != _training(settings_of(args)):
             raise SystemExit(f"{state}: saved with other settings {saved['settings']}, now "
                              f"{settings_of(args)}; use another --out or delete it")
         model.load_state_dict(saved["model"])
@@ -195,7 +220,7 @@ def train_run(variant: str, blocks: int, seed: int, args: argparse.Namespace,
         gen.set_state(saved["gen"])
         step, step_time, wall, loads, curve = (saved["step"], saved["step_time"], saved["wall_s"],
                                                saved["load"], saved["curve"])
-        reason = stop_reason(curve, args) if step else None
+        reason = _stop_under(curve, args, state)
     else:
         curve = [{"step": 0, "train_loss": None, **evaluate(model, held_out, args.hops)}]
         reason = None
@@ -240,8 +265,9 @@ def train_run(variant: str, blocks: int, seed: int, args: argparse.Namespace,
             "load": loads + [os.getloadavg()[0]]}
 
 
-def _without_cap(settings: dict) -> dict:
-    return {k: v for k, v in settings.items() if k != "max_steps"}
+def _training(settings: dict) -> dict:
+    """The settings that change what a run computes (all but the stopping rule's)."""
+    return {k: v for k, v in settings.items() if k not in RULE_SETTINGS}
 
 
 def _save_state(path: Path, state: dict) -> None:
@@ -412,8 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=3000, help="step cap per run (3000)")
     p.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations (100)")
     p.add_argument("--eval-sequences", type=int, default=512, help="held-out sequences (512)")
-    p.add_argument("--patience", type=int, default=500,
-                   help="steps without a gain of more than --min-delta that stop a run (500)")
+    p.add_argument("--patience", type=int, default=1000,
+                   help="steps without a gain of more than --min-delta that stop a run (1000)")
     p.add_argument("--min-delta", type=float, default=0.01,
                    help="held-out accuracy gain that counts as progress (0.01 = 1 point)")
     p.add_argument("--solved", type=float, default=0.99, help="held-out accuracy that stops a run (0.99)")
@@ -467,17 +493,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                     done = 0
                     if path.exists():
                         record = json.loads(path.read_text())
-                        if _without_cap(record["settings"]) != _without_cap(settings):
+                        if _training(record["settings"]) != _training(settings):
                             raise SystemExit(f"{path}: saved with other settings {record['settings']}, "
                                              f"now {settings}; use another --out or delete it")
-                        done = record["stop"]["step"]
-                        if done > args.max_steps:
-                            raise SystemExit(f"{path}: trained {done} steps, past --max-steps "
-                                             f"{args.max_steps}; use --max-steps >= {done}")
-                        if record["stop"]["reason"] != "cap" or done == args.max_steps:
-                            continue  # finished under this cap too
-                        if not state.exists():
-                            done = 0  # no state to extend from: trained again (the same steps)
+                        reason = _stop_under(record["curve"], args, path)
+                        if reason is not None:  # finished under these settings too
+                            if record["settings"] != settings or record["stop"]["reason"] != reason:
+                                record.update(settings=settings, stop={**record["stop"], "reason": reason})
+                                _save(path, record)  # the same run, stopped by these settings
+                            continue
+                        done = record["stop"]["step"] if state.exists() else 0  # else: trained again
                     elif state.exists():
                         done = torch.load(state, weights_only=True)["step"]
                     todo.append((blocks, variant, seed, path, state, done))

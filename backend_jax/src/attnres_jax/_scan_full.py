@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from attnres_core.config import ResidualConfig
 
 from ._args import Options, compute_dtype
-from ._xla import _head_rms, _head_sums, low_precision, out_norm
+from ._math import HIGHEST
+from ._xla import _head_rms, out_norm
 
 #: The memory modes the fused backward runs (None: keep each sublayer's VJP residuals;
 #: "recompute": keep its input and recompute its VJP in the backward).
@@ -93,7 +94,6 @@ def full_scan(config: ResidualConfig, embedding, qg, sublayers: Sequence[Callabl
     ct = compute_dtype(sdt)
     heads, head_dim = config.num_heads, dim // config.num_heads
     softmax, key_norm = config.activation == "softmax", config.key_norm
-    pairwise = low_precision(embedding)
     opts = Options(float(config.eps), float(config.scale), heads, config.activation, key_norm, multi=False)
     fuse = config.fuse_out_norm
     static_alpha = mix if isinstance(mix, float) else None
@@ -119,31 +119,69 @@ def full_scan(config: ResidualConfig, embedding, qg, sublayers: Sequence[Callabl
         """r of one row `[..., D]` -> `[..., H]` (overflow-safe, C10.6)."""
         return _head_rms(v.astype(ct), opts, v)
 
-    def read(rows, r_rows, count, q):
-        """The masked read of `rows [R', ..., D]`: (h in ct `[..., D]`, p, z `[R', ..., H]`)."""
+    def dot(spec, a, b):
+        return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+    def by_head(x):
+        """`[..., D]` -> `[..., H, Dh]` (several heads)."""
+        return x.reshape(x.shape[:-1] + (heads, head_dim))
+
+    # Rows of the buffer sit beside the channels, `[..., R, D]`: every contraction of a read is
+    # then a matrix-vector product per token (logits, output sum, <g, x_i>) that XLA:CPU runs
+    # as one dot, where the rows-first layout took a reduce or a chain of adds per row.
+    def read(rows, r_rows, count, q, extras=()):
+        """The masked read of the first `count` rows of `rows [..., R', D]` and then of `extras`,
+        the (v, r) `[..., D]`, `[..., H]` of rows count, count + 1, ... not yet in `rows` (the
+        scan step's earlier sublayers: the step reads the buffer it entered with and writes its
+        rows once, at its end, so no read waits on a write).  Returns h in ct `[..., D]` and p,
+        z `[..., R', H]` of the read over rows 0..count + len(extras) - 1 (the extras' at their
+        rows, 0 above)."""
         x = rows.astype(ct)
-        s = _head_sums(x * q, heads, pairwise)
+        if heads == 1:
+            s = dot("...rd,d->...r", x, q)[..., None]
+        else:
+            s = dot("...rhd,hd->...rh", by_head(x), by_head(q))
         z = opts.scale * r_rows * s if key_norm else opts.scale * s
-        valid = jax.lax.broadcasted_iota(jnp.int32, z.shape, 0) < count
+        zx = []
+        for v, rv in extras:
+            vc = v.astype(ct)
+            sv = jnp.sum(vc * q, axis=-1, keepdims=True) if heads == 1 else jnp.sum(by_head(vc) * by_head(q), -1)
+            zx.append(opts.scale * rv * sv if key_norm else opts.scale * sv)
+        valid = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 2) < count
         if softmax:  # C10.4: subtract the maximum
             zm = jnp.where(valid, z, -jnp.inf)
-            e = jnp.exp(zm - jnp.max(zm, axis=0, keepdims=True))
-            p = e / jnp.sum(e, axis=0, keepdims=True)
+            m = jnp.max(zm, axis=-2)
+            for zk in zx:
+                m = jnp.maximum(m, zk)
+            e = jnp.exp(zm - m[..., None, :])
+            ex = [jnp.exp(zk - m) for zk in zx]
+            total = jnp.sum(e, axis=-2)
+            for ek in ex:
+                total = total + ek
+            p = e / total[..., None, :]
+            px = [ek / total for ek in ex]
         else:
             p = jnp.where(valid, jax.nn.sigmoid(z), 0.0)
-        # One elementwise sum over the rows in a fixed order (C10.5).
-        y = sum(_spread(p[i], heads, dim) * x[i] for i in range(x.shape[0]))
+            px = [jax.nn.sigmoid(zk) for zk in zx]
+        if heads == 1:
+            y = dot("...r,...rd->...d", p[..., 0], x)
+        else:
+            y = dot("...rh,...rhd->...hd", p, by_head(x)).reshape(x.shape[:-2] + (dim,))
+        for k, (v, _) in enumerate(extras):
+            y = y + _spread(px[k], heads, dim) * v.astype(ct)
+            p, z = put_row(p, count + k, px[k]), put_row(z, count + k, zx[k])
         return y, p, z
 
     def read_vjp(rows, r_rows, q, p, z, dy):
-        """(cotangent added to the rows `[R', ..., D]`, to u `[R', ..., H]`, dL/ds `[R', ..., H]`)."""
+        """(cotangent added to the rows `[..., R', D]`, to u `[..., R', H]`, dL/ds `[..., R', H]`)."""
         x = rows.astype(ct)
-        # <g, x_i> row by row: one reduce of x * g over the stacked rows makes XLA:CPU write g
-        # broadcast to every row first (an extra pass over the buffer's size)
-        dp = jnp.stack([_head_sums(x[i] * dy, heads, pairwise) for i in range(x.shape[0])])
-        dz = p * (dp - jnp.sum(p * dp, axis=0, keepdims=True)) if softmax else dp * p * (1.0 - p)
+        if heads == 1:
+            dp = dot("...rd,...d->...r", x, dy)[..., None]
+        else:
+            dp = dot("...rhd,...hd->...rh", by_head(x), by_head(dy))
+        dz = p * (dp - jnp.sum(p * dp, axis=-2, keepdims=True)) if softmax else dp * p * (1.0 - p)
         ds = opts.scale * dz * r_rows if key_norm else opts.scale * dz
-        d_rows = _spread(p, heads, dim) * dy + _spread(ds, heads, dim) * q
+        d_rows = _spread(p, heads, dim) * dy[..., None, :] + _spread(ds, heads, dim) * q
         return d_rows, dz * z, ds
 
     def light(j, row, y, standard, p, onw, alpha, c):
@@ -169,17 +207,37 @@ def full_scan(config: ResidualConfig, embedding, qg, sublayers: Sequence[Callabl
     def put(x, i, v):
         return jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), i, 0)
 
-    def grow(x, rows):
-        """x `[R', ...]` with zero rows appended up to `rows` (once per stage)."""
-        return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    def row(x, i):
+        """Row i of a buffer or statistic `[..., R, C]` -> `[..., C]`."""
+        return jax.lax.dynamic_index_in_dim(x, i, x.ndim - 2, keepdims=False)
+
+    def put_row(x, i, v):
+        return jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), i, x.ndim - 2)
+
+    def rows_of(x, size):
+        """The first `size` rows of `[..., R, C]`."""
+        return jax.lax.slice_in_dim(x, 0, size, axis=x.ndim - 2)
+
+    def write_rows(x, first, values):
+        """x `[..., R, C]` with rows first, first + 1, ... replaced by values `[..., C]`: one
+        select over x (a dynamic-update-slice of a buffer the step's dots read makes XLA:CPU
+        copy the buffer twice)."""
+        index = jax.lax.broadcasted_iota(jnp.int32, x.shape[-2:-1] + (1,), 0) - first
+        for k, v in enumerate(values):
+            x = jnp.where(index == k, v.astype(x.dtype)[..., None, :], x)
+        return x
+
+    def grow(x, size):
+        """x `[..., R', C]` with zero rows appended up to `size` (once per stage)."""
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, size - x.shape[-2]), (0, 0)])
 
     def forward(emb, qg, layer_params, onw, alpha, consts):
         # Each stage's scan carries exactly the rows its sublayers touch (every read attends the
         # whole carried buffer, masked; a slice inside the scan would be a copy per read).
-        buf = jnp.zeros((sizes[0],) + emb.shape, sdt).at[0].set(emb)
-        r = jnp.zeros((sizes[0],) + emb.shape[:-1] + (heads,), ct)
+        buf = put_row(jnp.zeros(emb.shape[:-1] + (sizes[0], dim), sdt), 0, emb)
+        r = jnp.zeros(emb.shape[:-1] + (sizes[0], heads), ct)
         if key_norm:
-            r = r.at[0].set(rms(emb))
+            r = put_row(r, 0, rms(emb))
         standard = emb if blend_alpha else None
         stage_saved = []
         for start, stop, size in zip(starts, bounds, sizes):
@@ -188,10 +246,11 @@ def full_scan(config: ResidualConfig, embedding, qg, sublayers: Sequence[Callabl
             def body(carry, i):
                 buf, r, standard = carry
                 p = jax.tree_util.tree_map(lambda x: take(x, i), layer_params)
-                saved = []
+                saved, new = [], []
+                entry = i * period + 1  # the rows < entry are written
                 for j in range(period):
-                    layer = i * period + j + 1
-                    y, w, z = read(buf, r, layer, take(qg, layer - 1))
+                    layer = entry + j
+                    y, w, z = read(buf, r, entry, take(qg, layer - 1), new)
                     args = (y, standard, p, onw, alpha, consts[j])
                     fn = lambda *a, j=j, row=layer - 1: light(j, row, *a)  # noqa: E731
                     if remat is None:
@@ -200,9 +259,12 @@ def full_scan(config: ResidualConfig, embedding, qg, sublayers: Sequence[Callabl
                     else:
                         v, standard = fn(*args)
                         saved.append(((y, args[1]), w, z))
-                    buf = put(buf, layer, v)
-                    if key_norm:
-                        r = put(r, layer, rms(take(buf, layer)))
+                    new.append((v, rms(v) if key_norm else None))
+                # The step's rows, written once at its end (a write read by a later dot of the
+                # same step made XLA:CPU copy the whole buffer for each).
+                buf = write_rows(buf, entry, [v for v, _ in new])
+                if key_norm:
+                    r = write_rows(r, entry, [rv for _, rv in new])
                 return (buf, r, standard), saved
 
             (buf, r, standard), saved = jax.lax.scan(
@@ -228,8 +290,8 @@ def full_scan(config: ResidualConfig, embedding, qg, sublayers: Sequence[Callabl
         d_light = (d_onw, d_alpha, jax.tree_util.tree_map(jnp.zeros_like, consts))
         d_layer = jax.tree_util.tree_map(jnp.zeros_like, layer_params)  # written step by step, in place
         for start, stop, size, saved in reversed(list(zip(starts, bounds, sizes, stage_saved))):
-            d_buf, u = d_buf[:size], u[:size]  # the later rows are complete (their writers are done)
-            x_s, r_s = buf[:size], r[:size]  # the stage's rows, once per stage
+            # the later rows are complete (their writers are done); the stage's rows, once per stage
+            d_buf, u, x_s, r_s = (rows_of(a, size) for a in (d_buf, u, buf, r))
 
             def body(carry, xs, x_s=x_s, r_s=r_s):
                 d_buf, u, d_std, d_light, d_layer = carry
@@ -238,11 +300,11 @@ def full_scan(config: ResidualConfig, embedding, qg, sublayers: Sequence[Callabl
                 for j in reversed(range(period)):
                     layer = i * period + j + 1
                     kept, w, z = saved[j]
-                    dv = take(d_buf, layer)
+                    dv = row(d_buf, layer)
                     if key_norm:  # dL/dr_l r_l = u_l reaches v_l: - u r (r x) / Dh (no r^3)
-                        rl = take(r_s, layer)
-                        dv = dv - _spread(take(u, layer) * rl / head_dim, heads, dim) * (
-                            _spread(rl, heads, dim) * take(x_s, layer).astype(ct))
+                        rl = row(r_s, layer)
+                        dv = dv - _spread(row(u, layer) * rl / head_dim, heads, dim) * (
+                            _spread(rl, heads, dim) * row(x_s, layer).astype(ct))
                     if remat is None:
                         vjp = kept
                     else:
@@ -264,10 +326,11 @@ def full_scan(config: ResidualConfig, embedding, qg, sublayers: Sequence[Callabl
                 reverse=True, unroll=unroll)
             # the stage's query gradients: sum over rows and tokens of dL/ds_i x_i, one contraction
             d_qg_rows.append(_contract(ds.reshape((-1,) + ds.shape[2:]), x_s.astype(ct), heads))
-        d_emb = d_buf[0]
+        d_emb = row(d_buf, 0)
         if key_norm:
-            d_emb = d_emb - _spread(u[0] * r[0] / head_dim, heads, dim) * (_spread(r[0], heads, dim)
-                                                                           * buf[0].astype(ct))
+            r0 = row(r, 0)
+            d_emb = d_emb - _spread(row(u, 0) * r0 / head_dim, heads, dim) * (_spread(r0, heads, dim)
+                                                                              * row(buf, 0).astype(ct))
         if d_std is not None:  # M10: v_0 starts the PreNorm sum
             d_emb = d_emb + d_std.astype(ct)
         d_qg = jnp.concatenate(d_qg_rows[:0:-1] + [d_qg_rows[0]], axis=0)
@@ -288,13 +351,12 @@ def _accumulate(d_light: tuple, j: int, d_onw, d_alpha, d_c) -> tuple:
 
 
 def _contract(ds, x, heads: int):
-    """d qg `[M, D]` = sum over rows i and tokens of ds[m, i] x_i: ds `[M, R', ..., H]`,
-    x `[R', ..., D]` (compute dtype)."""
-    axes = tuple(range(1, ds.ndim - 1))
+    """d qg `[M, D]` = sum over tokens and rows i of ds[m, ..., i] x_i: ds `[M, ..., R', H]`,
+    x `[..., R', D]` (compute dtype)."""
+    axes = tuple(range(1, ds.ndim - 1))  # the tokens and the rows
     if heads == 1:
-        return jnp.tensordot(ds[..., 0], x, axes=(axes, tuple(range(x.ndim - 1))),
-                             precision=jax.lax.Precision.HIGHEST)
+        return jnp.tensordot(ds[..., 0], x, axes=(axes, tuple(range(x.ndim - 1))), precision=HIGHEST)
     xh = x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
     out = jnp.einsum(ds, (0,) + axes + (ds.ndim - 1,), xh, axes + (ds.ndim - 1, ds.ndim),
-                     (0, ds.ndim - 1, ds.ndim), precision=jax.lax.Precision.HIGHEST)
+                     (0, ds.ndim - 1, ds.ndim), precision=HIGHEST)
     return out.reshape(out.shape[0], -1)

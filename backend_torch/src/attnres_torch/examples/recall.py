@@ -5,11 +5,12 @@ The task (`hop_batch`): a sequence shows one random cycle f over `nodes` of `sym
 tokens as its `nodes` pairs `x f(x)` in random order, then `queries` query blocks
 `q H_2 ... H_K` (q a node, H_j a marker token).  At q the model must name f(q) (hop 1: plain
 associative recall), at H_j it must name f^j(q).  The answers are never in the input, so hop j
-needs j lookups chained inside the network: hop 1 needs a binding layer and a lookup (two
-attention layers), every further hop at least one more.  Chance is 1 / (nodes - 1) per answer
-(any node but q).  Without chaining, a model can still rule out q, f(q) and f^-1(q) (one lookup
-each) for hop 2, which gives 1 / (nodes - 3) (`shortcut_ceiling`); hop-2 accuracy above that
-needs the chained lookup.
+needs j lookups chained inside the network: done by attention, hop 1 takes a binding layer and a
+lookup (two attention layers) and every further hop one more.  Chance is 1 / (nodes - 1) per
+answer (any node but q); ruling out q, f(q) and f^-1(q) (one lookup each) gives 1 / (nodes - 3)
+on hop 2 (`shortcut_ceiling`).  A model with two attention layers can still go beyond that: its
+second attention can gather the other pairs as a bag of (x, f(x)) features and its MLP pick the
+one whose x is f(q), a lookup in the MLP that gets harder as the bag grows with `nodes`.
 
     python -m attnres_torch.examples.recall --out DIR                 # the probe (resumes)
     python -m attnres_torch.examples.recall --out DIR --report-only   # summary.md from the runs

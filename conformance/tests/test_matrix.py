@@ -76,6 +76,19 @@ def test_render_counts_every_check_and_shows_a_failure():
     assert "| backend | dtype |" not in matrix.render(data), "the per-dtype table is the detailed block's"
 
 
+def test_skips_in_undeclared_dtypes_leave_the_row_and_are_counted_below():
+    results = [_result("op/a/1", "float64", "pass", "pass"), _result("op/a/1", "float32", "skip", "skip"),
+               _result("op/a/2", "float32", "skip"), _result("op/a/3", "float16", "fail")]
+    document = _document(_report(results=results))
+    document["reports"][0]["capabilities"]["dtypes"] = ["float64"]
+    text = matrix.render(matrix.snapshot([document], machine=MACHINE))
+    row = next(line for line in text.splitlines() if line.startswith("| `fake` |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # the float16 failure ran, so it counts although float16 is not declared; the skips do not
+    assert cells[2:4] == ["**1 FAIL**, 1/2 pass", "1/1 pass"], cells
+    assert "`fake` declares f64 only: its 2 forward and 1 gradient checks in other dtypes are skipped" in text
+
+
 def test_snapshot_rejects_shards_duplicates_and_nothing():
     one = _document(_report())
     with pytest.raises(ValueError, match="twice"):

@@ -3,10 +3,13 @@
 The model of issue 32: `attnres_jax.modules.Transformer` (dim 128, 4 heads, MLP ratio 4, vocab
 256), batch 4 x 64 tokens, one `jax.jit` AdamW step (optax), PreNorm ("standard") against Full
 and Block (S = 8), L = 2 x num_blocks sublayers, unrolled (`stack_apply`) and layer-scanned
-(`scan_layers=True`; "scanned-replay" / "scanned-carry": the same with `scan_backward=`
-"replay" / "scan").  compile = lower + XLA compile of the step; step = median wall time of
-`--steps` steps after two warm-up steps.  Ratios are against PreNorm of the same form, in this
-one run.  The machine load (`os.getloadavg`) is printed before and after.
+(`scan_layers=True`: Full's backward "fused", Block's "replay"; "scanned-replay" /
+"scanned-carry": the same with `scan_backward=` "replay" / "scan", the latter lax.scan's own
+autodiff of the shared schedule, Full's default before the fused backward).  compile = lower + XLA compile of the step; step = median wall time of
+`--steps` steps after two warm-up steps (the process CPU time per step, all threads, is printed
+beside it: on a shared machine it moves less with the load than the wall time).  Ratios are
+against PreNorm of the same form, in this one run.  The machine load (`os.getloadavg`) is
+printed before and after, and beside each row.
 
     python bench/bench_jax_depth.py                         # L = 8 16 32 64, both forms
     python bench/bench_jax_depth.py --depths 8 16 --forms scanned --steps 5
@@ -44,7 +47,7 @@ KINDS = {
 
 
 FORMS = {"unrolled": {"scan_layers": False},
-         "scanned": {"scan_layers": True},  # the default backward: block replays, full scans
+         "scanned": {"scan_layers": True},  # the default backward: full fused, block replayed
          "scanned-replay": {"scan_layers": True, "scan_backward": "replay"},  # the final buffer, steps replayed
          "scanned-carry": {"scan_layers": True, "scan_backward": "scan"}}  # lax.scan keeps every carry
 
@@ -77,14 +80,16 @@ def measure(kind: str, num_layers: int, form: str, steps: int, *, dim=128, heads
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile()
     compile_s = time.perf_counter() - t0
-    times = []
+    times, cpu = [], []
     for i in range(steps + 2):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         value, params, opt_state = compiled(params, opt_state, tokens)
         jax.block_until_ready((value, params))
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    return {"compile": compile_s, "step": statistics.median(times), "fastest": min(times)}
+            cpu.append(time.process_time() - c0)
+    return {"compile": compile_s, "step": statistics.median(times), "fastest": min(times),
+            "cpu": statistics.median(cpu)}
 
 
 def _timed(step, steps: int) -> dict:
@@ -194,7 +199,8 @@ def main() -> None:
                 r = measure(kind, L, form, args.steps)
                 rows[form, L, kind] = r
                 print(f"  {form:13s} L={L:3d} {kind:8s} compile {r['compile']:7.2f} s  step "
-                      f"{1e3 * r['step']:8.1f} ms (fastest {1e3 * r['fastest']:7.1f})", flush=True)
+                      f"{1e3 * r['step']:8.1f} ms (fastest {1e3 * r['fastest']:7.1f}, process CPU "
+                      f"{1e3 * r['cpu']:7.1f})  {load()}", flush=True)
     for framework in args.eager:
         form = f"{framework} eager"
         for L in args.depths:
@@ -226,6 +232,11 @@ def main() -> None:
                 r = rows.get((form, L, kind))
                 cells.append("—" if r is None else f"{1e3 * r['step']:.0f} ms ({r['step'] / base['step']:.2f}x)")
             print("| " + " | ".join(cells) + " |")
+    cpu = [f"{form} L={L}: " + ", ".join(f"{kind} {rows[form, L, kind]['cpu'] / rows[form, L, 'prenorm']['cpu']:.2f}x"
+                                          for kind in ("full", "block") if (form, L, kind) in rows)
+           for form in args.forms for L in args.depths if "cpu" in rows.get((form, L, "prenorm"), {})]
+    if cpu:
+        print("\nprocess CPU per step against PreNorm's: " + "; ".join(cpu))
     scanned = [L for L in args.depths if ("scanned", L, "full") in rows]
     if len(scanned) > 1:
         lo, hi = min(scanned), max(scanned)

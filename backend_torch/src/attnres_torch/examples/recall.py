@@ -333,12 +333,23 @@ def _variants(runs: List[dict]) -> List[str]:
     return [v for v in order if v in seen] + [v for v in seen if v not in order]
 
 
+def steps_to(run: dict, hop: int, level: float) -> Optional[int]:
+    """The first evaluated step at which held-out accuracy on `hop` (1-based) reaches `level`,
+    or None if the run never does."""
+    return next((p["step"] for p in run["curve"] if p["by_hop"][hop - 1] >= level), None)
+
+
+#: Held-out accuracies of the last hop whose first steps the summary reports (learning speed).
+SPEED_LEVELS = (0.5, 0.9)
+
+
 def summary_markdown(runs: List[dict], meta: Optional[dict] = None) -> str:
     """The probe's summary.md: the task and rule, then one row per (depth, variant)."""
     groups, variants = _groups(runs), _variants(runs)
     s = runs[0]["settings"]
     seeds = sorted({r["seed"] for r in runs})
     chance = 1.0 / (s["nodes"] - 1)
+    levels = " / ".join(f"{100 * lv:.0f}" for lv in SPEED_LEVELS)
     lines = ["# Multi-hop recall probe (attnres_torch.examples.recall)", "",
              f"{len(runs)} runs: variants {', '.join(variants)}; depths "
              f"{', '.join(f'L = {L}' for L in sorted({r['layers'] for r in runs}))} sublayers at "
@@ -357,9 +368,11 @@ def summary_markdown(runs: List[dict], meta: Optional[dict] = None) -> str:
              f"(no gain over the best of more than {100 * s['min_delta']:.1f} points for "
              f"{s['patience']} steps) or the cap of {max(r['settings']['max_steps'] for r in runs)} steps, whichever comes first.",
              "", "Accuracies in %: mean ± standard deviation over seeds (each seed in brackets); "
-             "Δ = the run minus the PreNorm (standard) run of the same seed and depth.", ""]
+             "Δ = the run minus the PreNorm (standard) run of the same seed and depth.  "
+             f"Steps to {levels} %: the first evaluations at which hop {s['hops']} reached "
+             f"{levels} % held-out accuracy, per seed (— never).", ""]
     head = (["L", "variant", "params", "steps (stop)", "held-out acc"]
-            + [f"hop {j}" for j in range(1, s["hops"] + 1)] + ["Δ acc vs PreNorm", "ms / step"])
+            + [f"hop {j}" for j in range(1, s["hops"] + 1)] + ["Δ acc vs PreNorm", f"steps to hop {s['hops']} {levels} %", "ms / step"])
     rows = []
     for L in sorted({k[0] for k in groups}):
         base = {r["seed"]: r["final"]["acc"] for r in groups.get((L, "standard"), [])}
@@ -372,12 +385,14 @@ def summary_markdown(runs: List[dict], meta: Optional[dict] = None) -> str:
             rows.append([str(L), v, str(rs[0]["params"]), stops, _cell([r["final"]["acc"] for r in rs])]
                         + [_cell([r["final"]["by_hop"][j] for r in rs]) for j in range(s["hops"])]
                         + ["—" if v == "standard" or not gaps else _cell(gaps, signed=True),
+                           ", ".join(" / ".join(str(steps_to(r, s["hops"], lv) or "—") for lv in SPEED_LEVELS)
+                                     for r in rs),
                            f"{1e3 * _mean([r['step_s'] for r in rs]):.0f}"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     loads = [x for r in runs for x in r.get("load", [])]
-    lines += ["", f"Step times on {torch.get_num_threads() if meta is None else meta.get('threads')} "
-              f"torch thread(s); 1-minute load average {min(loads):.1f} to {max(loads):.1f} "
+    threads = "" if meta is None else f" on {meta.get('threads')} torch thread(s)"
+    lines += ["", f"Step times{threads}; 1-minute load average {min(loads):.1f} to {max(loads):.1f} "
               f"during the runs; {sum(r['wall_s'] for r in runs) / 60:.1f} min of training in all."
               if loads else ""]
     if meta:
@@ -411,7 +426,11 @@ def write_report(out: Path, runs: List[dict], *, plots: bool = True) -> List[Pat
                     ax.plot(steps, [100 * p["by_hop"][j] for p in r["curve"]], styles[j % 4],
                             color=colors[v], lw=1, alpha=0.8,
                             label=f"{v}, hop {j + 1}" if r["seed"] == groups[(L, v)][0]["seed"] else None)
-        ax.axhline(100 / (runs[0]["settings"]["nodes"] - 1), color="grey", lw=0.5)
+        nodes = runs[0]["settings"]["nodes"]
+        ax.axhline(100 / (nodes - 1), color="grey", lw=0.5, label="chance")
+        if hops >= 2 and nodes >= 4:
+            ax.axhline(100 * shortcut_ceiling(nodes), color="grey", lw=0.5, ls=":",
+                       label="hop 2 with q, f(q), f^-1(q) ruled out")
         ax.set(title=f"L = {L} sublayers", xlabel="step", ylabel="held-out accuracy (%)", ylim=(0, 100))
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -1,27 +1,31 @@
 """The layer-scanned Full AttnRes stack with its own backward (`scan_apply(backward="fused")`).
 
-Spec M2 over a history buffer `X [L + 1, ..., D]` (row j = v_j, in the stream's dtype) read by
-every sublayer l through the masked prefix read of rows 0..l-1 (section 2.1, one query set):
+Spec M2 over a history buffer `X [..., L + 1, D]` (row j = v_j, in the stream's dtype; the rows
+sit beside the channels) read by every sublayer l through the masked prefix read of rows
+0..l-1 (section 2.1, one query set):
 
     r_i = 1 / sqrt(mean(x_i ** 2) + eps)   (per head; 1 without key norm)
     s_i = <qg_l, x_i>,  z_i = scale * r_i * s_i,  p = softmax_i(z) or sigmoid(z_i),  rows i >= l: p_i = 0
     h_l = sum_i p_i x_i
 
 What makes it cheap at depth, against `lax.scan`'s own autodiff of the shared schedule:
-  - r_i is computed once, when row i is written, into a side buffer `[L + 1, ..., H]`; no read
+  - r_i is computed once, when row i is written, into a side buffer `[..., L + 1, H]`; no read
     re-normalizes the history, and dL/dr_i, accumulated over the reads as u_i = r_i dL/dr_i
-    `[L + 1, ..., H]`, reaches v_i once, at its write step in the backward;
+    `[..., L + 1, H]`, reaches v_i once, at its write step in the backward;
   - the forward keeps the final buffer only (rows are written once, so every read's rows are
     the final buffer's first l rows; the later rows are masked, weight and gradient exactly 0),
-    plus per read its weights p and logits z `[l', ..., H]` and per sublayer JAX's own VJP
+    plus per read its weights p and logits z `[..., R', H]` and per sublayer JAX's own VJP
     residuals of the sublayer (or, with remat="recompute", only its input);
-  - the backward is one reverse scan whose carry is the buffer's cotangent `[L + 1, ..., D]`:
-    each read adds p_i g + (dL/ds_i) qg to its rows in place (no masked-zero buffer per step);
-    the queries' gradients sum_i (dL/ds_i) x_i of all reads of a stage are one contraction at
-    the end of the stage.
+  - the backward is one reverse scan whose carry is the buffer's cotangent `[..., L + 1, D]`:
+    each read adds p_i g + (dL/ds_i) qg to its rows (no masked-zero buffer per step); the
+    queries' gradients sum_i (dL/ds_i) x_i of all reads of a stage are one contraction at the
+    end of the stage;
+  - per token, the logits, the output sum and <g, x_i> are matrix-vector products over the rows,
+    one dot each; a scan step reads the buffer it entered with (plus its own earlier outputs)
+    and writes its rows once, at its end.
 Passes over the history per sublayer: two in the forward (logits, output sum), two in the
 backward (<g, x_i>, the cotangent update).  `stages` splits the scan into consecutive scans
-whose reads touch only the rows written so far (as in `scan_apply`).
+whose buffers hold only the rows written so far (as in `scan_apply`).
 
 Numerics (C10): every statistic in the compute dtype, the read's output rounded once to the
 stream's dtype.  Not here (`scan_apply` runs them on the shared schedule): input-dependent queries,

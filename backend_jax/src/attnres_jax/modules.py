@@ -206,7 +206,8 @@ class Transformer(nnx.Module):
     and supports every kind, schedule and observer; see docs/benchmarks.md for where the
     scanned form wins on the CPU.
     remat: None, "recompute" or "offload" (`attnres_jax.stack.remat_policy`) for every call.
-    scan_backward: None, "replay" or "scan": the scanned form's backward (`scan_apply(backward=)`).
+    scan_backward: None (`scan_apply`'s default), "fused", "replay" or "scan": the scanned
+    form's backward (`scan_apply(backward=)`).
     param_dtype: the dtype of every parameter (the stream runs in the embedding's, M1a).
     """
 

@@ -5,11 +5,12 @@ The model of issue 32: `attnres_jax.modules.Transformer` (dim 128, 4 heads, MLP 
 and Block (S = 8), L = 2 x num_blocks sublayers, unrolled (`stack_apply`) and layer-scanned
 (`scan_layers=True`: Full's backward "fused", Block's "replay"; "scanned-replay" /
 "scanned-carry": the same with `scan_backward=` "replay" / "scan", the latter lax.scan's own
-autodiff of the shared schedule, Full's default before the fused backward).  compile = lower + XLA compile of the step; step = median wall time of
-`--steps` steps after two warm-up steps (the process CPU time per step, all threads, is printed
-beside it: on a shared machine it moves less with the load than the wall time).  Ratios are
-against PreNorm of the same form, in this one run.  The machine load (`os.getloadavg`) is
-printed before and after, and beside each row.
+autodiff of the shared schedule, Full's default before the fused backward).  compile = lower +
+XLA compile of the step; step = median wall time of `--steps` steps after two warm-up steps,
+the kinds of one form and depth taking turns step by step, with the process CPU time per step
+(all threads) beside it: on a shared machine it moves less with the load than the wall time.
+Ratios are against PreNorm of the same form, in this one run.  The machine load
+(`os.getloadavg`) is printed before and after, and beside each row.
 
     python bench/bench_jax_depth.py                         # L = 8 16 32 64, both forms
     python bench/bench_jax_depth.py --depths 8 16 --forms scanned --steps 5
@@ -52,9 +53,9 @@ FORMS = {"unrolled": {"scan_layers": False},
          "scanned-carry": {"scan_layers": True, "scan_backward": "scan"}}  # lax.scan keeps every carry
 
 
-def measure(kind: str, num_layers: int, form: str, steps: int, *, dim=128, heads=4, batch=4, seq=64,
-            vocab=256) -> dict:
-    """Compile seconds and median step seconds of one configuration."""
+def compile_step(kind: str, num_layers: int, form: str, *, dim=128, heads=4, batch=4, seq=64, vocab=256):
+    """(compile seconds, run): `run()` takes one train step of the configuration and returns its
+    (wall, process CPU) seconds."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -80,16 +81,35 @@ def measure(kind: str, num_layers: int, form: str, steps: int, *, dim=128, heads
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile()
     compile_s = time.perf_counter() - t0
-    times, cpu = [], []
-    for i in range(steps + 2):
+    state = [params, opt_state]
+
+    def run():
         t0, c0 = time.perf_counter(), time.process_time()
-        value, params, opt_state = compiled(params, opt_state, tokens)
-        jax.block_until_ready((value, params))
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-    return {"compile": compile_s, "step": statistics.median(times), "fastest": min(times),
-            "cpu": statistics.median(cpu)}
+        value, state[0], state[1] = compiled(state[0], state[1], tokens)
+        jax.block_until_ready((value, state[0]))
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    return compile_s, run
+
+
+def measure(kinds, num_layers: int, form: str, steps: int) -> dict:
+    """kind -> compile seconds, median / fastest step seconds and median process CPU seconds per
+    step.  The kinds' steps take turns (two warm-ups each, then `steps` rounds of one step per
+    kind), so a change of the machine's load falls on all of them alike."""
+    runs, out = {}, {}
+    for kind in kinds:
+        compile_s, runs[kind] = compile_step(kind, num_layers, form)
+        out[kind] = {"compile": compile_s}
+    for run in runs.values():
+        run(), run()
+    times = {kind: [] for kind in kinds}
+    for _ in range(steps):
+        for kind, run in runs.items():
+            times[kind].append(run())
+    for kind, ts in times.items():
+        wall, cpu = zip(*ts)
+        out[kind].update(step=statistics.median(wall), fastest=min(wall), cpu=statistics.median(cpu))
+    return out
 
 
 def _timed(step, steps: int) -> dict:
@@ -195,9 +215,9 @@ def main() -> None:
         for L in args.depths:
             if form == "unrolled" and L > args.unrolled_max:
                 continue
+            measured = measure(args.kinds, L, form, args.steps)
             for kind in args.kinds:
-                r = measure(kind, L, form, args.steps)
-                rows[form, L, kind] = r
+                r = rows[form, L, kind] = measured[kind]
                 print(f"  {form:13s} L={L:3d} {kind:8s} compile {r['compile']:7.2f} s  step "
                       f"{1e3 * r['step']:8.1f} ms (fastest {1e3 * r['fastest']:7.1f}, process CPU "
                       f"{1e3 * r['cpu']:7.1f})  {load()}", flush=True)

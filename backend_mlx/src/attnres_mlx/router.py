@@ -32,7 +32,7 @@ import mlx.nn as nn
 from attnres_core.config import ResidualConfig
 from attnres_core.schedule import ResidualOps, ResidualStream, ScheduleObserver, split_result
 
-from . import compiled, ops
+from . import compiled, dispatch, ops
 
 Sublayer = Callable[[mx.array], mx.array]
 
@@ -115,12 +115,14 @@ def fusable(config: ResidualConfig, embedding: mx.array, num_layers: int) -> boo
     """Whether a pass of `config` over `num_layers` sublayers from `embedding [..., D]` takes
     the fused reads: on the CPU device, float16/bfloat16/float32 sources (float32 compute),
     softmax or sigmoid with the key norm, one head, static queries without a key projection,
-    and at most `compiled.VECTOR_MAX_ELEMENTS` elements in the largest read's sources."""
+    and at most `compiled.VECTOR_MAX_ELEMENTS` elements in the largest read's sources; never
+    under `dispatch.use_impl(...)`, whose forced implementation serves every read."""
     return (config.is_attention and config.key_norm and config.num_heads == 1
             and config.query == "static" and config.key_rank is None
             and embedding.dtype in (mx.float16, mx.bfloat16, mx.float32)
             and (num_layers + 1) * embedding.size <= compiled.VECTOR_MAX_ELEMENTS
-            and mx.default_device() == mx.cpu)
+            and mx.default_device() == mx.cpu
+            and dispatch._REGISTRY.forced() is None)  # use_impl(...) forces the spec's ops
 
 
 @functools.lru_cache(maxsize=None)

@@ -309,14 +309,7 @@ class JaxTrain:
         self.opt_state = tx.init(self.params)
         self.tokens = jnp.asarray(np.random.default_rng(0).integers(0, a.vocab, (a.batch, a.seq + 1)))
 
-        def step(params, opt_state, tokens):
-            def loss(p):
-                logits = nnx.merge(graphdef, p)(tokens[:, :-1])
-                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-            value, grads = jax.value_and_grad(loss)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return value, optax.apply_updates(params, updates), opt_state
+        step = _bench_module("bench_jax_depth").adamw_step(graphdef, tx)
 
         before = dispatch.impl_counts()
         t0 = time.perf_counter()

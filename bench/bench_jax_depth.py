@@ -53,6 +53,25 @@ FORMS = {"unrolled": {"scan_layers": False},
          "scanned-carry": {"scan_layers": True, "scan_backward": "scan"}}  # lax.scan keeps every carry
 
 
+def adamw_step(graphdef, tx):
+    """`step(params, opt_state, tokens [B, T + 1]) -> (loss, params, opt_state)`: next-token cross
+    entropy of the NNX model `graphdef` over its parameters, one optax `tx` update (to be jitted)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    def step(params, opt_state, tokens):
+        def loss(p):
+            logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return value, optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
 def compile_step(kind: str, num_layers: int, form: str, *, dim=128, heads=4, batch=4, seq=64, vocab=256):
     """(compile seconds, run): `run()` takes one train step of the configuration and returns its
     (wall, process CPU) seconds."""
@@ -69,14 +88,7 @@ def compile_step(kind: str, num_layers: int, form: str, *, dim=128, heads=4, bat
     opt_state = tx.init(params)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (batch, seq + 1)))
 
-    def step(params, opt_state, tokens):
-        def loss(p):
-            logits = nnx.merge(graphdef, p)(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return value, optax.apply_updates(params, updates), opt_state
+    step = adamw_step(graphdef, tx)
 
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile()

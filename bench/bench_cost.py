@@ -6,7 +6,9 @@ Models (random weights, vocab 256, MLP ratio 4; L = sublayers = 2 x layers):
 * train: torch `AttnResTransformer` (the depth attention dispatched to the C kernel: each worker
   records `attnres_torch.dispatch.impl_counts()` over its timed steps and the table names what
   served), JAX NNX `Transformer` (one `jax.jit` AdamW step, each `--jax-forms` form: "scanned" =
-  `scan_layers=True`, "unrolled" = `stack_apply`), MLX `attnres_mlx.Transformer` (an
+  `scan_layers=True` with its default backward (Full "fused", Block "replay": one more forward
+  of each layer in the backward), "scanned-carry" = `scan_backward="scan"` (`lax.scan`'s own
+  autodiff, which keeps every step's carry), "unrolled" = `stack_apply`), MLX `attnres_mlx.Transformer` (an
   `mx.compile`d AdamW step with the model and optimizer state as its inputs and outputs).  Every
   step: AdamW (lr 1e-3), next-token cross-entropy on `[B, T + 1]` tokens, backward, update.
 * decode, batch 1: prefill P tokens, then one token per call with a KV cache.  torch: the
@@ -287,7 +289,8 @@ def _jax_analysis(compiled) -> dict:
 
 
 #: XLA's cost analysis counts a while loop's body once, whatever its trip count.
-_SCAN_NOTE = {"scanned": " (the scanned layers' loop body counted once)", "unrolled": ""}
+_SCAN_NOTE = {"scanned": " (the scanned layers' loop body counted once)", "unrolled": "",
+              "scanned-carry": " (the scanned layers' loop body counted once)"}
 
 
 class JaxTrain:
@@ -654,8 +657,8 @@ def measure_train(python, framework, s, args, form) -> dict:
     """PreNorm, Full and Block interleaved; with `--train-pairs` (three models' optimizer state
     do not fit) PreNorm + Full, then PreNorm + Block, each pair interleaved, each ratio to its own
     pair's PreNorm (the second PreNorm's steps are kept in the Block row as baseline_steps_s)."""
-    if not args.train_pairs:
-        return {"rows": _train_group(python, framework, s, args, form, TRAIN_VARIANTS)}
+    if not args.train_pairs or len(args.train_variants) < len(TRAIN_VARIANTS):
+        return {"rows": _train_group(python, framework, s, args, form, tuple(args.train_variants))}
     first = _train_group(python, framework, s, args, form, ("prenorm", "full"))
     second = {r["variant"]: r for r in _train_group(python, framework, s, args, form, ("prenorm", "block"))}
     block = dict(second["block"], baseline_steps_s=second["prenorm"]["steps_s"],
@@ -814,12 +817,19 @@ def markdown(doc: dict) -> str:
         by.setdefault((r["framework"], r["form"], r["layers"]), {})[r["variant"]] = r
     for (fw, form, L), g in by.items():
         p = g["prenorm"]
+
+        def step(v):
+            return _xc(g[v], "step") if v in g else "— (not run)"
+
+        def peak(v):
+            return _x(g[v]["memory_ratio"]) if v in g else "—"
+
         lines.append(f"| {_label(g)} | {L} | {p['batch']} x {p['seq']} | {_sec(p['step_s'])} | "
-                     f"{_xc(g['full'], 'step')} | {_xc(g['block'], 'step')} | {_gib(p['peak_bytes'])} | "
-                     f"{_x(g['full']['memory_ratio'])} | {_x(g['block']['memory_ratio'])} | < 1.04x |")
+                     f"{step('full')} | {step('block')} | {_gib(p['peak_bytes'])} | "
+                     f"{peak('full')} | {peak('block')} | < 1.04x |")
     notes = []
     for (fw, form, L), g in by.items():
-        if "saved_activation_bytes" in g["prenorm"]["memory"]:
+        if "saved_activation_bytes" in g["prenorm"]["memory"] and len(g) == len(TRAIN_VARIANTS):
             a = {v: g[v]["memory"]["saved_activation_bytes"] for v in TRAIN_VARIANTS}
             notes.append(f"{fw} L={L}, saved activations (`examples.probes.training_memory`): PreNorm "
                          f"{_gib(a['prenorm'])}, Full {_x(a['full'] / a['prenorm'])}, Block "
@@ -830,13 +840,13 @@ def markdown(doc: dict) -> str:
         if len(groups) > 1:
             said = []
             for v in TRAIN_VARIANTS:
-                steps = {f: g[v]["step_s"] for f, g in groups.items()}
+                steps = {f: g[v]["step_s"] for f, g in groups.items() if v in g}
                 said.append(f"{v} {min(steps, key=steps.get)} (" +
                             ", ".join(f"{f} {_sec(t)}" for f, t in steps.items()) + ")")
             notes.append(f"jax L={L}, the faster form per variant (medians from separate runs): " +
                          "; ".join(said) + ".")
     for (fw, form, L), g in by.items():
-        if len(g["block"].get("alive", TRAIN_VARIANTS)) < len(TRAIN_VARIANTS):
+        if "block" in g and "full" in g and len(g["block"].get("alive", TRAIN_VARIANTS)) < len(TRAIN_VARIANTS):
             notes.append(f"{fw} L={L}: measured in pairs (`--train-pairs`): PreNorm + Full, then PreNorm + "
                          "Block, each ratio to its own pair's PreNorm.")
     lines += [""] + [f"- {n}" for n in notes] if notes else []
@@ -913,10 +923,12 @@ def main(argv=None) -> int:
     ap.add_argument("--mlx-batch", type=int, default=1)
     ap.add_argument("--mlx-seq", type=int, default=32)
     ap.add_argument("--mlx-prefill", type=int, default=32)
+    ap.add_argument("--train-variants", nargs="+", default=list(TRAIN_VARIANTS), choices=TRAIN_VARIANTS,
+                    help="the train variants (default all three; PreNorm, the baseline, is always run)")
     ap.add_argument("--train-pairs", action="store_true",
                     help="train PreNorm + Full, then PreNorm + Block (two models alive, not three)")
-    ap.add_argument("--jax-forms", nargs="+", default=None, choices=("scanned", "unrolled"),
-                    help="default: both (--quick: scanned; the unrolled Full compiles for minutes)")
+    ap.add_argument("--jax-forms", nargs="+", default=None, choices=("scanned", "unrolled", "scanned-carry"),
+                    help="default: scanned and unrolled (--quick: scanned; the unrolled Full compiles for minutes)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     ap.add_argument("--gap", type=float, default=0.1, help="seconds of sleep before each step / prefill")
     ap.add_argument("--token-gap", type=float, default=0.02, help="seconds of sleep before each token")
@@ -937,6 +949,7 @@ def main(argv=None) -> int:
         args.tokens, args.steps, args.prefill_reps, args.gap, args.token_gap = 3, 3, 2, 0.0, 0.0
         args.jax_forms = args.jax_forms or ["scanned"]
     args.jax_forms = args.jax_forms or ["scanned", "unrolled"]
+    args.train_variants = [v for v in TRAIN_VARIANTS if v == "prenorm" or v in args.train_variants]
     if any(L % 2 or L < 2 for L in args.layers):
         raise SystemExit(f"--layers: expected even sublayer counts >= 2, got {args.layers}")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

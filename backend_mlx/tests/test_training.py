@@ -1,8 +1,11 @@
 """MLX training tools (`attnres_mlx.training`): the schedules against the core's exact values (int
 and array steps, `mlx.optimizers.join_schedules`, as an optimizer's learning rate); the monitor's
-recorded statistics against the float64 reference's depth weights, a healthy run that answers
-nothing, and a constructed collapse that triggers each policy (reset in the router and the
-optimizer state, lr_scale equal to the row in its own optimizer at lr * factor); the FLA / K3
+recorded statistics (the weights of the router's own reads: fused or not, the call's scale, M6
+input queries, M13 low-rank keys) against the float64 reference's depth weights, a recorded
+step's output and gradients equal to an unmonitored one's and the reference's, two-phase passes
+and the deprecated `record(scale=)`, a healthy run that answers nothing, and a constructed
+collapse that triggers each policy (reset in the router and the optimizer state, also on M6
+`query_weights`; lr_scale equal to the row in its own optimizer at lr * factor); the FLA / K3
 converters (bitwise round trips, a forward equal to the reference, at init and trained rows)."""
 
 import warnings
@@ -17,6 +20,7 @@ from attnres_core import training as core
 from attnres_core.config import ResidualConfig
 from attnres_mlx import training as T
 from attnres_mlx.router import DepthRouter, rmsnorm
+from mlx.utils import tree_flatten
 
 L, D = 3, 8
 
@@ -77,22 +81,27 @@ class _Model(nn.Module):
 
     def __init__(self, cfg, params, w):
         super().__init__()
-        self.router = DepthRouter(cfg, L, D)
+        self.router = DepthRouter(cfg, w.shape[0], w.shape[1])
         T.load_into(self.router, params)
         self.w = mx.array(w)
 
-    def __call__(self, emb, observer=None, scale=None):
-        return self.router(emb, _subs(self.w, self.router.config.eps), observer=observer, scale=scale)
+    def __call__(self, emb, observer=None, scale=None, schedule="direct"):
+        return self.router(emb, _subs(self.w, self.router.config.eps), observer=observer, scale=scale,
+                           schedule=schedule)
 
 
-@pytest.mark.parametrize("kind,scale", [("full", None), ("block", 2.5), ("multihead", None)])
-def test_recorded_statistics_match_the_reference_weights(kind, scale):
+@pytest.mark.parametrize("kind,scale,fused", [("full", None, True), ("full", None, False), ("block", 2.5, True),
+                                              ("multihead", None, False)])
+def test_recorded_statistics_match_the_reference_weights(kind, scale, fused):
+    """The weights the pass's ops returned (fused reads or not), with the pass's own scale
+    (block: 2.5 given to the call only, not to the record)."""
     cfg, params, w, emb = _probe(kind)
     model = _Model(cfg, params, w)
+    model.router.fused_reads = fused
     monitor = T.DepthMonitor(model.router)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with monitor.record(4, scale=scale):
+        with monitor.record(4):
             model(mx.array(emb), monitor.observer, scale=scale)
             model(mx.array(emb), monitor.observer, scale=scale)  # two passes: averaged
             monitor.set_grad_norm([1.0, 2.0, 3.0])
@@ -247,8 +256,6 @@ def test_forced_collapse_lr_scale_equals_the_row_in_its_own_optimizer():
 
 
 def test_monitor_and_policy_errors():
-    with pytest.raises(ValueError, match="static query"):
-        T.DepthMonitor(DepthRouter(ResidualConfig.variant("input_query"), L, D))
     router = DepthRouter(ResidualConfig.variant("full"), L, D)
     with pytest.raises(ValueError, match="on_collapse: expected one of"):
         T.DepthMonitor(router, on_collapse="shout")
@@ -259,6 +266,129 @@ def test_monitor_and_policy_errors():
     monitor = T.DepthMonitor(router)
     with pytest.raises(ValueError, match="model: does not hold the monitored router's 'queries'"):
         monitor.apply_update(optim.SGD(1.0), DepthRouter(ResidualConfig.variant("full"), L, D), {})
+
+
+def _randomized(kind, num_layers, dim, seed):
+    """A variant's parameters at init plus noise (every row's weights away from uniform), the
+    probe's sublayer weights and an embedding `[2, 3, dim]` (T = 3), float32."""
+    rng = np.random.default_rng(seed)
+    cfg = ResidualConfig.variant(kind)
+    params = {k: (np.asarray(v, np.float32) + 0.2 * rng.standard_normal(np.shape(v))).astype(np.float32)
+              for k, v in cfg.init_params(num_layers, dim).items()}
+    w = (rng.standard_normal((num_layers, dim, dim)) / 3).astype(np.float32)
+    emb = rng.standard_normal((2, 3, dim)).astype(np.float32)
+    return cfg, params, w, emb
+
+
+@pytest.mark.parametrize("kind", ["input_query", "low_rank_keys", "full"])
+def test_monitor_takes_the_weights_of_input_queries_and_low_rank_keys(kind):
+    """M6 input-dependent queries and M13 low-rank keys (D = 16, L = 4, T = 3): the recorded
+    statistics are the float64 reference's weights' (upcast inputs); the recorded pass's output
+    and gradients (random cotangent; router parameters, sublayer weights, embedding) are those
+    of an unmonitored pass bit for bit, and the reference's (`probe_vjp`)."""
+    num_layers, dim = 4, 16
+    cfg, params, w, emb = _randomized(kind, num_layers, dim, seed=3)
+    cot = np.random.default_rng(4).standard_normal(emb.shape).astype(np.float32)
+    model = _Model(cfg, params, w)
+    monitor = T.DepthMonitor(model.router)
+
+    def step(observer):
+        def loss(tree, e):
+            model.update(tree)
+            return mx.sum(model(e, observer) * mx.array(cot))
+        value, grads = mx.value_and_grad(loss, argnums=(0, 1))(model.trainable_parameters(), mx.array(emb))
+        mx.eval(value, grads)
+        return value, grads
+
+    plain_value, (plain_tree, plain_emb) = step(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with monitor.record(0):
+            value, (tree, g_emb) = step(monitor.observer)
+    assert value.item() == plain_value.item()
+    assert np.array_equal(np.array(g_emb), np.array(plain_emb))
+    for (name, g), (_, g0) in zip(tree_flatten(tree), tree_flatten(plain_tree)):
+        assert np.array_equal(np.array(g), np.array(g0)), name
+
+    w64 = {k: v.astype(np.float64) for k, v in params.items()}
+    emb64, sub64 = emb.astype(np.float64), w.astype(np.float64)
+    _, weights = ref_model.stack_forward(cfg, w64, emb64, ref_model.probe_sublayers(sub64, cfg.eps),
+                                         return_weights=True)
+    entry = monitor.history[0]
+    assert [r["row"] for r in entry["rows"]] == list(range(num_layers + 1))
+    for r, ref_w in zip(entry["rows"], weights):
+        want = core.weight_stats(ref_w)
+        np.testing.assert_allclose(r["mean_weights"], want["mean_weights"], rtol=0, atol=3e-6)
+        assert r["entropy"] == pytest.approx(want["entropy"], abs=3e-6)
+        assert r["max_weight"] == pytest.approx(want["max_weight"], abs=3e-6)
+    assert all(r["max_weight"] > 1 / len(r["labels"]) + 0.02 for r in entry["rows"][1:])  # not M8's uniform
+
+    ref = ref_model.probe_vjp(cfg, w64, emb64, sub64, cot.astype(np.float64))
+    got = dict(tree_flatten(tree))
+    np.testing.assert_allclose(np.array(got["w"]), ref["sublayer_weights"], rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(np.array(g_emb), ref["embedding"], rtol=1e-4, atol=2e-5)
+    for name in cfg.param_shapes(num_layers, dim):
+        np.testing.assert_allclose(np.array(got[f"router.{name}"]), ref[name], rtol=1e-4, atol=2e-5,
+                                   err_msg=name)
+
+
+def test_input_query_reset_zeroes_the_query_weights_row():
+    """reset on M6 queries acts on `query_weights` `[R, D, D]`: the row is zeroed (its next
+    read is the uniform average), and apply_update zeroes its gradient and Adam moments."""
+    cfg, params, w, emb = _randomized("input_query", L, D, seed=5)
+    model = _Model(cfg, params, w)
+    monitor = T.DepthMonitor(model.router, on_collapse="reset")
+    optimizer = optim.Adam(1e-2)
+    _train(model, monitor, optimizer, mx.array(emb), 1, record_steps=())  # Adam has state
+    before = np.array(model.router.query_weights)
+    monitor.policy.reset_row(monitor, COLLAPSED_ROW)
+    q = np.array(model.router.query_weights)
+    others = [r for r in range(L + 1) if r != COLLAPSED_ROW]
+    assert np.count_nonzero(q[COLLAPSED_ROW]) == 0 and np.array_equal(q[others], before[others])
+    _, grads = nn.value_and_grad(model, lambda m, e: mx.mean(m(e) ** 2))(model, mx.array(emb))
+    monitor.apply_update(optimizer, model, grads)
+    assert np.count_nonzero(np.array(grads["router"]["query_weights"])[COLLAPSED_ROW]) == 0
+    for moment in ("m", "v"):
+        assert np.count_nonzero(np.array(optimizer.state["router"]["query_weights"][moment])[COLLAPSED_ROW]) == 0
+    with monitor.record(1):
+        model(mx.array(emb), monitor.observer)
+    row = monitor.history[-1]["rows"][COLLAPSED_ROW]
+    np.testing.assert_allclose(row["mean_weights"], [1 / 3] * 3, rtol=0, atol=1e-6)
+
+
+def test_two_phase_under_a_record_raises_and_outside_runs_unobserved():
+    """The observer wants weights only while recording: a two-phase pass (M9) outside a record
+    equals the unobserved one and records nothing; inside one the schedule's ValueError (it
+    never forms the weights), and the record ends without an entry."""
+    cfg, params, w, emb = _probe("block")
+    model = _Model(cfg, params, w)
+    monitor = T.DepthMonitor(model.router)
+    x = mx.array(emb)
+    plain = np.array(model(x, schedule="two_phase"))
+    assert np.array_equal(np.array(model(x, monitor.observer, schedule="two_phase")), plain)
+    with pytest.raises(ValueError, match=r"observer: depth weights exist only under schedule='direct'"):
+        with monitor.record(0):
+            model(x, monitor.observer, schedule="two_phase")
+    assert monitor.history == [] and not monitor.recording
+    with monitor.record(1):
+        model(x, monitor.observer)
+    assert [r["row"] for r in monitor.history[0]["rows"]] == list(range(L + 1))
+
+
+def test_record_scale_is_a_deprecated_no_op():
+    """record(step, scale=) still runs: a DeprecationWarning at the caller, and the entry is the
+    one recorded without it (the pass's own scale made the weights)."""
+    cfg, params, w, emb = _probe("full")
+    model = _Model(cfg, params, w)
+    monitor = T.DepthMonitor(model.router)
+    x = mx.array(emb)
+    with monitor.record(0):
+        model(x, monitor.observer, scale=2.0)
+    with pytest.warns(DeprecationWarning, match=r"record\(scale=\) is deprecated and ignored") as rec:
+        with monitor.record(1, scale=0.5):
+            model(x, monitor.observer, scale=2.0)
+    assert rec[0].filename == __file__ and len(rec) == 1
+    assert monitor.history[1]["rows"] == monitor.history[0]["rows"]
 
 
 # -- converters --------------------------------------------------------------------------------

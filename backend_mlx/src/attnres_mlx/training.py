@@ -10,17 +10,17 @@ same code torch and JAX call); this module evaluates it on `mlx.core` and adds t
   array, so they compose with `mlx.optimizers.join_schedules` and trace.  Pass the value as the
   router's `mix=` / `scale=`.
 * `DepthMonitor(router, on_collapse=...)`: pass `monitor.observer` as the router's `observer=`
-  and run the step inside `with monitor.record(step):` (eagerly, not under `mx.compile`; direct
-  schedule: a two-phase pass reports no rows).  The
-  MLX router's ops do not return depth weights (`MlxOps` refuses `return_weights`), so the
-  observer computes each row's weights from the sources it is shown with the same op
-  (`attnres_mlx.ops.depth_attention(..., return_weights=True)`, outside the gradient) and the
-  row's query and gain: schemes with static queries without a key projection (M13); give
-  `record(step, scale=)` the call's logit scale when it is not the config's.  Policies: "log",
-  "raise", "lr_scale" and "reset" (`LrScalePolicy`, `ResetPolicy`); `monitor.apply_update(
-  optimizer, model, grads)` in place of `optimizer.update(model, grads)` completes them
-  (lr_scale: each scaled query row moves `factor` times as far; reset: the reset row's pending
-  gradient and optimizer state are zeroed first).
+  and run the step inside `with monitor.record(step):` (eagerly, not under `mx.compile`).  While
+  it records, the observer asks the router's ops for each row's depth weights with its output
+  (`MlxOps.depth_attention(..., return_weights=True)`, fused reads included) and takes them
+  outside the gradient: the pass's own query (static or input-dependent, M6), keys (low-rank
+  included, M13) and logit scale, so any attention scheme is monitored and no depth attention
+  runs twice.  The passes in a record must use schedule="direct" (a two-phase pass there
+  raises the schedule's ValueError: it never forms the weights).  Policies: "log", "raise",
+  "lr_scale" and "reset" (`LrScalePolicy`, `ResetPolicy`); `monitor.apply_update(optimizer,
+  model, grads)` in place of `optimizer.update(model, grads)` completes them (lr_scale: each
+  scaled query row moves `factor` times as far; reset: the reset row's pending gradient and
+  optimizer state are zeroed first).
 * Converters: `fla_config`, `k3_config`, `from_fla` / `from_k3` (mx arrays), `to_fla` / `to_k3`
   (a mapping or a `DepthRouter`), `load_into(router, params)`.
 """
@@ -28,6 +28,7 @@ same code torch and JAX call); this module evaluates it on `mlx.core` and adds t
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Mapping
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
@@ -162,29 +163,30 @@ def _rms(x: mx.array) -> mx.array:
 
 
 class _MonitorObserver(ScheduleObserver):
-    """The monitor's `ScheduleObserver`: while its monitor records, each row's weights (computed
-    here from the shown sources, see the module docstring) and each sublayer's input / output
-    RMS, kept lazy until the record ends."""
+    """The monitor's `ScheduleObserver`: while its monitor records, each row's weight statistics
+    from the weights the router's ops returned with the row's output, and each sublayer's input /
+    output RMS, kept lazy until the record ends.
 
-    wants_weights = False  # MlxOps does not return them
+    `wants_weights` (read when a pass starts) is True only while the monitor records, as for
+    torch's observer (a pass started before the record reports no weights).  Outside a record
+    the observer costs nothing and any schedule runs (a two-phase decode included); inside one
+    the stream asks the ops for the weights, so a pass must use schedule="direct" (the stream
+    raises ValueError for "two_phase", which never forms them; the MLX router takes
+    the schedule from its caller and does not switch it, unlike torch's)."""
 
     def __init__(self, monitor: "DepthMonitor"):
         self.monitor = monitor
 
+    @property
+    def wants_weights(self) -> bool:
+        return self.monitor.recording
+
     def depth_attention(self, row, labels, sources, weights) -> None:
-        m = self.monitor
-        if not m.recording:
+        if not self.monitor.recording or weights is None:
             return
-        cfg, qrow = m.config, m.query_row(row)
-        scale = cfg.scale if m._scale is None else m._scale
-        gain = m.router.get("norm_weights")
-        _, w = ops.depth_attention([mx.stop_gradient(s) for s in sources],
-                                   mx.stop_gradient(m.router["queries"][qrow]),
-                                   None if gain is None else mx.stop_gradient(gain[qrow]),
-                                   eps=cfg.eps, scale=scale, num_heads=cfg.num_heads,
-                                   activation=cfg.activation, key_norm=cfg.key_norm,
-                                   return_weights=True)
-        m._pending_rows.append((row, list(labels), core.weight_statistics(w, mx)))
+        w = mx.stop_gradient(weights)  # C11: the weights are not differentiable
+        w = w.astype(ops.compute_dtype(w.dtype))
+        self.monitor._pending_rows.append((row, list(labels), core.weight_statistics(w, mx)))
 
     def sublayer(self, layer, h, v) -> None:
         if self.monitor.recording:
@@ -196,8 +198,8 @@ class DepthMonitor(core.DepthMonitorBase):
     and the collapse responses (see the module docstring).
 
     Args:
-      router: the `DepthRouter`: a scheme with static queries and no key projection
-        (full, block, window, multihead ...; non-attention kinds record magnitudes only).
+      router: the `DepthRouter`, any scheme (static or input-dependent queries M6, low-rank
+        keys M13, heads, sigmoid ...; non-attention kinds record magnitudes only).
       collapse_threshold: a row whose token-averaged maximum weight exceeds it collapsed.
       on_collapse: a `CollapsePolicy` or its name.
 
@@ -206,15 +208,11 @@ class DepthMonitor(core.DepthMonitorBase):
 
     def __init__(self, router: DepthRouter, *, collapse_threshold: float = 0.99,
                  on_collapse: Union[str, CollapsePolicy] = "log"):
-        cfg = router.config
-        if cfg.is_attention and (cfg.query != "static" or cfg.key_rank is not None):
-            raise ValueError(f"router: the MLX monitor recomputes depth weights from a static query "
-                             f"and gain; got query={cfg.query!r}, key_rank={cfg.key_rank!r}")
-        super().__init__(cfg, router.num_layers, collapse_threshold=collapse_threshold,
+        super().__init__(router.config, router.num_layers, collapse_threshold=collapse_threshold,
                          policy=collapse_policy(on_collapse))
         self.router = router
         self.observer = _MonitorObserver(self)
-        self._scale, self._grad_norm = None, None
+        self._grad_norm = None
         self._pending_rows: list = []
         self._pending_sublayers: list = []
 
@@ -232,9 +230,14 @@ class DepthMonitor(core.DepthMonitorBase):
     def record(self, step: int, *, scale: Optional[float] = None) -> Iterator[None]:
         """Record the forward pass(es) run inside the block with `observer=monitor.observer` as
         `history` entry `step` (values averaged over several passes), then check it for collapse
-        and answer.  scale: the logit scale those passes were called with (None: the config's)."""
+        and answer.  The passes must use schedule="direct" (see `_MonitorObserver`).
+
+        scale: deprecated and ignored (a DeprecationWarning when given; removed in the next
+          release): the weights are the pass's own, formed with the scale it was called with."""
+        if scale is not None:
+            warnings.warn("record(scale=) is deprecated and ignored: the monitor records the weights "
+                          "each pass formed with its own scale", DeprecationWarning, stacklevel=3)
         self.start_record(step)
-        self._scale = scale
         try:
             yield
             rows, subs = self._pending_rows, self._pending_sublayers
@@ -247,7 +250,7 @@ class DepthMonitor(core.DepthMonitorBase):
             entry = self.build_entry(magnitudes=bool(subs), grad_norm=self._grad_norm)
         finally:
             self.stop_record()
-            self._scale, self._grad_norm, self._pending_rows, self._pending_sublayers = None, None, [], []
+            self._grad_norm, self._pending_rows, self._pending_sublayers = None, [], []
         self.commit(entry, stacklevel=3)  # 3: the caller's `with monitor.record`
 
     def apply_update(self, optimizer, model, grads) -> None:

@@ -356,23 +356,27 @@ def test_input_query_reset_zeroes_the_query_weights_row():
     np.testing.assert_allclose(row["mean_weights"], [1 / 3] * 3, rtol=0, atol=1e-6)
 
 
-def test_two_phase_under_a_record_raises_and_outside_runs_unobserved():
+def test_two_phase_under_a_record_runs_direct_and_outside_runs_unobserved():
     """The observer wants weights only while recording: a two-phase pass (M9) outside a record
-    equals the unobserved one and records nothing; inside one the schedule's ValueError (it
-    never forms the weights), and the record ends without an entry."""
+    equals the unobserved one and records nothing; inside one the router runs it as a direct
+    pass (as torch's router does), whose output is the two-phase one's (spec 3) and whose
+    entry is the direct pass's, row for row."""
     cfg, params, w, emb = _probe("block")
     model = _Model(cfg, params, w)
     monitor = T.DepthMonitor(model.router)
     x = mx.array(emb)
     plain = np.array(model(x, schedule="two_phase"))
     assert np.array_equal(np.array(model(x, monitor.observer, schedule="two_phase")), plain)
-    with pytest.raises(ValueError, match=r"observer: depth weights exist only under schedule='direct'"):
-        with monitor.record(0):
-            model(x, monitor.observer, schedule="two_phase")
-    assert monitor.history == [] and not monitor.recording
+    assert monitor.history == []
+    with monitor.record(0):
+        recorded = np.array(model(x, monitor.observer, schedule="two_phase"))
+    direct = np.array(model(x))
+    assert np.array_equal(recorded, direct)
+    np.testing.assert_allclose(recorded, plain, rtol=1e-5, atol=1e-6)
     with monitor.record(1):
         model(x, monitor.observer)
     assert [r["row"] for r in monitor.history[0]["rows"]] == list(range(L + 1))
+    assert monitor.history[0]["rows"] == monitor.history[1]["rows"]
 
 
 def test_record_scale_is_a_deprecated_no_op():

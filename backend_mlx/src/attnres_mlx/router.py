@@ -485,13 +485,16 @@ class DepthRouter(nn.Module):
         (`attnres_core.schedule`) gives `input()`, `push(v_l)` and `output()`.  mix (alpha in
         [0, 1]: progressive introduction; a Python float, or a 0-d array under `mx.compile`) and
         scale (this call's logit scale) are the M10 per-call inputs.  The pass takes the fused
-        reads where `fusable` says so (module docstring)."""
+        reads where `fusable` says so (module docstring).  An observer that wants the depth
+        weights (a recording `DepthMonitor`) gets a direct pass whatever `schedule` says."""
         if embedding.ndim < 1 or embedding.shape[-1] != self.dim:
             raise ValueError(f"embedding: expected shape [..., {self.dim}], got {embedding.shape}")
         params = {name: self[name] for name in self.config.param_shapes(self.num_layers, self.dim)}
         if not isinstance(self.__dict__.get("_rows"), RowCache):
             object.__setattr__(self, "_rows", RowCache())  # a plain attribute, not a parameter
         fused = self.fused_reads and fusable(self.config, embedding, self.num_layers)
+        if observer is not None and observer.wants_weights:
+            schedule = "direct"  # two-phase never forms the weights (spec 3: the same result), as torch's
         return ResidualStream(self.config, MlxOps(params, self._rows, fused=fused), embedding,
                               num_layers=self.num_layers,
                               schedule=schedule, observer=observer, mix=mix, scale=scale)

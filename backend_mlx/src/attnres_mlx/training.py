@@ -15,8 +15,8 @@ same code torch and JAX call); this module evaluates it on `mlx.core` and adds t
   (`MlxOps.depth_attention(..., return_weights=True)`, fused reads included) and takes them
   outside the gradient: the pass's own query (static or input-dependent, M6), keys (low-rank
   included, M13) and logit scale, so any attention scheme is monitored and no depth attention
-  runs twice.  The passes in a record must use schedule="direct" (a two-phase pass there
-  raises the schedule's ValueError: it never forms the weights).  Policies: "log", "raise",
+  runs twice.  In a record the router runs a two-phase pass as a direct one (two-phase never
+  forms the weights; the result is the same, spec 3), as torch's router does.  Policies: "log", "raise",
   "lr_scale" and "reset" (`LrScalePolicy`, `ResetPolicy`); `monitor.apply_update(optimizer,
   model, grads)` in place of `optimizer.update(model, grads)` completes them (lr_scale: each
   scaled query row moves `factor` times as far; reset: the reset row's pending gradient and
@@ -170,9 +170,8 @@ class _MonitorObserver(ScheduleObserver):
     `wants_weights` (read when a pass starts) is True only while the monitor records, as for
     torch's observer (a pass started before the record reports no weights).  Outside a record
     the observer costs nothing and any schedule runs (a two-phase decode included); inside one
-    the stream asks the ops for the weights, so a pass must use schedule="direct" (the stream
-    raises ValueError for "two_phase", which never forms them; the MLX router takes
-    the schedule from its caller and does not switch it, unlike torch's)."""
+    the stream asks the ops for the weights, and the router runs a two-phase pass as a direct
+    one (which forms them; spec 3: the same result), as torch's does."""
 
     def __init__(self, monitor: "DepthMonitor"):
         self.monitor = monitor

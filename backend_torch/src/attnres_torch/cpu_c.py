@@ -30,7 +30,9 @@ fewer first-touch page faults on fresh outputs, at the cost of changing how that
 The `*_into` functions take 2-D views with unit stride along D (any row stride): sources N x
 `[T, D]` (float32/bfloat16/float16), qg = query * gain in fp32 (`[D]` or `[T, D]`), and write
 into caller-provided buffers; the op bodies at the end flatten `[..., D]` arguments to them and
-allocate the outputs.
+allocate the outputs.  `forward_eager`, `multi_eager` and `merge_eager` make the same kernel
+calls with the checks and views done once per call signature (`layout`, `merge_layout`): `ops`
+calls them for repeated eager calls that need no gradient.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -525,6 +527,144 @@ def merge(out1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
     lse = torch.empty(partial.shape[:-1], dtype=torch.float32)
     merge_forward_into(_rows.flat(out1), lse1.float().reshape(-1).contiguous(), _rows.flat(partial),
                        _rows.qg(query, norm_weight), eps, scale, _rows.flat(out), lse.view(-1))
+    return out, lse
+
+
+# -- the eager call without the custom op (`ops`' memoized path) ---------------------------------
+
+class Layout(NamedTuple):
+    """What `forward_into` checks on every call, checked once for a call signature (the
+    sources' shape, strides and dtype, the query's form): `forward_eager`'s constants."""
+
+    lib: ctypes.CDLL
+    code: int  # the kernel's dtype code
+    dtype: torch.dtype
+    num: int  # N
+    rows: int  # T
+    dim: int  # D
+    shape: tuple  # out and out_normed `[..., D]`
+    lse_shape: tuple  # `[...]`
+    weights_shape: tuple  # `[N, ...]`
+    pointers: type  # ctypes.c_void_p * N
+    row_strides: ctypes.Array  # each source's `[T, D]` row stride (read only by the kernel)
+    offsets: Optional[tuple]  # a stacked `[N, ..., D]` tensor: byte offset of each source
+
+
+def layout(sources: List[Tensor], stacked: Optional[Tensor]) -> Optional[Layout]:
+    """The constants of `forward_eager` for sources N x `[..., D]` (the unbound `stacked` tensor,
+    or None for a list) that this kernel serves, checked as `forward_into` checks them; None
+    where `forward_eager` does not apply: no tokens, or a source whose `[T, D]` rows are no view
+    of it (`_rows.flat` copies those).  Depends only on the sources' shapes, strides and dtype."""
+    flats = [_rows.flat(s) for s in sources]
+    if flats[0].numel() == 0 or any(f.data_ptr() != s.data_ptr() for f, s in zip(flats, sources)):
+        return None
+    rows, dim = flats[0].shape
+    dtype = flats[0].dtype
+    if dtype not in _DTYPES:
+        return None
+    for i, f in enumerate(flats):
+        _check(f"sources[{i}]", f, dtype, (rows, dim))
+    num = len(sources)
+    offsets = None if stacked is None else tuple(s.data_ptr() - stacked.data_ptr() for s in sources)
+    x0 = sources[0]
+    return Layout(_library_for(dtype), _DTYPES[dtype], dtype, num, rows, dim, tuple(x0.shape),
+                  tuple(x0.shape[:-1]), (num,) + tuple(x0.shape[:-1]), ctypes.c_void_p * num,
+                  (ctypes.c_int64 * num)(*[f.stride(0) for f in flats]), offsets)
+
+
+def forward_eager(lay: Layout, sources, query: Tensor, norm_weight: Optional[Tensor], eps: float,
+                  scale: float, with_weights: bool, out_norm: Optional[tuple]):
+    """`_forward` (the body of the forward ops) for sources of layout `lay` (a list, or the
+    stacked tensor `lay` was taken from), without the custom op: for `ops`' eager calls that
+    need no gradient.  The same kernel on the same pointers, so the same bits.  Returns (out,
+    out_normed or None, lse, weights `[N, ...]` or None); `out_norm` = (gain, eps_o) or None."""
+    if lay.offsets is None:
+        ptrs = lay.pointers(*[s.data_ptr() for s in sources])
+    else:
+        base = sources.data_ptr()
+        ptrs = lay.pointers(*[base + o for o in lay.offsets])
+    qg = _rows.qg(query, norm_weight)
+    out = torch.empty(lay.shape, dtype=lay.dtype)
+    lse = torch.empty(lay.lse_shape, dtype=torch.float32)
+    weights = torch.empty(lay.weights_shape, dtype=torch.float32) if with_weights else None
+    normed = onw = None
+    if out_norm is not None:
+        onw = out_norm[0].float().contiguous()
+        normed = torch.empty(lay.shape, dtype=lay.dtype)
+    rc = lay.lib.attnres_forward(
+        lay.code, lay.num, lay.rows, lay.dim, ptrs, lay.row_strides, qg.data_ptr(),
+        _qg_row_stride(qg), eps, scale, out.data_ptr(), lay.dim, lse.data_ptr(),
+        None if weights is None else weights.data_ptr(), None if onw is None else onw.data_ptr(),
+        0.0 if out_norm is None else float(out_norm[1]),
+        None if normed is None else normed.data_ptr(), 0 if normed is None else lay.dim,
+        torch.get_num_threads())
+    _done(rc, "attnres_forward")
+    return out, normed, lse, weights
+
+
+def multi_eager(lay: Layout, sources, queries: Tensor, norm_weights: Optional[Tensor], eps: float,
+                scale: float):
+    """`depth_attention_multi` (the op body) for sources of layout `lay` without the custom op,
+    as `forward_eager`: (out `[S, ..., D]`, lse `[S, ...]` fp32)."""
+    if lay.offsets is None:
+        ptrs = lay.pointers(*[s.data_ptr() for s in sources])
+    else:
+        base = sources.data_ptr()
+        ptrs = lay.pointers(*[base + o for o in lay.offsets])
+    num_q = queries.shape[0]
+    qgs = _rows.qg(queries, norm_weights)
+    out = torch.empty((num_q,) + lay.shape, dtype=lay.dtype)
+    lse = torch.empty((num_q,) + lay.lse_shape, dtype=torch.float32)
+    rc = lay.lib.attnres_multi_forward(lay.code, lay.num, num_q, lay.rows, lay.dim, ptrs,
+                                       lay.row_strides, qgs.data_ptr(), eps, scale, out.data_ptr(),
+                                       lay.rows * lay.dim, lay.dim, lse.data_ptr(),
+                                       torch.get_num_threads())
+    _done(rc, "attnres_multi_forward")
+    return out, lse
+
+
+class MergeLayout(NamedTuple):
+    """`merge_forward_into`'s checks of out1 and partial, done once for a call signature."""
+
+    lib: ctypes.CDLL
+    code: int
+    dtype: torch.dtype
+    rows: int
+    dim: int
+    shape: tuple  # out `[..., D]`
+    lse_shape: tuple
+    out1_stride: int  # row strides of the `[T, D]` views
+    partial_stride: int
+
+
+def merge_layout(out1: Tensor, partial: Tensor) -> Optional[MergeLayout]:
+    """`merge_eager`'s constants for out1 and partial `[..., D]` (one dtype, validated), or None:
+    no tokens, or rows that are no view (`_rows.flat` copies those)."""
+    f1, fp = _rows.flat(out1), _rows.flat(partial)
+    if (fp.numel() == 0 or f1.data_ptr() != out1.data_ptr() or fp.data_ptr() != partial.data_ptr()
+            or partial.dtype not in _DTYPES):
+        return None
+    rows, dim = fp.shape
+    _check("out1", f1, partial.dtype, (rows, dim))
+    _check("partial", fp, partial.dtype, (rows, dim))
+    return MergeLayout(_library_for(partial.dtype), _DTYPES[partial.dtype], partial.dtype, rows, dim,
+                       tuple(partial.shape), tuple(partial.shape[:-1]), f1.stride(0), fp.stride(0))
+
+
+def merge_eager(lay: MergeLayout, out1: Tensor, lse1: Tensor, partial: Tensor, query: Tensor,
+                norm_weight: Optional[Tensor], eps: float, scale: float) -> tuple[Tensor, Tensor]:
+    """`merge` for out1 and partial of layout `lay`: the same kernel call without the checks
+    and views that `lay` holds."""
+    out = torch.empty(lay.shape, dtype=lay.dtype)
+    lse = torch.empty(lay.lse_shape, dtype=torch.float32)
+    lse1 = lse1.float().reshape(-1).contiguous()
+    qg = _rows.qg(query, norm_weight)
+    rc = lay.lib.attnres_merge_forward(lay.code, lay.rows, lay.dim, out1.data_ptr(), lay.out1_stride,
+                                       lse1.data_ptr(), partial.data_ptr(), lay.partial_stride,
+                                       qg.data_ptr(), _qg_row_stride(qg), eps, scale,
+                                       out.data_ptr(), lay.dim, lse.data_ptr(),
+                                       torch.get_num_threads())
+    _done(rc, "attnres_merge_forward")
     return out, lse
 
 

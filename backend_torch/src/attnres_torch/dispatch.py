@@ -33,6 +33,8 @@ raises ValueError naming it, the op and the reason, with one exception: `merge_p
 back to the composition when the forced implementation has no merge kernel (chunked) or the
 merge needs gradients or is float64.  The record (`last_choice`, `last_impl`, `impl_counts`) is
 kept under a lock (threads may call the ops at once) and skipped while torch.compile traces.
+`choose` is `decide` (the module and its Choice) then `record`; `ops` keeps the Choice of a call
+signature and records it again for each repeated call.
 """
 
 from __future__ import annotations
@@ -273,24 +275,33 @@ def _refusal(name: str, call: Call, forced_call: bool) -> Tuple[Optional[str], o
 
 
 def choose(call: Call):
-    """The module that serves `call` (its choice recorded, see `last_choice`).
+    """The module that serves `call` (its choice recorded, see `last_choice`): `decide`, then
+    `record`."""
+    module, choice = decide(call)
+    _record(choice)
+    return module
+
+
+def decide(call: Call) -> Tuple[object, Choice]:
+    """(the module that serves `call`, its `Choice`), nothing recorded.
 
     Forced: that implementation, or a ValueError naming it, the op and its reason; merge_partial
     under a forced implementation without a merge kernel, or with gradients or float64, is the
     composition's.  Otherwise: the first of `IMPLEMENTATIONS` that takes the call.  The Choice's
     refusals follow `attnres_core.dispatch`'s rule (every implementation before the one that
-    served, the unforced ones "not forced").
+    served, the unforced ones "not forced").  For plain CPU tensors the answer depends only on
+    the call's shapes, dtypes, strides and options and on the forcing, which is what lets `ops`
+    keep it per call signature and `record` it again for each repeated call.
     """
     name = forced()
     if name is not None:
         how = f"use_impl({name!r})"
         reason, module = _refusal(name, call, True)
         if reason is None:
-            _record(Choice(call.op, name, _REGISTRY.refused_before(name, how)))
-            return module
+            return module, Choice(call.op, name, _REGISTRY.refused_before(name, how))
         if call.op == MERGE and _merge_fallback(name, call) is not None:
-            _record(Choice(call.op, "composite", _REGISTRY.refused_before("composite", how, {name: reason})))
-            return composite
+            return composite, Choice(call.op, "composite",
+                                     _REGISTRY.refused_before("composite", how, {name: reason}))
         raise ValueError(f"impl: {name!r} was forced but cannot take this {call.op} call: {reason}")
     modules = {}
 
@@ -301,8 +312,13 @@ def choose(call: Call):
     name, refused = _REGISTRY.auto(reason_of)
     if name is None:
         raise AssertionError("unreachable: the composition takes every call")
-    _record(Choice(call.op, name, refused))
-    return modules[name]
+    return modules[name], Choice(call.op, name, refused)
+
+
+def record(choice: Choice) -> None:
+    """Note that `choice` serves one more call (`last_choice`, `impl_counts`), as `choose` does;
+    for a call whose Choice `ops` kept from an earlier call of the same signature."""
+    _record(choice)
 
 
 # -- names of the previous release, deprecated ----------------------------------------------------

@@ -408,8 +408,38 @@ def test_view_bits_and_rows_that_are_no_view():
         for _ in range(2):
             assert torch.equal(at.depth_attention(xs, q[:8]), want)
         key = next(k for k in reversed(ops._PLANS)
-                   if k[0] == "depth_attention" and k[2][0][2] == xs[0].stride())
+                   if k[0] == "depth_attention" and k[2][0][1] == xs[0].stride())
         assert ops._PLANS[key].layout is None
+
+
+def test_a_tensor_subclass_gets_no_plan_and_sees_what_it_saw():
+    class Logged(torch.Tensor):
+        calls: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.calls.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    gen = torch.Generator().manual_seed(8)
+    xs = [rand(gen, (1, 1, 16), torch.float32) for _ in range(3)]
+    q = rand(gen, (16,), torch.float32).as_subclass(Logged)
+    seen, kept = [], set(ops._PLANS)
+    with torch.no_grad():
+        for memo in (False, True, True):
+            ops.MEMO = memo
+            try:
+                Logged.calls.clear()
+                out = at.depth_attention(xs, q)
+            finally:
+                ops.MEMO = True
+            seen.append(list(Logged.calls))
+            assert torch.equal(out.as_subclass(torch.Tensor), at.depth_attention(xs, q.as_subclass(
+                torch.Tensor)))
+    assert seen[0] == seen[1] == seen[2] and seen[0]
+    assert ops._key("depth_attention", xs, (q, None, None), ()) is None
+    assert ops._key("depth_attention", xs, (q.as_subclass(torch.Tensor), None, None), ())
+    assert len(set(ops._PLANS) - kept) <= 1  # the plain query's plan only
 
 
 def test_the_plans_are_bounded(monkeypatch):

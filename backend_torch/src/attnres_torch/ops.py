@@ -293,6 +293,7 @@ _PLANS: dict = {}
 _MAX_PLANS = 4096
 #: The tensor types a plan is kept for (a subclass may override what the ops do with it).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NOT_PLAIN = object()  # stands for an argument of any other type: no key
 _CPU = torch.device("cpu")
 
 
@@ -306,22 +307,26 @@ class _Plan(NamedTuple):
 
 def _key(op, sources, tensors, options):
     """The signature of a call (None: not one that plans are kept for: a trace, a functorch
-    transform, `MEMO` off, or arguments whose metadata cannot be read)."""
+    transform, `MEMO` off, an argument that is no plain tensor (a subclass may override what the
+    ops do with it; a non-tensor raises in the checks), or metadata that cannot be read)."""
     if (not MEMO or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
             or torch._C._functorch.peek_interpreter_stack() is not None):
         return None
     kind = type(sources)
-    try:  # the view bits: what the custom op's dispatch would resolve before the kernel reads
-        if kind is list or kind is tuple:
-            src = tuple([(type(s), s.shape, s.stride(), s.dtype, s.is_cpu, s.is_neg(),
-                          s._is_zerotensor()) for s in sources])
-        else:
-            src = (kind, sources.shape, sources.stride(), sources.dtype, sources.is_cpu,
-                   sources.is_neg(), sources._is_zerotensor())
-        key = (op, kind is list or kind is tuple, src,
-               tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.is_cpu,
-                                              t.is_neg(), t._is_zerotensor()) for t in tensors]),
-               options, dispatch.forced())
+    listed = kind is list or kind is tuple
+    if not listed and kind not in _PLAIN:
+        return None
+    try:  # with the view bits, which the custom op's dispatch resolves before the kernel reads
+        src = (tuple([(s.shape, s.stride(), s.dtype, s.is_cpu, s.is_neg(), s._is_zerotensor())
+                      if type(s) in _PLAIN else _NOT_PLAIN for s in sources]) if listed
+               else (sources.shape, sources.stride(), sources.dtype, sources.is_cpu,
+                     sources.is_neg(), sources._is_zerotensor()))
+        args = tuple([t if t is None else (t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg(),
+                                           t._is_zerotensor())
+                      if type(t) in _PLAIN else _NOT_PLAIN for t in tensors])
+        if listed and _NOT_PLAIN in src or _NOT_PLAIN in args:
+            return None
+        key = (op, listed, src, args, options, dispatch.forced())
         hash(key)
     except Exception:  # noqa: BLE001 -- the full path raises the checks' message for these
         return None

@@ -204,23 +204,44 @@ def test_router_errors():
     ("input_query", "direct", 0.8)])
 @pytest.mark.parametrize("as_array", [False, True])
 def test_mix_and_scale_match_reference(variant, schedule, mix, as_array):
-    """M10 per-call inputs (a float alpha, or a 0-d array as under mx.compile) with a per-call
-    scale: value and every gradient against the float64 reference."""
+    """M10 per-call inputs (a float alpha and scale, or 0-d arrays as under mx.compile): value
+    and every gradient against the float64 reference."""
     cfg = ResidualConfig.variant(variant)
     rng, params, emb, w = _probe_inputs(cfg, "float64")
     cot = rand(rng, BATCH + (D,), "float64")
     mparams = {k: to_mx(v, "float64") for k, v in params.items()}
     alpha = mx.array(mix, dtype=mx.float64) if as_array else mix
+    scale = mx.array(1.6, dtype=mx.float64) if as_array else 1.6
     kw = dict(schedule=schedule, scale=1.6)
-    out = probe.probe_forward(cfg, mparams, to_mx(emb, "float64"), to_mx(w, "float64"), mix=alpha, **kw)
+    mkw = dict(schedule=schedule, scale=scale)
+    out = probe.probe_forward(cfg, mparams, to_mx(emb, "float64"), to_mx(w, "float64"), mix=alpha, **mkw)
     assert out.dtype == mx.float64
     np.testing.assert_allclose(to_np(out), ref_model.probe_forward(cfg, params, emb, w, mix=mix, **kw),
                                rtol=1e-11, atol=1e-12)
     grads = probe.probe_vjp(cfg, mparams, to_mx(emb, "float64"), to_mx(w, "float64"), to_mx(cot, "float64"),
-                            mix=alpha, **kw)
+                            mix=alpha, **mkw)
     expect = ref_model.probe_vjp(cfg, params, emb, w, cot, mix=mix, **kw)
     for name in expect:
         np.testing.assert_allclose(to_np(grads[name]), expect[name], rtol=1e-10, atol=1e-11, err_msg=name)
+
+
+@pytest.mark.parametrize("variant", ["full", "block"])
+def test_scale_traces_under_compile(variant):
+    """scale= as a 0-d input of an mx.compile'd pass (a temperature schedule's value) is traced,
+    not frozen at the first value: each value gives the eager float pass's output."""
+    cfg = ResidualConfig.variant(variant)
+    rng, params, emb, w = _probe_inputs(cfg, "float32")
+    router = A.DepthRouter(cfg, L, D)
+    router.update({k: to_mx(v, "float32") for k, v in params.items()})
+    subs = [lambda h, i=i: mx.tanh(h @ to_mx(w[i], "float32")) for i in range(L)]
+    x = to_mx(emb, "float32")
+    step = mx.compile(lambda x, s: router(x, subs, scale=s))
+    outs = []
+    for s in (0.5, 1.6, 3.0):
+        got, want = step(x, mx.array(s)), router(x, subs, scale=s)
+        np.testing.assert_allclose(to_np(got), to_np(want), rtol=1e-6, atol=1e-6)
+        outs.append(to_np(got))
+    assert np.abs(outs[0] - outs[2]).max() > 1e-3  # the scale reached the weights
 
 
 def test_row_cache_follows_parameter_updates():

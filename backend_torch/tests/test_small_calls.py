@@ -451,3 +451,23 @@ def test_the_plans_are_bounded(monkeypatch):
             at.depth_attention([torch.randn(t, 8)], q)
             assert len(ops._PLANS) <= 3
     assert len(ops._PLANS) == 2
+
+
+def test_merge_of_a_negative_view_is_the_reference():
+    """`torch._neg_view` keeps the negated values in storage with a view bit; the merge kernel
+    reads raw storage, so such an input takes the composition (it gave 3.0 off before), first
+    call and repeated, and the result is the float64 reference's."""
+    g = torch.Generator().manual_seed(5)
+    f32 = torch.float32
+    out1, partial = rand(g, (3, 16), f32), rand(g, (3, 16), f32)
+    lse1, q, w = rand(g, (3,), f32), rand(g, (16,), f32, 0.3), 1 + rand(g, (16,), f32, 0.1)
+    want = ref.merge_partial(*f64([out1, lse1, partial, q, w]), scale=SCALE)
+    for which in ("out1", "partial"):
+        ins = {"out1": out1, "partial": partial}
+        ins[which] = torch._neg_view(-ins[which])
+        assert ins[which].is_neg()
+        for _ in range(2):
+            with torch.no_grad():
+                got = at.merge_partial(ins["out1"], lse1, ins["partial"], q, w, scale=SCALE)
+            assert at.dispatch.last_choice().impl == "composite", which
+            assert_close(got, want, "float32", which, grad=False)

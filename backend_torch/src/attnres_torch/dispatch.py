@@ -258,6 +258,9 @@ def _refusal(name: str, call: Call, forced_call: bool) -> Tuple[Optional[str], o
         if reason is None and any(is_traceable_wrapper_subclass(t) for t in call.tensors):
             reason = ("its merge takes plain tensors only (a DTensor or other subclass takes the "
                       "composition)")  # the merge is no custom op: it reads raw storage
+        elif reason is None and any(t.is_neg() or t.is_conj() for t in call.tensors):
+            reason = ("its merge reads raw storage: a tensor with the negative or conjugate view "
+                      "bit (torch._neg_view) takes the composition")
         if reason is not None:
             return reason, None
     if name == "triton":

@@ -305,6 +305,11 @@ class _Plan(NamedTuple):
     layout: object  # cpu_c.Layout / MergeLayout where the C kernel's host code serves the call
 
 
+def _meta(t):
+    """What a plan depends on of one plain tensor: shape, strides, dtype, device, view bits."""
+    return (t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg(), t._is_zerotensor())
+
+
 def _key(op, sources, tensors, options):
     """The signature of a call (None: not one that plans are kept for: a trace, a functorch
     transform, `MEMO` off, an argument that is no plain tensor (a subclass may override what the
@@ -317,13 +322,10 @@ def _key(op, sources, tensors, options):
     if not listed and kind not in _PLAIN:
         return None
     try:  # with the view bits, which the custom op's dispatch resolves before the kernel reads
-        src = (tuple([(s.shape, s.stride(), s.dtype, s.is_cpu, s.is_neg(), s._is_zerotensor())
-                      if type(s) in _PLAIN else _NOT_PLAIN for s in sources]) if listed
-               else (sources.shape, sources.stride(), sources.dtype, sources.is_cpu,
-                     sources.is_neg(), sources._is_zerotensor()))
-        args = tuple([t if t is None else (t.shape, t.stride(), t.dtype, t.is_cpu, t.is_neg(),
-                                           t._is_zerotensor())
-                      if type(t) in _PLAIN else _NOT_PLAIN for t in tensors])
+        src = (tuple([_meta(s) if type(s) in _PLAIN else _NOT_PLAIN for s in sources]) if listed
+               else _meta(sources))
+        args = tuple([t if t is None else _meta(t) if type(t) in _PLAIN else _NOT_PLAIN
+                      for t in tensors])
         if listed and _NOT_PLAIN in src or _NOT_PLAIN in args:
             return None
         key = (op, listed, src, args, options, dispatch.forced())

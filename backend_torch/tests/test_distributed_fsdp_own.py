@@ -46,7 +46,7 @@ def _two_steps(model, tokens, scale=1.0):
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     opt.step()
     opt.zero_grad()
-    return float(loss), grads, float(_loss(model, tokens))
+    return loss.item(), grads, _loss(model, tokens).item()
 
 
 def _rank(rank, world, kind):
@@ -89,7 +89,7 @@ def test_fsdp2_per_block_on_own_model_equals_one_process(kind):
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt.step()
-    seconds = [float(_loss(model, tokens[2 * r: 2 * r + 2])) for r in range(2)]
+    seconds = [_loss(model, tokens[2 * r: 2 * r + 2]).item() for r in range(2)]
     for r, (naive_error, sharded, loss, got, second) in enumerate(results):
         assert naive_error is not None and "mixed torch.Tensor and DTensor" in naive_error
         assert sharded

@@ -7,6 +7,9 @@
 - `PipelinePlan` / `run_pipeline`: pipeline parallelism over point-to-point ops with the paper's
   cross-stage caching (section 4.1, Eqs. 7-8), interleaved virtual stages, under the schedules
   `SCHEDULES` ("gpipe", "1f1b", "interleaved_1f1b").
+- `split_stack` / `split_transformer` / `pipeline_stages`: an AttnRes stack cut into stock
+  `torch.distributed.pipelining` stages (GPipe, 1F1B, interleaved 1F1B), the blocks and the
+  open partial sum (Full: every output) carried as extra stage outputs.
 - `smoke`: `python -m attnres_torch.distributed.smoke` runs every path on one GPU over NCCL
   (world size 1) under a device-mixing detector.
 - `run_local`: a local gloo world of CPU processes (tests); `CommCounter`: elements on the wire.
@@ -24,10 +27,12 @@ from .sequence_parallel import (
                                 sequence_sharded_prefill,
                                 shard_sequence,
 )
+from .stages import StackChunk, pipeline_stages, split_stack, split_transformer
 from .tensor_parallel import HiddenShard, depth_attention_tp
 
 __all__ = [
     "CACHE_POLICIES", "PipelinePlan", "SCHEDULES", "eq7_naive", "eq8_cached", "run_pipeline",
     "CommCounter", "HiddenShard", "all_reduce_grads", "depth_attention_tp", "gather_sequence",
     "run_local", "scatter_sequence", "sequence_sharded_prefill", "shard_sequence",
+    "StackChunk", "pipeline_stages", "split_stack", "split_transformer",
 ]

@@ -16,8 +16,10 @@ paper Eq. 8); interleaved schedules send every block again to every later chunk 
 Parameters: a chunk owns its sublayers (the modules themselves, not copies), `pre` on the first
 chunk, `post` on the last, and the router's rows its sublayers read (row l - 1 of every
 per-sublayer parameter for sublayer l, and the output row L on the last chunk) as its own
-`nn.Parameter`s, views of the router's storage: a step on a chunk's rows shows in the router's
-`state_dict`.  No parameter is shared between chunks, so the schedules' `scale_grads` divides
+`nn.Parameter`s, named as the router's (`queries`, `norm_weights`, ...; router row
+`row_offset + i` is the chunk's row i), views of the router's storage while both stay on one
+device.  Save and load a stage's state with its chunk (`chunk.state_dict()`), as for any
+pipelined model.  No parameter is shared between chunks, so the schedules' `scale_grads` divides
 every gradient exactly once and no gradient has to be summed across pipeline ranks.
 `pipeline_stages` refuses chunks that share a parameter (tied weights in the sublayers): under an
 interleaved schedule two stages of one rank would divide its gradient twice, and on different

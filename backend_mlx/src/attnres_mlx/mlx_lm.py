@@ -18,6 +18,10 @@ output read (`output_attn_res_*`) row L = 2 x num_hidden_layers (M4).
   `attnres_norm_weights`: rows 2i, 2i + 1, and for the last layer also row L), so checkpoints,
   `KVCache`, `make_prompt_cache` and `generate_step` work unchanged.  `mix=0.0` is exactly the
   PreNorm model (M10).
+* `load_hf(path)`: a checkpoint directory saved by `attnres_torch.hf` (`save_pretrained` of a
+  converted model) as (converted mlx-lm model, tokenizer or None), the rows moved from torch's
+  layers to MLX's; `save_hf(model, path)`: the way back (`attnres_mlx.hf_checkpoint`).  Never
+  `mlx_lm.load(path, strict=False)` on such a checkpoint: it drops the rows (the PreNorm model).
 
 This module imports `mlx_lm` only inside the functions that need its types.
 """
@@ -230,3 +234,6 @@ def set_mix(model, mix=None, scale=None) -> None:
         raise TypeError("model: expected a model converted by convert_prenorm")
     shared = layers[0]._attnres_pass
     shared.mix, shared.scale = mix, scale
+
+
+from .hf_checkpoint import load_hf, save_hf  # noqa: E402, F401  (re-exported; that module imports this one lazily)

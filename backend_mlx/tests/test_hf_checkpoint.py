@@ -169,6 +169,22 @@ def test_save_hf_writes_back_torchs_checkpoint_and_plain_mlx_lm_refuses_it(case,
         assert np.array_equal(_logits(m, want["prompt"]), _logits(model, want["prompt"]))
 
 
+def test_a_torch_config_naming_the_model_file_makes_plain_mlx_lm_loud_and_load_hf_still_loads(tmp_path):
+    """What attnres_torch.hf could write to close the strict=False hole on its side: the
+    model_file key alone (no file beside it).  mlx-lm refuses without trust_remote_code, fails on
+    the missing file with it; load_hf does not use the key and loads torch's model."""
+    d = _copy("block", tmp_path)
+    _edit_config(d, lambda c: c.update(model_file=MODEL_FILE))
+    for strict in (True, False):
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            load_model(d, strict=strict)
+    with pytest.raises(FileNotFoundError):
+        load_model(d, strict=False, trust_remote_code=True)
+    want = _expected(DATA / "block")
+    model, _ = load_hf(d)
+    assert np.abs(_logits(model, want["prompt"]) - np.asarray(want["logits"])).max() <= _tolerance(want)
+
+
 def test_save_hf_of_a_model_converted_in_mlx(tmp_path):
     """A model converted with convert_prenorm (no load_hf) saves with the HF config given and
     loads back equal; without a config it is refused."""

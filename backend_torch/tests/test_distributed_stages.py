@@ -165,3 +165,55 @@ def test_carried_volume_is_eq7(P, V):
     assert (eq7_naive(P, V, 1) == eq8_cached(P, V, 1)) == (V == 1)
     if (P, V) == (4, 2):
         assert (eq7_naive(P, V, 1), eq8_cached(P, V, 1)) == (28, 22)  # docs/distributed.md
+
+
+class _Tanh(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(F.rms_norm(h, (h.shape[-1],))))
+
+
+VARIANTS = {
+    "block_fused": ResidualConfig(kind="block", block_size=3, fuse_out_norm=True),
+    "full_input_query_sigmoid": ResidualConfig(kind="full", query="input", activation="sigmoid"),
+    "block_heads_no_key_norm": ResidualConfig(kind="block", block_size=2, num_heads=2, key_norm=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chunks_in_one_process_equal_the_router(variant):
+    """Every supported router option through the chunks, in one process: the output and every
+    gradient equal `router(embedding, sublayers)`, bitwise."""
+    torch.manual_seed(0)
+    router = DepthRouter(VARIANTS[variant], 7, 8)
+    with torch.no_grad():
+        for p in router.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    sublayers = [_Tanh(8) for _ in range(7)]
+    emb = torch.randn(2, 3, 8, requires_grad=True)
+    cot = torch.randn(2, 3, 8)
+    (router(emb, sublayers) * cot).sum().backward()
+    want = [emb.grad.clone()] + [p.grad.clone() for s in sublayers for p in s.parameters()]
+    rows = {n: p.grad.clone() for n, p in router.named_parameters()}
+    emb.grad = None
+    for s in sublayers:
+        s.zero_grad()
+    chunks = split_stack(router, sublayers, [2, 1, 3, 1])
+    x = (emb,)
+    for c in chunks:
+        x = c(*x)
+        x = x if isinstance(x, tuple) else (x,)
+    (x[0] * cot).sum().backward()
+    got = [emb.grad] + [p.grad for s in sublayers for p in s.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for n, g in rows.items():
+        assert torch.equal(torch.cat([getattr(c, n).grad for c in chunks]), g), n
+
+
+def test_a_function_as_sublayer_is_refused():
+    lin = nn.Linear(8, 8)
+    with pytest.raises(TypeError, match=r"sublayers\[1\]: expected an nn.Module, got function.*wrap"):
+        split_stack(DepthRouter(CONFIGS["full"], 2, 8), [lin, lambda h: lin(h)], [1, 1])

@@ -32,7 +32,7 @@ chunks run the direct schedule (training and evaluation give the same function, 
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from attnres_core.schedule import ResidualStream
@@ -74,16 +74,15 @@ class StackChunk(nn.Module):
     `carried_count(config, last + 1)` of them), the last chunk `post(h)` (or h, the stack's
     output before any final norm)."""
 
-    def __init__(self, router: DepthRouter, sublayers: Sequence[Callable], first: int, last: int,
+    def __init__(self, router: DepthRouter, sublayers: Sequence[nn.Module], first: int, last: int,
                  pre: Optional[nn.Module] = None, post: Optional[nn.Module] = None):
         super().__init__()
         self.config, self.num_layers, self.first, self.last = router.config, router.num_layers, first, last
         self.is_first, self.is_last = first == 1, last == router.num_layers
         self.pre = pre if self.is_first else None
         self.post = post if self.is_last else None
-        mods = [f for f in sublayers if isinstance(f, nn.Module)]
-        self.sublayers = nn.ModuleList(mods) if len(mods) == len(sublayers) else None
-        self._calls = list(sublayers)
+        self.sublayers = nn.ModuleList(sublayers)
+        self.save = router.save
         self.row_offset = first - 1
         stop = last + 1 if self.is_last else last  # the last chunk also reads the output row L
         self.row_params = []
@@ -98,7 +97,8 @@ class StackChunk(nn.Module):
         return f"sublayers {self.first}..{self.last} of {self.num_layers}, kind={self.config.kind!r}"
 
     def _ops(self) -> TorchOps:
-        return TorchOps({n: _Rows(getattr(self, n), self.row_offset) for n in self.row_params})
+        return TorchOps({n: _Rows(getattr(self, n), self.row_offset) for n in self.row_params},
+                        save=self.save)
 
     def _stream(self, inputs) -> ResidualStream:
         cfg, L, ops = self.config, self.num_layers, self._ops()
@@ -123,7 +123,7 @@ class StackChunk(nn.Module):
 
     def forward(self, *inputs):
         stream = self._stream(inputs)
-        for f in self._calls:
+        for f in self.sublayers:
             stream.push(f(stream.input()))
         if self.is_last:
             h = stream.output()
@@ -153,19 +153,26 @@ def check_router(router: DepthRouter) -> None:
         raise ValueError(f"router: parameters {sorted(extra)} are not per-sublayer rows")
 
 
-def split_stack(router: DepthRouter, sublayers: Sequence[Callable], sizes: Sequence[int], *,
+def split_stack(router: DepthRouter, sublayers: Sequence[nn.Module], sizes: Sequence[int], *,
                 pre: Optional[nn.Module] = None, post: Optional[nn.Module] = None) -> List[StackChunk]:
     """The stack `router(pre(x), sublayers)` then `post`, cut into len(sizes) chunks of
     sizes[k] consecutive sublayers (summing to L), for `torch.distributed.pipelining`.
 
-    sublayers: the router's L callables `[..., D] -> [..., D]` (modules, so that their parameters
-      belong to their chunk; a plain function has none).
+    sublayers: the router's L sublayers, modules `[..., D] -> [..., D]` (their parameters belong to
+      their chunk; a plain function or lambda is refused, since the parameters it closes over would
+      be neither scaled by the schedule nor stepped by the stage's optimizer).
     pre: the first chunk's module before the stack (an embedding: tokens -> v_0), or None.
     post: the last chunk's module after it (the final norm and head), or None.
     Returns one `StackChunk` per chunk, chunk k for `PipelineStage(chunks[k], k, len(sizes), ...)`
     (`pipeline_stages` builds this rank's)."""
     check_router(router)
     L = router.num_layers
+    for what, m in [(f"sublayers[{i}]", f) for i, f in enumerate(sublayers)] + [("pre", pre), ("post", post)]:
+        if m is not None and not isinstance(m, nn.Module):
+            raise TypeError(f"{what}: expected an nn.Module, got {type(m).__name__}; a chunk must own "
+                            f"the parameters it uses (the schedules scale and the optimizer steps "
+                            f"`stage.submod.parameters()`), which a function or lambda hides: wrap "
+                            f"it in a module that holds them")
     if len(sublayers) != L:
         raise ValueError(f"sublayers: the router has {L} sublayers, got {len(sublayers)}")
     if (not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes)

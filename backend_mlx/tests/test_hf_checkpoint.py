@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("mlx_lm")
-from attnres_mlx.hf_checkpoint import MODEL_FILE, mlx_lm_config  # noqa: E402
+from attnres_mlx.hf_checkpoint import FORM, MODEL_FILE, mlx_lm_config  # noqa: E402
 from attnres_mlx.mlx_lm import convert_prenorm, load_hf, save_hf  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.utils import load_model  # noqa: E402
@@ -183,6 +183,42 @@ def test_a_torch_config_naming_the_model_file_makes_plain_mlx_lm_loud_and_load_h
     want = _expected(DATA / "block")
     model, _ = load_hf(d)
     assert np.abs(_logits(model, want["prompt"]) - np.asarray(want["logits"])).max() <= _tolerance(want)
+
+
+def _auto_record(c: dict) -> None:
+    """The record form of newer attnres_torch.hf (model_type "attnres", the base type and the
+    traced form in the record), from the committed fixture's older form."""
+    record = c["attnres"]
+    record.pop("layout")
+    record.update(model_type=c["model_type"], form=FORM)
+    c["model_type"] = "attnres"
+
+
+@pytest.mark.parametrize("case", ["block", "full"])
+def test_the_model_type_attnres_record_loads_and_saves_back_in_its_own_form(case, tmp_path):
+    want = _expected(DATA / case)
+    d = _copy(case, tmp_path)
+    _edit_config(d, _auto_record)
+    with pytest.raises(ValueError, match="Model type attnres not supported"):
+        load_model(d, strict=False)  # mlx-lm alone: loud, not the PreNorm model
+    model, _ = load_hf(d)
+    assert np.abs(_logits(model, want["prompt"]) - np.asarray(want["logits"])).max() <= _tolerance(want)
+    assert _greedy(model, want["prompt"], len(want["greedy"])) == want["greedy"]
+    save_hf(model, tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg.pop("model_file") == MODEL_FILE
+    assert cfg == json.loads((d / "config.json").read_text())
+    remote, _ = load_model(tmp_path / "out", trust_remote_code=True)
+    assert np.array_equal(_logits(remote, want["prompt"]), _logits(model, want["prompt"]))
+    # forms the mlx-lm conversion does not run, and a record without the base type
+    olmo2 = [[["self_attn", "post_attention_layernorm"], "self_attn", None],
+             [["mlp", "post_feedforward_layernorm"], "mlp", None]]
+    _edit_config(d, lambda c: c["attnres"].update(form=olmo2))
+    with pytest.raises(ValueError, match="converts PreNorm layers only"):
+        load_hf(d)
+    _edit_config(d, lambda c: c["attnres"].update(form=FORM, model_type=None))
+    with pytest.raises(ValueError, match="without the base model_type"):
+        load_hf(d)
 
 
 def test_save_hf_of_a_model_converted_in_mlx(tmp_path):

@@ -26,6 +26,10 @@ read), so the loader re-slices rows, it does not rename keys.
   refuses it (mlx-lm asks for `trust_remote_code=True`, with or without `strict`), and with
   `trust_remote_code=True` mlx-lm builds the AttnRes model through this module.
 
+Both record forms of `attnres_torch.hf` are read and written back as loaded: the base
+`model_type` with a `"layout"` in the record, and `"model_type": "attnres"` with the base type
+and the traced `"form"` in the record (which mlx-lm alone refuses: no such model type).
+
 Also read from config.json: transformers 5 writes the RoPE base as `rope_parameters`
 (`{"rope_theta": ..., "rope_type": ...}`), which mlx-lm 0.32's Llama does not read (it would run
 at its default base 10000); the loader passes it on as `rope_theta` / `rope_scaling`.
@@ -59,8 +63,15 @@ attnres_mlx.mlx_lm.load_hf(path) loads it without running this file.
 from attnres_mlx.hf_checkpoint import Model, ModelArgs  # noqa: F401
 '''
 
-#: The decoder layer layout that `convert_prenorm` converts (torch's record: `layout`).
+#: The decoder layer layout that `convert_prenorm` converts (torch's record: `layout`) ...
 LAYOUT = ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
+#: ... and the same as the traced `form` that newer `attnres_torch.hf` records write: two
+#: sublayers, each a (chain of child calls, sublayer module, residual multiplier) triple.
+FORM = [[["input_layernorm", "self_attn"], "self_attn", None],
+        [["post_attention_layernorm", "mlp"], "mlp", None]]
+#: The `model_type` newer `attnres_torch.hf` writes for a converted model (the base type moves
+#: into the record); mlx-lm has no such model type, so a plain `mlx_lm.load` fails loudly.
+AUTO_MODEL_TYPE = "attnres"
 #: mlx-lm model types whose parameter names are the HF checkpoint's (the model's `sanitize` only
 #: drops keys), so `save_hf` can write them back under the same names.
 SAVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -76,14 +87,23 @@ def _refuse(msg: str):
 
 def scheme(config: dict, where: str = "config") -> ResidualConfig:
     """The `ResidualConfig` of an HF config dict's "attnres" entry, checked against what the
-    mlx-lm conversion supports (a Llama-layout decoder at `model.layers`; full, block or window
-    with static queries)."""
+    mlx-lm conversion supports (a Llama-layout PreNorm decoder at `model.layers`; full, block or
+    window with static queries).  Both record forms of `attnres_torch.hf` are read: the base
+    `model_type` with `"layout"`, and `"model_type": "attnres"` with the base type and the
+    traced `"form"` in the record."""
     record = config.get(CONFIG_KEY)
     if not isinstance(record, dict) or "config" not in record:
         _refuse(f"{where}: no {CONFIG_KEY!r} entry (not saved from a model converted by "
                 "attnres_torch.hf or attnres_mlx.mlx_lm.save_hf); a PreNorm checkpoint loads with "
                 "mlx_lm.load, then attnres_mlx.mlx_lm.convert_prenorm converts it")
     rc = ResidualConfig.from_dict(record["config"])
+    if config.get("model_type") == AUTO_MODEL_TYPE and not record.get("model_type"):
+        _refuse(f"{where}: model_type {AUTO_MODEL_TYPE!r} without the base model_type in the "
+                f"{CONFIG_KEY!r} record")
+    form = record.get("form")
+    if form is not None and _form(form) != _form(FORM):
+        _refuse(f"{where}: the decoder layers' form is {form} (attnres_torch.hf's trace); the "
+                f"mlx-lm loader converts PreNorm layers only: {FORM}")
     if record.get("layers", "model.layers") != "model.layers" or \
             list(record.get("layout", LAYOUT)) != LAYOUT:
         _refuse(f"{where}: the AttnRes rows belong to decoder layers at {record.get('layers')!r} "
@@ -94,6 +114,19 @@ def scheme(config: dict, where: str = "config") -> ResidualConfig:
         _refuse(f"{where}: scheme {rc} is not one convert_prenorm runs (full/block/window with "
                 "static queries: parameters queries and norm_weights only)")
     return rc
+
+
+def _form(form) -> list:
+    return [[list(chain), fn, mult] for chain, fn, mult in form]
+
+
+def base_config(config: dict) -> dict:
+    """The config of the base model: `model_type` "attnres" replaced by the record's base type
+    (mlx-lm picks its model class by it); mlx-lm's `model_file` dropped."""
+    out = {k: v for k, v in config.items() if k != "model_file"}
+    if out.get("model_type") == AUTO_MODEL_TYPE:
+        out["model_type"] = out[CONFIG_KEY]["model_type"]
+    return out
 
 
 def mlx_lm_config(config: dict) -> dict:
@@ -191,7 +224,7 @@ def build(config: dict):
 
     config = {k: v for k, v in config.items() if k != "model_file"}
     rc = scheme(config)
-    mcfg = mlx_lm_config(config)
+    mcfg = mlx_lm_config(base_config(config))
     model_class, args_class = _get_classes(mcfg)
     model = model_class(args_class.from_dict(mcfg))
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -272,17 +305,21 @@ def load_hf(path, *, tokenizer: bool = True, lazy: bool = False):
     return model, tok
 
 
-def _record(model, layers) -> dict:
-    """The "attnres" entry for a converted model: the loaded one's where the scheme is unchanged
-    (per_layer, schedule kept, so a load + save round trip is the same directory)."""
+def _record(model, layers, config: dict) -> dict:
+    """The "attnres" entry for a converted model: the loaded one where the scheme is unchanged
+    (its form, per_layer and schedule kept, so a load + save round trip is the same directory),
+    else a new one in the form `config` has (base model_type + layout, or model_type "attnres"
+    + base type + form)."""
     shared = layers[0]._attnres_pass
-    loaded = (getattr(model, "_attnres_hf_config", None) or {}).get(CONFIG_KEY) or {}
+    loaded = config.get(CONFIG_KEY) or {}
     dtype = str(layers[0].attnres_queries.dtype).replace("mlx.core.", "")
+    if loaded and ResidualConfig.from_dict(loaded["config"]) == shared.config:
+        return dict(copy.deepcopy(loaded), dtype=dtype)
     record = {"config": shared.config.to_dict(), "per_layer": True, "schedule": None,
               "dtype": dtype, "layers": "model.layers", "layout": list(LAYOUT)}
-    if loaded and ResidualConfig.from_dict(loaded["config"]) == shared.config:
-        record.update(per_layer=bool(loaded.get("per_layer", True)),
-                      schedule=loaded.get("schedule"))
+    if config.get("model_type") == AUTO_MODEL_TYPE:
+        record.pop("layout")
+        record.update(form=copy.deepcopy(FORM), model_type=loaded["model_type"])
     return record
 
 
@@ -307,7 +344,7 @@ def save_hf(model, path, *, config: Optional[dict] = None) -> None:
     if config is None:
         _refuse("config: this model was not loaded by load_hf; pass config= (the model's HF "
                 "config dict: mlx_lm.load(path, return_config=True)[2])")
-    model_type = getattr(model, "model_type", config.get("model_type"))
+    model_type = getattr(model, "model_type", base_config(config).get("model_type"))
     if model_type not in SAVE_TYPES:
         _refuse(f"model: mlx-lm's {model_type!r} parameter names are not known to be Hugging "
                 f"Face's; save_hf writes {SAVE_TYPES}")
@@ -315,7 +352,7 @@ def save_hf(model, path, *, config: Optional[dict] = None) -> None:
     if any(k.endswith(".scales") for k in flat):
         _refuse("model: quantized (its weights are packed); save the float model")
     L = 2 * len(layers)
-    record = _record(model, layers)
+    record = _record(model, layers, config)
     queries = mx.concatenate([ly.attnres_queries for ly in layers])
     gains = mx.concatenate([ly.attnres_norm_weights for ly in layers])
     weights = {k: v for k, v in flat.items() if ".attnres_" not in k}

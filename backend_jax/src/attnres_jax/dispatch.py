@@ -52,6 +52,8 @@ import jax.numpy as jnp
 from attnres_core import dispatch as contract
 from attnres_core.dispatch import Choice
 
+from . import _mesh
+
 from ._args import MergeOptions, Options, Request, compute_dtype, restack, sum_to, unstack
 from ._math import join_columns, query_side, split_columns
 from ._xla import XLA, Xla
@@ -201,13 +203,32 @@ def select(impl: Optional[str], request: Request):
 def attend(impl: Optional[str], request: Request, opts: Options, sources, query, norm_weight,
            out_norm_weight=None, num_valid=None):
     """`depth_attention` / `depth_attention_multi` after validation: the implementation chosen
-    for `request` (`select`) runs `_attend`.  Shapes as `_attend`'s."""
-    return _attend(select(impl, request), opts, sources, query, norm_weight, out_norm_weight, num_valid)
+    for `request` (`select`) runs `_attend`.  Shapes as `_attend`'s.  Under Explicit mesh axes
+    the call runs with them made Auto (`_mesh`), forward and backward; out and out_normed are
+    then typed as the sources are, lse and the weights over the sources' token axes."""
+    chosen = select(impl, request)
+    args = (sources, query, norm_weight, out_norm_weight, num_valid)
+    mesh = _mesh.explicit_mesh(*jax.tree_util.tree_leaves(args))
+    if mesh is None:
+        return _attend(chosen, opts, *args)
+    stacked = not isinstance(sources, (list, tuple))
+    tok, channels = _mesh.token_specs(sources if stacked else sources[0], stacked)
+    out, stat = _mesh.P(None, *tok, channels), _mesh.P(None, *tok, None)
+    specs = (out, None if out_norm_weight is None else out, stat if opts.activation == "softmax" else None,
+             _mesh.P(None, None, *tok, None))
+    return _mesh.auto(lambda *a: _attend(chosen, opts, *a), args, specs, mesh)
 
 
 def merge(impl: Optional[str], request: Request, opts: MergeOptions, out1, lse1, partial, query, norm_weight):
-    """`merge_partial` after validation: the implementation chosen for `request` runs `_merge`."""
-    return _merge(select(impl, request), opts, out1, lse1, partial, query, norm_weight)
+    """`merge_partial` after validation: the implementation chosen for `request` runs `_merge`
+    (under Explicit mesh axes made Auto: out typed as partial, lse over its token axes)."""
+    chosen = select(impl, request)
+    args = (out1, lse1, partial, query, norm_weight)
+    mesh = _mesh.explicit_mesh(*jax.tree_util.tree_leaves(args))
+    if mesh is None:
+        return _merge(chosen, opts, *args)
+    tok, channels = _mesh.token_specs(partial)
+    return _mesh.auto(lambda *a: _merge(chosen, opts, *a), args, (_mesh.P(*tok, channels), _mesh.P(*tok)), mesh)
 
 
 def _varying_axes(x) -> frozenset:

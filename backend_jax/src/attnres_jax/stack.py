@@ -31,7 +31,7 @@ from attnres_core.schedule import (
 )
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _scan_full
+from . import _mesh, _scan_full
 from .ops import compute_dtype, depth_attention, depth_attention_multi, dtype_name, merge_partial
 
 Sublayer = Callable[[jax.Array], jax.Array]
@@ -260,9 +260,20 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
         (docs/benchmarks.md).  remat="offload" always uses "scan".
 
     Returns: out `[..., D]` (h_{L+1}, before any final norm) in the embedding's dtype.
+
+    Under Explicit mesh axes (`jax.make_mesh`'s default) the scan runs with them made Auto
+    (`_mesh`: XLA places the buffers and the sublayers' intermediates; the sublayers see Auto
+    axes) and out is typed as the embedding is.
     """
     if not isinstance(sublayers, (list, tuple)) or not sublayers or not all(callable(f) for f in sublayers):
         raise TypeError("sublayers: expected a non-empty list or tuple of callables (p, h) -> v")
+    values = {"params": params, "embedding": embedding, "layer_params": layer_params, "mix": mix, "scale": scale}
+    if hasattr(embedding, "shape") and _mesh.explicit_mesh(*jax.tree_util.tree_leaves(values)) is not None:
+        tok, channels = _mesh.token_specs(embedding)
+        return _mesh.auto_arrays(
+            lambda **v: scan_apply(config, v["params"], v["embedding"], sublayers, v["layer_params"], mix=v["mix"],
+                                   scale=v["scale"], remat=remat, unroll=unroll, stages=stages, backward=backward),
+            values, _mesh.P(*tok, channels))
     leaves = jax.tree_util.tree_leaves(layer_params)
     if not leaves or any(jnp.ndim(x) < 1 for x in leaves) or len({jnp.shape(x)[0] for x in leaves}) != 1:
         raise ValueError("layer_params: expected a pytree of arrays stacked over one leading axis [n, ...], "

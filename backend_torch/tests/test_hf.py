@@ -66,8 +66,12 @@ def _ids(batch: int = 2, seed: int = 3):
 
 
 def _decoder(model):
-    owner, name, layers, layout = hf.find_decoder(model)
-    return owner, layers, layout
+    """(owner, layers, (norm1, fn1, norm2, fn2)) of the PreNorm families tested here."""
+    owner, name, layers = hf.find_decoder(model)
+    form = hf._static_form(layers[0])
+    (c1, f1, m1), (c2, f2, m2) = form
+    assert len(c1) == len(c2) == 2 and c1[1] == f1 and c2[1] == f2 and m1 is None, form
+    return owner, layers, (c1[0], f1, c2[0], f2)
 
 
 def _final_norm(owner):
@@ -396,8 +400,9 @@ def test_unknown_structures_and_bad_arguments_get_clear_errors():
     t = transformers
     phi = t.PhiForCausalLM(t.PhiConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
                                        num_hidden_layers=2, num_attention_heads=4))
-    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3, gpt2"):
+    with pytest.raises(ValueError, match="attention and MLP in parallel"):
         hf.convert(phi, SCHEMES["full"])
+    assert not hf.is_converted(phi) and not any("attnres" in n for n, _ in phi.named_parameters())
     model = _model("llama")
     with pytest.raises(TypeError, match="config"):
         hf.convert(model, {"kind": "full"})

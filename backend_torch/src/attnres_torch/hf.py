@@ -1,29 +1,71 @@
-"""Hugging Face `transformers` integration: a loaded PreNorm decoder (Llama, Mistral, Qwen2,
-Qwen3, GPT-2, ...) converted in place to any `ResidualConfig` scheme.
+"""Hugging Face `transformers` integration: a loaded decoder (Llama, Mistral, Qwen2/3, GPT-2,
+Granite, OLMo2, Gemma2/3, ... see docs/hf-families.md) converted in place to any
+`ResidualConfig` scheme.
 
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
     from attnres_torch import ResidualConfig, hf
 
     model = LlamaForCausalLM(config)                       # or .from_pretrained(path)
-    hf.convert(model, ResidualConfig(kind="block", block_size=4))
-    model.save_pretrained(out)                             # config.json records the scheme
+    hf.convert(model, ResidualConfig(kind="block", block_size=4))   # checked on a probe batch
+    model.save_pretrained(out)                             # config.json: model_type "attnres"
     model = hf.from_pretrained(LlamaForCausalLM, out)      # the router comes back, bitwise
+    model = AutoModelForCausalLM.from_pretrained(out)      # the same model (needs this import)
 
 How it works.  Nothing of the model's code is copied or replaced: the decoder loop is found by
-structure (a `ModuleList` of layers, each with two norms and two sublayers, `norm -> sublayer`
-twice, as every PreNorm decoder layer has), and each decoder layer keeps its own `__call__`, so
-FSDP2's per-layer hooks, HF gradient checkpointing, forward hooks, `output_hidden_states`, the KV
-cache and `generate()` keep working.  Module hooks route the residual stream through the shared
-schedule (`attnres_core.schedule.ResidualStream`, the same one `DepthRouter` runs):
+structure (the longest `ModuleList`/`ModuleDict`/`Sequential` of one layer class whose layers
+have norms and at least two sublayer modules), and each decoder layer keeps its own `__call__`,
+so FSDP2's per-layer hooks, HF gradient checkpointing, forward hooks, `output_hidden_states`,
+the KV cache and `generate()` keep working.
+
+The layer's form is read from one probe forward of the unconverted model (`verify=True`, the
+default; 5 tokens): which child modules each layer calls, in which order, and which tensor each
+reads.  A sublayer is a chain of child calls, each reading the previous one's output, with one
+sublayer module in it: `input_layernorm -> self_attn` (PreNorm), `self_attn ->
+post_attention_layernorm` (OLMo2's branch-output norm), `input_layernorm -> self_attn ->
+post_attention_layernorm` (Gemma2/3's sandwich norms), `post_attention_layernorm -> mlp ->
+dropout` (StableLM).  Each layer must compute `x + m * chain_1(x)` and then the same for chain 2,
+bitwise, with m = 1 or the layer's `residual_multiplier` (Granite); the value pushed to the
+stream is `m * chain_j(.)`, exactly what the family adds to its residual.  Anything else
+(attention and MLP in parallel on one input, three sublayers, a layer output that is not that
+sum) is refused by `convert` with a ValueError that names the form found.  Module hooks then route
+the residual stream through the shared schedule (`attnres_core.schedule.ResidualStream`, the
+same one `DepthRouter` runs):
 
 * layer i's forward pre-hook: layer 0 starts the stream on the embedding v_0 and hands the layer
   h_1 (spec M1: attention and MLP are one sublayer each, L = 2 x layers);
-* each sublayer module's forward hook pushes its output v_l; the second norm's forward pre-hook
-  replaces that norm's input (the layer's own `residual + v`) by the depth-attended h_l;
+* the last module of each chain has a forward hook that pushes `m * output` as v_l; the first
+  module of the second chain has a forward pre-hook that replaces its input (the layer's own
+  `residual + ...`) by the depth-attended h_l;
 * layer i's forward hook replaces the layer's output by the next layer's input h_{2i+3} (the last
   layer: the stream's output h_{L+1}, which the model's final norm then takes).  So every
   decoder layer's output is a hidden state in PreNorm's sense, and `output_hidden_states` reports
   them.  The layer's own residual additions still run (two adds per layer) and are discarded.
+
+Verification (the choice made here): before returning, `convert` runs the probe batch again
+through the converted model at `mix=0` and requires the output to equal the unconverted
+model's bitwise; if it does not, the conversion is undone and a ValueError names the layer class,
+its form and the difference.  So no family converts to another function.  `verify=False` skips
+both probe forwards (for models that cannot run a forward at conversion time, e.g. on the meta
+device): the form is then read from the layer's children in registration order (two norms: pre
+norms, or branch-output norms when both are named "post..."; four norms: sandwich norms), which
+docs/hf-families.md checks against the traced form for every family listed there.
+`verify={"input_ids": ..., ...}` gives the probe's keyword arguments yourself (models that do not
+take `input_ids`).
+
+Loading.  `convert` makes `save_pretrained` write `"model_type": "attnres"` with the base type
+in the `"attnres"` record.  Importing this module registers that type with transformers'
+`AutoConfig` and, per base config, with `AutoModel`, `AutoModelForCausalLM` and the sequence /
+token classification and question answering Auto classes: `AutoModelForCausalLM.from_pretrained`
+builds the converted model (`AttnRes_<Class>`, a subclass of the family's class that converts
+itself in `__init__` with the recorded form) and loads the rows, bitwise equal to
+`hf.from_pretrained`; a missing row raises.  Without this import (vLLM, other tools) the load
+fails loudly (unknown model type "attnres") instead of returning the PreNorm model.
+
+PEFT.  The rows are read through the layers' `attnres` dicts at every pass, so PEFT's
+`modules_to_save` wrappers around them are honoured (the active adapter's copy is read, the
+original when adapters are disabled): `LoraConfig(..., modules_to_save=hf.peft_modules_to_save(
+model))` trains the rows, saves them in the adapter file and `PeftModel.from_pretrained`
+restores them.
 
 Parameter ownership (`per_layer=True`, the default where the scheme allows it): decoder layer i
 owns, as `layers[i].attnres.row<r>` (`DepthSite`s), the rows of the scheme's parameters that its
@@ -52,29 +94,41 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.abc
+import importlib.util
 import json
 import os
-from typing import Dict, List, Optional, Tuple, Union
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from attnres_core.config import ResidualConfig
 from torch import nn
 
-from .convert import PerLayerRouter, _infer_dim, make_sites, param_dtype
+from .convert import DepthSite, PerLayerRouter, make_sites, param_dtype
 from .modules import DepthRouter
 
-__all__ = ["convert", "decoder_layers", "from_pretrained", "is_converted", "residual_inputs",
-           "router", "sublayer_modules", "TESTED_FAMILIES"]
+__all__ = ["convert", "decoder_layers", "find_decoder", "from_pretrained", "is_converted",
+           "layer_form", "peft_modules_to_save", "residual_inputs", "router", "sublayer_modules",
+           "TESTED_FAMILIES", "AUTO_MODEL_TYPE"]
 
-#: `config.model_type`s whose models are converted and checked in CI (tiny configs, random
-#: weights); any decoder with the same layer structure converts too.
+#: `config.model_type`s whose models are converted and checked in depth in CI (tiny configs,
+#: random weights); docs/hf-families.md lists every family the support walk converts or refuses.
 TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
 #: The key under which `config.json` records the scheme.
 CONFIG_KEY = "attnres"
+#: The `model_type` that `save_pretrained` writes for a converted model (registered with the
+#: transformers Auto classes when this module is imported).
+AUTO_MODEL_TYPE = "attnres"
 
 _STATE_ATTR = "_attnres_state"
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+#: Layer attributes that scale a sublayer's output before the residual add (Granite).
+_MULTIPLIER_ATTRS = ("residual_multiplier",)
+#: Layer / config flags of a parallel attention + MLP block.
+_PARALLEL_FLAGS = ("use_parallel_residual", "parallel_attn", "parallel_block")
+_PROBE_TOKENS = 5
 
 
 # -- finding the decoder --------------------------------------------------------------------------
@@ -87,70 +141,294 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def layer_layout(layer: nn.Module) -> Optional[Tuple[str, str, str, str]]:
-    """(norm1, sublayer1, norm2, sublayer2) attribute names of a PreNorm decoder layer, or None.
-
-    Structure: exactly two norm children and exactly two other children with parameters, paired
-    in registration order (Llama registers self_attn, mlp, input_layernorm,
-    post_attention_layernorm; GPT-2 ln_1, attn, ln_2, mlp).  The call order norm1 -> sublayer1 ->
-    norm2 -> sublayer2 is checked at every forward."""
-    norms, fns = [], []
-    for name, child in layer.named_children():
-        if name == "attnres":
-            continue
-        if _is_norm(child):
-            norms.append(name)
-        elif _has_params(child):
-            fns.append(name)
-    if len(norms) != 2 or len(fns) != 2:
-        return None
-    return norms[0], fns[0], norms[1], fns[1]
+def _children(layer: nn.Module) -> List[Tuple[str, nn.Module]]:
+    return [(n, c) for n, c in layer.named_children() if n != "attnres"]
 
 
-def find_decoder(model: nn.Module) -> Tuple[nn.Module, str, nn.ModuleList, Tuple[str, str, str, str]]:
-    """(the module holding the layers, the ModuleList's attribute name, the layers, their layout):
-    the longest `ModuleList` of one layer class whose layers all have a PreNorm layout."""
+def _looks_like_layer(layer: nn.Module) -> bool:
+    kids = _children(layer)
+    return (any(_is_norm(c) for _, c in kids)
+            and sum(1 for _, c in kids if not _is_norm(c) and _has_params(c)) >= 2)
+
+
+def _layer_list(container: nn.Module) -> List[nn.Module]:
+    if isinstance(container, nn.ModuleDict):
+        return list(container.values())
+    return list(container)
+
+
+def find_decoder(model: nn.Module) -> Tuple[nn.Module, str, List[nn.Module]]:
+    """(the module holding the layers, the container's attribute name, the layers in order): the
+    longest `ModuleList` / `ModuleDict` (torchtitan) / `Sequential` of one layer class whose
+    layers have a norm and at least two sublayer modules.  Raises ValueError if there is none."""
     best = None
     for owner in model.modules():
         for name, child in owner.named_children():
-            if not isinstance(child, nn.ModuleList) or len(child) == 0:
+            if not isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or len(child) == 0:
                 continue
-            kinds = {type(m) for m in child}
-            if len(kinds) != 1:
+            layers = _layer_list(child)
+            if len({type(m) for m in layers}) != 1 or not all(_looks_like_layer(m) for m in layers):
                 continue
-            layouts = {layer_layout(m) for m in child}
-            if len(layouts) != 1 or None in layouts:
-                continue
-            if best is None or len(child) > len(best[2]):
-                best = (owner, name, child, layouts.pop())
+            if best is None or len(layers) > len(best[2]):
+                best = (owner, name, layers)
     if best is None:
         family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise ValueError(
-            f"model: no PreNorm decoder found in this {type(model).__name__} (model_type "
-            f"{family!r}): expected a ModuleList of decoder layers, each with two norms and two "
-            f"sublayers (norm -> attention, norm -> MLP). Tested families: "
-            f"{', '.join(TESTED_FAMILIES)}; layers with extra norms (Gemma's sandwich norms), a "
-            "parallel attention+MLP block (Phi, GPT-J) or cross-attention do not have this form")
+            f"model: no decoder layer stack found in this {type(model).__name__} (model_type "
+            f"{family!r}): expected a ModuleList, ModuleDict or Sequential of layers of one class, "
+            "each with a norm and at least two sublayer modules (attention, MLP); see "
+            "docs/hf-families.md for the families that convert")
     return best
 
 
+# -- the layer's form -------------------------------------------------------------------------------
+#
+# A form is a tuple of two sublayers; a sublayer is (chain, fn, multiplier): the child names the
+# layer calls in a chain (each reading the previous one's output), the sublayer module among
+# them, and the layer attribute that scales the chain's output before the residual add (or None).
+
+Form = Tuple[Tuple[Tuple[str, ...], str, Optional[str]], ...]
+
+
+def describe_form(form: Form) -> str:
+    """'input_layernorm -> self_attn; post_attention_layernorm -> mlp' (x residual_multiplier)."""
+    parts = []
+    for chain, _, mult in form:
+        text = " -> ".join(chain)
+        parts.append(f"{text} (x {mult})" if mult else text)
+    return "; ".join(parts)
+
+
+def _form_name(form: Form, layer: nn.Module) -> str:
+    kinds = []
+    for chain, fn, _ in form:
+        i = chain.index(fn)
+        pre = any(_is_norm(getattr(layer, c)) for c in chain[:i])
+        post = any(_is_norm(getattr(layer, c)) for c in chain[i + 1:])
+        kinds.append("sandwich norms" if pre and post else "branch-output norm" if post
+                     else "PreNorm" if pre else "no norm")
+    name = kinds[0] if len(set(kinds)) == 1 else " / ".join(kinds)
+    if any(m for _, _, m in form):
+        name += " with residual multiplier"
+    return name
+
+
+class _Refusal(ValueError):
+    pass
+
+
+def _multiplier_attr(layer: nn.Module) -> Optional[str]:
+    for attr in _MULTIPLIER_ATTRS:
+        value = getattr(layer, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return attr
+    return None
+
+
+def _static_form(layer: nn.Module) -> Form:
+    """The form read from the children in registration order (verify=False)."""
+    kids = _children(layer)
+    norms = [n for n, c in kids if _is_norm(c)]
+    fns = [n for n, c in kids if not _is_norm(c) and _has_params(c)]
+    cls = type(layer).__name__
+    config = getattr(layer, "config", None)
+    for flag in _PARALLEL_FLAGS:
+        if getattr(layer, flag, False) is True or getattr(config, flag, False) is True:
+            raise _Refusal(f"{cls}: {flag}=True (attention and MLP in parallel on one input)")
+    if len(fns) != 2:
+        raise _Refusal(f"{cls}: {len(fns)} sublayer modules ({', '.join(fns)}), expected two")
+    mult = _multiplier_attr(layer)
+    if len(norms) == 2 and all("post" in n for n in norms):
+        return ((fns[0], norms[0]), fns[0], mult), ((fns[1], norms[1]), fns[1], mult)
+    if len(norms) == 2:
+        return ((norms[0], fns[0]), fns[0], mult), ((norms[1], fns[1]), fns[1], mult)
+    if len(norms) == 4:
+        return ((norms[0], fns[0], norms[1]), fns[0], mult), ((norms[2], fns[1], norms[3]), fns[1], mult)
+    raise _Refusal(f"{cls}: {len(norms)} norms ({', '.join(norms)}) beside two sublayer modules; "
+                   "without a probe forward only 2 (pre or branch-output norms) or 4 (sandwich) "
+                   "are read")
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def _input_of(args, kwargs):
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return kwargs["hidden_states"]
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    return None
+
+
+def _same(a, b) -> bool:
+    return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                      and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max())
+
+
+class _LayerTrace:
+    """One decoder layer's calls in a probe forward: its input, output and each child call
+    (name, input, output) in order."""
+
+    def __init__(self):
+        self.input = self.output = None
+        self.calls: List[Tuple[str, Any, Any]] = []
+
+
+def _traced_form(layer: nn.Module, trace: _LayerTrace) -> Form:
+    cls = type(layer).__name__
+    calls = trace.calls
+    if trace.input is None or trace.output is None:
+        raise _Refusal(f"{cls}: the layer was not called by the probe forward")
+    names = [c[0] for c in calls]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise _Refusal(f"{cls}: child modules called more than once per layer ({', '.join(twice)}); "
+                       f"calls: {' , '.join(names)}")
+    # chains: consecutive calls, each reading the previous call's output
+    chains: List[List[Tuple[str, Any, Any]]] = []
+    for call in calls:
+        if chains and _same(call[1], chains[-1][-1][2]):
+            chains[-1].append(call)
+        else:
+            chains.append([call])
+    found = "; ".join(" -> ".join(c[0] for c in chain) for chain in chains)
+    subs = []
+    for chain in chains:
+        fns = [c[0] for c in chain if not _is_norm(getattr(layer, c[0])) and _has_params(getattr(layer, c[0]))]
+        if len(fns) > 1:
+            raise _Refusal(f"{cls}: the sublayers {', '.join(fns)} are called one on the other's "
+                           f"output without a residual add (calls: {found})")
+        if fns:
+            subs.append((chain, fns[0]))
+        elif any(_has_params(getattr(layer, c[0])) for c in chain):
+            raise _Refusal(f"{cls}: {' -> '.join(c[0] for c in chain)} is not part of a sublayer "
+                           f"(calls: {found})")
+    if len(subs) != 2:
+        raise _Refusal(f"{cls}: {len(subs)} sublayers ({', '.join(f for _, f in subs)}), expected "
+                       f"two (calls: {found})")
+    (c1, f1), (c2, f2) = subs
+    x, y = trace.input, trace.output
+    in1, v1, in2, v2 = c1[0][1], c1[-1][2], c2[0][1], c2[-1][2]
+    if not all(isinstance(t, torch.Tensor) for t in (in1, v1, in2, v2)):
+        raise _Refusal(f"{cls}: a sublayer chain does not take or return a tensor (calls: {found})")
+    if not _same(in1, x):
+        raise _Refusal(f"{cls}: the first sublayer ({f1}) does not read the layer's input "
+                       f"(calls: {found})")
+    if _same(in2, x) or any(_same(in2, c[2]) for c in c1[:-1]):
+        raise _Refusal(f"{cls}: attention and MLP in parallel ({f2} reads the layer's input or "
+                       f"{f1}'s norm output, not residual + {f1}'s output; calls: {found})")
+    mult = None
+    candidates = [None] + [a for a in _MULTIPLIER_ATTRS if _multiplier_attr(layer) == a]
+    for attr in candidates:
+        m = None if attr is None else getattr(layer, attr)
+        want2 = x + v1 if m is None else x + v1 * m
+        want_y = in2 + v2 if m is None else in2 + v2 * m
+        if _same(in2, want2) and _same(y, want_y):
+            mult = attr
+            break
+    else:
+        d2 = _maxdiff(in2, x + v1)
+        dy = _maxdiff(y, in2 + v2)
+        raise _Refusal(f"{cls}: the residual update is not x + m * sublayer(x) twice (m = 1 or a "
+                       f"residual multiplier attribute): the second sublayer's input differs from "
+                       f"x + v1 by {d2:.3g}, the layer output from that + v2 by {dy:.3g} "
+                       f"(calls: {found})")
+    return (tuple(c[0] for c in c1), f1, mult), (tuple(c[0] for c in c2), f2, mult)
+
+
+def layer_form(model: nn.Module) -> str:
+    """The form a converted model's layers were converted with, e.g. 'PreNorm:
+    input_layernorm -> self_attn; post_attention_layernorm -> mlp'."""
+    state = _state(model)
+    if state is None:
+        raise ValueError("model: not converted (call attnres_torch.hf.convert first)")
+    return f"{_form_name(state.form, state.layers[0])}: {describe_form(state.form)}"
+
+
 # -- the per-forward state and the hooks ------------------------------------------------------------
+
+def _active_module(module: nn.Module) -> nn.Module:
+    """`module`, or what a PEFT `ModulesToSaveWrapper` around it runs now: the active adapter's
+    trainable copy, or the original while adapters are disabled (PEFT's own forward rule)."""
+    copies = module._modules.get("modules_to_save")
+    if copies is None or "original_module" not in module._modules:
+        return module
+    active = list(getattr(module, "active_adapters", None) or [])
+    adapters = getattr(module, "_adapters", None)
+    if getattr(module, "disable_adapters", False) or not active or (
+            adapters is not None and any(a not in adapters for a in active)):
+        return module._modules["original_module"]
+    if len(active) != 1 or active[0] not in copies:
+        raise ValueError(f"attnres_torch.hf: a modules_to_save wrapper around an AttnRes module has "
+                         f"{len(active)} active adapters ({active}); activate one adapter")
+    return copies[active[0]]
+
+
+class _HFSiteRouter(PerLayerRouter):
+    """The per-layer router of a converted model: its sites are read through the layers'
+    `attnres` dicts at every pass (a PEFT `modules_to_save` wrapper put there is honoured)."""
+
+    def bind(self, layers: Sequence[nn.Module]) -> "_HFSiteRouter":
+        where = [None] * (self.num_layers + 1)
+        for i, layer in enumerate(layers):
+            for r in _rows_of_layer(i):
+                where[r] = (layer, f"row{r}")
+        self._where = where
+        return self
+
+    def site_list(self) -> List[DepthSite]:
+        where = self.__dict__.get("_where")
+        if where is None:  # PerLayerRouter.__init__ checks the sites before bind
+            return super().site_list()
+        out = []
+        for layer, key in where:
+            site = _active_module(layer._modules["attnres"]._modules[key])
+            if not isinstance(site, DepthSite):
+                raise TypeError(f"attnres_torch.hf: {type(layer).__name__}.attnres.{key} is a "
+                                f"{type(site).__name__}, expected a DepthSite")
+            out.append(site)
+        return out
+
 
 class _State:
     """What the hooks share: the router, the running pass's stream, a checkpoint replay's
     stream, the call-order cursor, and the M10 per-call inputs."""
 
     def __init__(self, router: DepthRouter, base: nn.Module, num_layers: int):
-        self.router, self.base, self.num_layers = router, base, num_layers
+        self._router, self.base, self.num_layers = router, base, num_layers
         self.mix: Optional[float] = None
         self.scale: Optional[float] = None
         self.stream = None
         self.replay = None
         self.cursor: Optional[Tuple[int, int]] = None  # (layer, step) of the running pass
+        self.handles: List[Any] = []
+
+    @property
+    def router(self) -> DepthRouter:
+        if isinstance(self._router, DepthRouter):
+            return self._router
+        router = _active_module(self.base._modules["attnres_router"])  # stacked: owned by the base
+        if not isinstance(router, DepthRouter):
+            raise TypeError(f"attnres_torch.hf: attnres_router is a {type(router).__name__}")
+        return router
 
     def __getstate__(self):  # torch.save / deepcopy: no pass in flight is carried
         state = dict(self.__dict__)
-        state.update(stream=None, replay=None, cursor=None)
+        state.update(stream=None, replay=None, cursor=None, handles=[])
         return state
 
     def begin(self, embedding: torch.Tensor) -> None:
@@ -161,21 +439,17 @@ class _State:
 
     def step(self, layer: int, step: int, what: str):
         """The stream a hook of (layer, step) works on; checks the call order of a live pass.
-        Steps: 0 layer entered, 1 sublayer 1 pushed, 2 norm 2 fed, 3 sublayer 2 pushed."""
+        Steps: 0 layer entered, 1 sublayer 1 pushed, 2 sublayer 2 fed, 3 sublayer 2 pushed."""
         if self.replay is not None:
             return self.replay
         if self.stream is None or self.cursor != (layer, step - 1):
             raise RuntimeError(
                 f"attnres_torch.hf: {what} of decoder layer {layer} ran out of order (expected "
-                f"norm -> sublayer -> norm -> sublayer inside each layer, layers 0..n-1 in order; "
-                f"the pass was at {self.cursor}). The layer is not a sequential PreNorm layer, or "
-                "a sublayer module was called outside its layer")
+                f"the layer's form {describe_form(self.form)} inside each layer, layers 0..n-1 in "
+                f"order; the pass was at {self.cursor}). The layer took another path than in the "
+                "probe forward of convert, or a sublayer module was called outside its layer")
         self.cursor = (layer, step)
         return self.stream
-
-
-def _first_tensor(value):
-    return value[0] if isinstance(value, (tuple, list)) else value
 
 
 class _LayerEnter:
@@ -237,29 +511,39 @@ class _LayerExit:
 
 
 class _SublayerExit:
-    """Forward hook of sublayer j (1 or 2) of decoder layer i: push its output v_l."""
+    """Forward hook of the last module of sublayer j (1 or 2) of decoder layer i: push its output
+    v_l, times the layer's residual multiplier where the family has one."""
 
-    def __init__(self, state: _State, index: int, which: int):
+    def __init__(self, state: _State, index: int, which: int, layer: nn.Module,
+                 multiplier: Optional[str]):
         self.state, self.index, self.which = state, index, which
+        self.multiplier = multiplier
+        self.layer = layer if multiplier else None
 
     def __call__(self, module, args, output):
         step = 1 if self.which == 1 else 3
         stream = self.state.step(self.index, step, f"sublayer {self.which}")
-        stream.push(_first_tensor(output))
+        v = _first_tensor(output)
+        if self.multiplier:
+            v = v * getattr(self.layer, self.multiplier)
+        stream.push(v)
 
 
-class _Norm2Enter:
-    """Forward pre-hook of decoder layer i's second norm: its input is h_l, not `residual + v`."""
+class _SublayerEnter:
+    """Forward pre-hook of the first module of decoder layer i's second sublayer: its input is
+    h_l, not the layer's own `residual + v`."""
 
     def __init__(self, state: _State, index: int):
         self.state, self.index = state, index
 
-    def __call__(self, module, args):
-        stream = self.state.step(self.index, 2, "the second norm")
-        if not args:
-            raise RuntimeError("attnres_torch.hf: the second norm was called without a positional "
-                               "input")
-        return (stream.input(),) + tuple(args[1:])
+    def __call__(self, module, args, kwargs):
+        stream = self.state.step(self.index, 2, "the second sublayer's input")
+        if args and isinstance(args[0], torch.Tensor):
+            return (stream.input(),) + tuple(args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, dict(kwargs, hidden_states=stream.input())
+        raise RuntimeError("attnres_torch.hf: the second sublayer's first module was called "
+                           "without a positional or hidden_states= input")
 
 
 class _Replay:
@@ -351,13 +635,168 @@ def sublayer_modules(model: nn.Module) -> List[nn.Module]:
     return list(state.sublayers)
 
 
+def peft_modules_to_save(model: nn.Module) -> List[str]:
+    """The full module names of a converted model's AttnRes parameters, for PEFT's
+    `LoraConfig(modules_to_save=...)`: the per-layer sites (`...layers.3.attnres.row7`), or the
+    stacked `...attnres_router`.  PEFT then trains them, saves them in the adapter file and
+    `PeftModel.from_pretrained` restores them; the conversion reads the active adapter's copy."""
+    state = _state(model)
+    if state is None:
+        raise ValueError("model: not converted (call attnres_torch.hf.convert first)")
+    wanted = {id(layer.attnres._modules[k]) for layer in state.layers if "attnres" in layer._modules
+              for k in layer.attnres._modules}
+    router_module = state.base._modules.get("attnres_router")
+    if router_module is not None:
+        wanted.add(id(router_module))
+    return [name for name, m in model.named_modules() if id(m) in wanted]
+
+
+def _probe_value(out) -> torch.Tensor:
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    value = _first_tensor(out)
+    if value is None and isinstance(out, dict):
+        value = next((v for v in out.values() if isinstance(v, torch.Tensor)), None)
+    if value is None:
+        raise ValueError(f"verify: the probe forward returned {type(out).__name__}, with no "
+                         "logits, last_hidden_state or tensor to compare")
+    return value
+
+
+def _probe_call(model: nn.Module, verify):
+    """A callable running the probe batch through `model`."""
+    if isinstance(verify, dict):
+        kwargs = dict(verify)
+        return lambda: model(**kwargs)
+    if verify is not True:
+        raise TypeError(f"verify: expected True, False or a dict of the model's keyword "
+                        f"arguments, got {verify!r}")
+    for p in model.parameters():
+        if p.is_meta:
+            raise ValueError("verify: the model's parameters are on the meta device, so convert "
+                             "cannot run its probe forward; load the weights first, or pass "
+                             "verify=False (the form is then read from the layers' children)")
+    emb = None
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        pass
+    if not isinstance(emb, nn.Embedding):
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise ValueError("verify: no nn.Embedding found to build a probe batch of token ids; pass "
+                         "verify={...} (the model's keyword arguments for a small batch) or "
+                         "verify=False")
+    ids = ((torch.arange(_PROBE_TOKENS) * 7 + 3) % emb.num_embeddings).unsqueeze(0)
+    ids = ids.to(emb.weight.device)
+    if hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
+        return lambda: model(input_ids=ids, use_cache=False)
+    return lambda: model(ids)
+
+
+@contextlib.contextmanager
+def _probe_mode(model: nn.Module):
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _trace(model: nn.Module, layers: Sequence[nn.Module], run) -> Tuple[List[_LayerTrace], torch.Tensor]:
+    traces = [_LayerTrace() for _ in layers]
+    handles = []
+
+    def on_layer_in(t):
+        def hook(mod, args, kwargs):
+            if t.input is None:
+                t.input = _input_of(args, kwargs)
+        return hook
+
+    def on_layer_out(t):
+        def hook(mod, args, out):
+            if t.output is None:
+                t.output = _first_tensor(out)
+        return hook
+
+    def on_child(t, name):
+        def pre(mod, args, kwargs):
+            t.calls.append([name, _input_of(args, kwargs), None])
+
+        def post(mod, args, out):
+            for call in reversed(t.calls):
+                if call[0] == name and call[2] is None:
+                    call[2] = _first_tensor(out)
+                    break
+        return pre, post
+
+    try:
+        for layer, t in zip(layers, traces):
+            handles.append(layer.register_forward_pre_hook(on_layer_in(t), with_kwargs=True))
+            handles.append(layer.register_forward_hook(on_layer_out(t)))
+            for name, child in _children(layer):
+                pre, post = on_child(t, name)
+                handles.append(child.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(child.register_forward_hook(post))
+        with _probe_mode(model):
+            reference = _probe_value(run())
+    finally:
+        for h in handles:
+            h.remove()
+    for t in traces:
+        t.calls = [tuple(c) for c in t.calls]
+    return traces, reference
+
+
+def _find_forms(model, layers, verify) -> Tuple[Form, Optional[Any], Optional[torch.Tensor]]:
+    """The layers' form (one for all layers), the probe call and the unconverted output."""
+    if verify is False:
+        forms = [_static_form(layer) for layer in layers]
+        run = reference = None
+    else:
+        run = _probe_call(model, verify)
+        traces, reference = _trace(model, layers, run)
+        forms = [_traced_form(layer, t) for layer, t in zip(layers, traces)]
+    for i, form in enumerate(forms):
+        if form != forms[0]:
+            raise _Refusal(f"{type(layers[i]).__name__}: layer {i} has the form {describe_form(form)}, "
+                           f"layer 0 {describe_form(forms[0])}; one form for all layers is supported")
+    return forms[0], run, reference
+
+
+def _undo(model: nn.Module, state: _State, layers, owner, saved_config) -> None:
+    for h in state.handles:
+        h.remove()
+    for layer in layers:
+        if "attnres" in layer._modules:
+            del layer._modules["attnres"]
+    owner._modules.pop("attnres_router", None)
+    model.__dict__.pop(_STATE_ATTR, None)
+    owner.__dict__.pop(_STATE_ATTR, None)
+    hf_config = getattr(model, "config", None)
+    if hf_config is not None and saved_config is not None:
+        cls, had, value = saved_config
+        if had:
+            setattr(hf_config, CONFIG_KEY, value)
+        elif CONFIG_KEY in hf_config.__dict__:
+            delattr(hf_config, CONFIG_KEY)
+        hf_config.__class__ = cls
+
+
 def convert(model: nn.Module, config: ResidualConfig, *, per_layer: Optional[bool] = None,
-            dtype: Union[None, str, torch.dtype] = None, schedule: Optional[str] = None) -> nn.Module:
-    """Convert a Hugging Face PreNorm decoder model to `config`'s residual scheme, in place.
+            dtype: Union[None, str, torch.dtype] = None, schedule: Optional[str] = None,
+            verify: Union[bool, Dict[str, Any]] = True) -> nn.Module:
+    """Convert a Hugging Face decoder model to `config`'s residual scheme, in place.
 
     Args:
-      model: a `PreTrainedModel` (`LlamaForCausalLM`, `Qwen3Model`, `GPT2LMHeadModel`, ...) or
-        any module holding such a decoder.
+      model: a `PreTrainedModel` (`LlamaForCausalLM`, `Qwen3Model`, `GPT2LMHeadModel`,
+        `Gemma2ForCausalLM`, ...) or any module holding such a decoder (a torchtitan-style
+        `ModuleDict` of layers too).
       config: the residual scheme (`ResidualConfig(kind="block", block_size=4)`, ...); not
         `fuse_out_norm` (the layers keep their own norms).
       per_layer: each decoder layer owns the rows it reads (`layers[i].attnres`); False: one
@@ -366,14 +805,29 @@ def convert(model: nn.Module, config: ResidualConfig, *, per_layer: Optional[boo
       dtype: the AttnRes parameters' dtype: a torch dtype, "model" (the layers' parameter dtype)
         or None (float32).
       schedule: "direct", "two_phase" or None (two-phase in eval mode where the scheme allows).
+      verify: True (default): read the layers' form from a probe forward of 5 tokens and, before
+        returning, check that the converted model at `mix=0` reproduces the unconverted output
+        bitwise; otherwise undo the conversion and raise ValueError (layer class, form,
+        difference).  A dict: the probe's keyword arguments (models that take no `input_ids`).
+        False: no forward at all (models on the meta device, or too large for a probe); the
+        form is read from the layers' children in registration order, unchecked; use it only
+        for families that docs/hf-families.md lists as "same" without a probe.
 
-    Returns the model (converted in place; `config.json` of `save_pretrained` records the
-    scheme under "attnres").
+    Returns the model (converted in place; `save_pretrained` writes `"model_type": "attnres"`
+    and records the scheme and the form under "attnres").
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(config, ResidualConfig):
         raise TypeError(f"config: expected a ResidualConfig, got {type(config).__name__}")
+    if not (isinstance(verify, (bool, dict))):
+        raise TypeError(f"verify: expected True, False or a dict of the model's keyword "
+                        f"arguments, got {type(verify).__name__}")
+    return _convert(model, config, per_layer=per_layer, dtype=dtype, schedule=schedule,
+                    verify=verify, form=None)
+
+
+def _convert(model, config, *, per_layer, dtype, schedule, verify, form) -> nn.Module:
     if is_converted(model):
         raise ValueError("model: already converted (attnres_torch.hf.convert was applied before)")
     if config.fuse_out_norm:
@@ -388,43 +842,104 @@ def convert(model: nn.Module, config: ResidualConfig, *, per_layer: Optional[boo
         raise ValueError(f"per_layer: the scheme shares parameters across sublayers "
                          f"(query_sharing={config.query_sharing!r}, key_rank={config.key_rank}); "
                          "use per_layer=False (one stacked router on the base model)")
-    owner, list_name, layers, layout = find_decoder(model)
-    norm1, fn1, norm2, fn2 = layout
-    dim = _infer_dim(layers[0], [(norm1, fn1)])
+    owner, list_name, layers = find_decoder(model)
+    for layer in layers:
+        if "attnres" in layer._modules or hasattr(layer, "attnres"):
+            raise ValueError(f"model: a {type(layer).__name__} already has an 'attnres' attribute")
+    run = reference = None
+    try:
+        if form is None:
+            form, run, reference = _find_forms(model, layers, verify)
+        for chain, _, mult in form:
+            for name in chain:
+                if not isinstance(getattr(layers[0], name, None), nn.Module):
+                    raise _Refusal(f"{type(layers[0]).__name__}: no child module {name!r}")
+    except _Refusal as e:
+        raise ValueError(f"model: cannot convert this {type(model).__name__}'s decoder layers: {e}. "
+                         "Supported forms: per sublayer [pre norm ->] sublayer [-> post norm], "
+                         "added to the residual (optionally times residual_multiplier), twice per "
+                         "layer; see docs/hf-families.md") from None
+    (chain1, fn1, mult), (chain2, fn2, _) = form
+    dim = _infer_dim(model, layers[0], form)
     n = len(layers)
     L = 2 * n
     dtype = param_dtype(layers, dtype)
-    for layer in layers:
-        if hasattr(layer, "attnres"):
-            raise ValueError(f"model: a {type(layer).__name__} already has an 'attnres' attribute")
+    hf_config = getattr(model, "config", None)
+    saved_config = None
+    if hf_config is not None and hasattr(hf_config, "to_dict"):
+        saved_config = (type(hf_config), CONFIG_KEY in getattr(hf_config, "__dict__", {}),
+                        getattr(hf_config, CONFIG_KEY, None))
     if per_layer:
         sites = make_sites(config, L, dim, dtype)
         for i, layer in enumerate(layers):
             layer.add_module("attnres", nn.ModuleDict(
                 {f"row{r}": sites[r] for r in _rows_of_layer(i)}))
-        rt = PerLayerRouter(config, L, dim, schedule, sites=sites)
+        rt = _HFSiteRouter(config, L, dim, schedule, sites=sites).bind(layers)
     else:
-        rt = DepthRouter(config, L, dim, schedule=schedule).to(dtype)
-        owner.add_module("attnres_router", rt)
+        rt = None
+        owner.add_module("attnres_router", DepthRouter(config, L, dim, schedule=schedule).to(dtype))
     state = _State(rt, owner, n)
     state.layers = list(layers)
+    state.form = form
     state.sublayers = [m for layer in layers for m in (getattr(layer, fn1), getattr(layer, fn2))]
-    for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(_LayerEnter(state, i), with_kwargs=True)
-        layer.register_forward_hook(_LayerExit(state, i), prepend=True)  # before FSDP2's reshard
-        getattr(layer, fn1).register_forward_hook(_SublayerExit(state, i, 1))
-        getattr(layer, norm2).register_forward_pre_hook(_Norm2Enter(state, i))
-        getattr(layer, fn2).register_forward_hook(_SublayerExit(state, i, 2))
-    object.__setattr__(model, _STATE_ATTR, state)
-    if owner is not model:
-        object.__setattr__(owner, _STATE_ATTR, state)
-    hf_config = getattr(model, "config", None)
-    if hf_config is not None:
-        setattr(hf_config, CONFIG_KEY, {
-            "config": config.to_dict(), "per_layer": bool(per_layer), "schedule": schedule,
-            "dtype": str(dtype).replace("torch.", ""), "layers": f"{_path(model, owner)}{list_name}",
-            "layout": list(layout)})
+    try:
+        for i, layer in enumerate(layers):
+            hs = state.handles
+            hs.append(layer.register_forward_pre_hook(_LayerEnter(state, i), with_kwargs=True))
+            hs.append(layer.register_forward_hook(_LayerExit(state, i), prepend=True))  # before FSDP2's reshard
+            hs.append(getattr(layer, chain1[-1]).register_forward_hook(
+                _SublayerExit(state, i, 1, layer, mult)))
+            hs.append(getattr(layer, chain2[0]).register_forward_pre_hook(
+                _SublayerEnter(state, i), with_kwargs=True))
+            hs.append(getattr(layer, chain2[-1]).register_forward_hook(
+                _SublayerExit(state, i, 2, layer, mult)))
+        object.__setattr__(model, _STATE_ATTR, state)
+        if owner is not model:
+            object.__setattr__(owner, _STATE_ATTR, state)
+        if saved_config is not None:
+            record = {"config": config.to_dict(), "per_layer": bool(per_layer), "schedule": schedule,
+                      "dtype": str(dtype).replace("torch.", ""),
+                      "layers": f"{_path(model, owner)}{list_name}",
+                      "form": [[list(c), f, m] for c, f, m in form]}
+            base_type = getattr(type(hf_config), "model_type", None)
+            if base_type:
+                record["base_model_type"] = getattr(type(hf_config), "_attnres_base_type", base_type)
+            setattr(hf_config, CONFIG_KEY, record)
+            if _is_transformers_config(hf_config) and base_type:
+                hf_config.__class__ = _config_class(type(hf_config))
+        if run is not None:
+            with _probe_mode(model), residual_inputs(model, mix=0.0):
+                got = _probe_value(run())
+            if not torch.equal(got, reference):
+                raise _Refusal(f"{type(layers[0]).__name__} ({_form_name(form, layers[0])}: "
+                               f"{describe_form(form)}): at mix=0 the converted model's output "
+                               f"differs from the unconverted model's by "
+                               f"{_maxdiff(got, reference):.3g} (max abs) on the probe batch")
+    except BaseException as e:
+        _undo(model, state, layers, owner, saved_config)
+        if isinstance(e, _Refusal):
+            raise ValueError(f"model: the conversion is not exact and was undone: {e}. Report the "
+                             "family; see docs/hf-families.md") from None
+        raise
     return model
+
+
+def _infer_dim(model: nn.Module, layer: nn.Module, form: Form) -> int:
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    for chain, _, _ in form:
+        for name in chain:
+            norm = getattr(layer, name)
+            if not _is_norm(norm):
+                continue
+            shape = getattr(norm, "normalized_shape", None)
+            if shape:
+                return int(shape[-1])
+            weight = getattr(norm, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+                return int(weight.shape[0])
+    if isinstance(hidden, int):
+        return hidden
+    raise ValueError("model: cannot infer the hidden size D from the layers' norms or config")
 
 
 def _path(model: nn.Module, owner: nn.Module) -> str:
@@ -456,54 +971,208 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "float64": torch.float64}
 
 
-def _checkpoint_tensors(path: str, keys_like: str) -> Dict[str, torch.Tensor]:
-    """The tensors of a local `save_pretrained` directory whose names contain `keys_like`."""
+def _checkpoint_keys(path: str) -> List[str]:
+    """The tensor names of a local `save_pretrained` directory."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
-    out: Dict[str, torch.Tensor] = {}
-    if os.path.isfile(index) or os.path.isfile(single):
+    if os.path.isfile(index):
+        with open(index) as f:
+            return list(json.load(f)["weight_map"])
+    if os.path.isfile(single):
         from safetensors import safe_open
 
-        if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = ["model.safetensors"]
-        for name in files:
-            with safe_open(os.path.join(path, name), framework="pt") as f:
-                for key in f.keys():
-                    if keys_like in key:
-                        out[key] = f.get_tensor(key)
-        return out
+        with safe_open(single, framework="pt") as f:
+            return list(f.keys())
     binary = os.path.join(path, "pytorch_model.bin")
     if os.path.isfile(binary):
-        sd = torch.load(binary, map_location="cpu", weights_only=True)
-        return {k: v for k, v in sd.items() if keys_like in k}
+        return list(torch.load(binary, map_location="cpu", weights_only=True))
     raise ValueError(f"path: {path!r} holds no model.safetensors(.index.json) or pytorch_model.bin")
 
 
-@contextlib.contextmanager
-def _quiet_unexpected(cls, pattern: str):
-    """HF warns about checkpoint keys its class has no place for; ours are loaded right after."""
-    saved = cls.__dict__.get("_keys_to_ignore_on_load_unexpected", None)
-    inherited = getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []
-    cls._keys_to_ignore_on_load_unexpected = list(inherited) + [pattern]
-    try:
-        yield
-    finally:
-        if saved is None:
-            del cls._keys_to_ignore_on_load_unexpected
-        else:
-            cls._keys_to_ignore_on_load_unexpected = saved
+def _is_transformers_config(config) -> bool:
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedConfig"
+               for c in type(config).__mro__)
+
+
+_DYNAMIC: Dict[Tuple[str, type], type] = {}
+_PREFIX = "AttnRes_"
+
+
+def _config_class(base: type) -> type:
+    """`AttnRes_<Config>`: the family's config class whose `to_dict` writes
+    `model_type: "attnres"` while the record is set (behaviour otherwise unchanged)."""
+    if getattr(base, "_attnres_base_type", None) is not None:
+        return base
+    key = ("config", base)
+    if key not in _DYNAMIC:
+        def to_dict(self):
+            out = base.to_dict(self)
+            if isinstance(out.get(CONFIG_KEY), dict):
+                out["model_type"] = AUTO_MODEL_TYPE
+            return out
+
+        _DYNAMIC[key] = type(f"{_PREFIX}{base.__name__}", (base,), {
+            "to_dict": to_dict, "__module__": __name__, "_attnres_base_type": base.model_type,
+            "__doc__": f"{base.__name__} of a model converted by attnres_torch.hf."})
+    return _DYNAMIC[key]
+
+
+def _model_class(base: type) -> type:
+    """`AttnRes_<Model>`: the family's model class converting itself in `__init__` with the
+    record of its config (the scheme and the form), so the checkpoint's rows load as its own
+    parameters."""
+    if getattr(base, "_attnres_converted_class", False):
+        return base
+    key = ("model", base)
+    if key not in _DYNAMIC:
+        def __init__(self, config, *args, **kwargs):
+            base.__init__(self, config, *args, **kwargs)
+            record = getattr(config, CONFIG_KEY, None)
+            if record is None:
+                raise ValueError(f"config: {type(self).__name__} needs a config with an "
+                                 f"{CONFIG_KEY!r} record (saved from a converted model)")
+            _convert_from_record(self, record)
+
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            wants_info = kwargs.get("output_loading_info", False)
+            kwargs["output_loading_info"] = True
+            model, info = base.from_pretrained.__func__(cls, *args, **kwargs)
+            missing = sorted(k for k in info.get("missing_keys", ()) if "attnres" in k)
+            if missing:
+                raise ValueError(f"the checkpoint lacks {len(missing)} AttnRes tensors, e.g. "
+                                 f"{missing[:3]} (its config records a converted model, its weights "
+                                 "are a PreNorm model's)")
+            return (model, info) if wants_info else model
+
+        _DYNAMIC[key] = type(f"{_PREFIX}{base.__name__}", (base,), {
+            "__init__": __init__, "from_pretrained": from_pretrained, "__module__": __name__,
+            "config_class": _config_class(base.config_class), "_attnres_converted_class": True,
+            "__doc__": f"{base.__name__} converted by attnres_torch.hf (built by the Auto classes "
+                       "or hf.from_pretrained from a converted checkpoint)."})
+    return _DYNAMIC[key]
+
+
+def __getattr__(name: str):
+    """Pickling: `AttnRes_<Class>` resolves to the dynamic subclass of transformers' <Class>."""
+    if name.startswith(_PREFIX):
+        import transformers
+
+        base = getattr(transformers, name[len(_PREFIX):], None)
+        if isinstance(base, type):
+            from transformers import PreTrainedConfig
+
+            return _config_class(base) if issubclass(base, PreTrainedConfig) else _model_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _convert_from_record(model: nn.Module, record: Dict[str, Any]) -> nn.Module:
+    form = record.get("form")
+    if form is None:
+        raise ValueError(f"config: the {CONFIG_KEY!r} record has no 'form' (saved by an older "
+                         "attnres_torch); load with hf.from_pretrained")
+    form = tuple((tuple(c), f, m) for c, f, m in form)
+    return _convert(model, ResidualConfig.from_dict(record["config"]), per_layer=record["per_layer"],
+                    dtype=_DTYPES[record["dtype"]], schedule=record.get("schedule"),
+                    verify=False, form=form)
+
+
+#: The Auto classes a converted checkpoint loads with (the base config's entry of each).
+_AUTO_MAPPINGS = ("MODEL_MAPPING", "MODEL_FOR_CAUSAL_LM_MAPPING",
+                  "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING",
+                  "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING", "MODEL_FOR_QUESTION_ANSWERING_MAPPING")
+
+
+def _register_models(config_class: type) -> None:
+    from transformers.models.auto import modeling_auto
+
+    base = config_class.__mro__[1]
+    for name in _AUTO_MAPPINGS:
+        mapping = getattr(modeling_auto, name)
+        if config_class in mapping._extra_content or base not in mapping:
+            continue
+        value = mapping[base]
+        value = tuple(_model_class(v) for v in value) if isinstance(value, (tuple, list)) \
+            else _model_class(value)
+        mapping.register(config_class, value, exist_ok=True)
+
+
+def _auto_config_class() -> type:
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    class AttnResConfig(PreTrainedConfig):
+        """The `model_type: "attnres"` entry: builds the base family's config (the record's
+        "model_type") as `AttnRes_<Config>` and registers its Auto model classes."""
+
+        model_type = AUTO_MODEL_TYPE
+
+        @classmethod
+        def from_dict(cls, config_dict, **kwargs):
+            record = config_dict.get(CONFIG_KEY)
+            base_type = record.get("base_model_type") if isinstance(record, dict) else None
+            if base_type is None or base_type == AUTO_MODEL_TYPE:
+                raise ValueError(f"config: model_type {AUTO_MODEL_TYPE!r} without the base "
+                                 f"model_type in its {CONFIG_KEY!r} record")
+            dynamic = _config_class(CONFIG_MAPPING[base_type])
+            _register_models(dynamic)
+            return dynamic.from_dict(dict(config_dict, model_type=base_type), **kwargs)
+
+    AttnResConfig.__module__ = __name__
+    return AttnResConfig
+
+
+_AUTO_REGISTERED = False
+
+
+def _register_auto() -> None:
+    """Register model_type "attnres" with `AutoConfig` (once)."""
+    global _AUTO_REGISTERED
+    if _AUTO_REGISTERED:
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    CONFIG_MAPPING.register(AUTO_MODEL_TYPE, _auto_config_class(), exist_ok=True)
+    _AUTO_REGISTERED = True
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers model_type "attnres" as soon as transformers' AutoConfig module is imported, so
+    `import attnres_torch.hf` neither imports transformers nor depends on the import order."""
+
+    TARGET = "transformers.models.auto.configuration_auto"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.TARGET:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        inner = spec.loader.exec_module
+
+        def exec_module(module):
+            inner(module)
+            _register_auto()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _RegisterOnImport.TARGET in sys.modules:
+    _register_auto()
+elif importlib.util.find_spec("transformers") is not None:
+    sys.meta_path.insert(0, _RegisterOnImport())
 
 
 def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     """`model_class.from_pretrained(path, **kwargs)` for a directory that `save_pretrained` wrote
-    from a converted model: the base weights load as usual, then the model is converted with the
-    scheme recorded in config.json and its AttnRes rows are loaded (every one must be there).
-
-    A plain `model_class.from_pretrained(path)` builds the PreNorm model and drops the rows (HF
-    reports them as unexpected keys)."""
+    from a converted model: the model is built converted (the scheme and the form recorded in
+    config.json) and loads its AttnRes rows with the base weights (every one must be there).
+    Equal, bitwise, to `AutoModelForCausalLM.from_pretrained(path)` (and the other registered
+    Auto classes).  The class-specific `LlamaForCausalLM.from_pretrained(path)` itself builds the
+    PreNorm model (transformers warns about the model type and the unexpected keys)."""
     if not os.path.isdir(path):
         raise ValueError(f"path: expected a local directory written by save_pretrained, got {path!r}")
     with open(os.path.join(path, "config.json")) as f:
@@ -511,14 +1180,35 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     if record is None:
         raise ValueError(f"path: {path}/config.json has no {CONFIG_KEY!r} entry (not saved from a "
                          "converted model); load it and call attnres_torch.hf.convert")
-    with _quiet_unexpected(model_class, r"attnres"):
-        model = model_class.from_pretrained(path, **kwargs)
+    from transformers import AutoConfig
+
+    _register_auto()
+    config = kwargs.pop("config", None)
+    if config is None:
+        config, kwargs = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+    if getattr(type(config), "_attnres_base_type", None) is None:  # saved before model_type "attnres"
+        config.__class__ = _config_class(type(config))
+    if "form" not in getattr(config, CONFIG_KEY):
+        return _from_pretrained_legacy(model_class, path, config, **kwargs)
+    return _model_class(model_class).from_pretrained(path, config=config, **kwargs)
+
+
+def _from_pretrained_legacy(model_class, path, config, **kwargs):
+    """A checkpoint saved before the form was recorded (PreNorm layouts only): load the base,
+    convert with a probe check, then load the rows."""
+    record = getattr(config, CONFIG_KEY)
+    from safetensors.torch import load_file
+
+    model = model_class.from_pretrained(path, config=config, **kwargs)
+    delattr(model.config, CONFIG_KEY)
+    model.config.__class__ = type(model.config).__mro__[1]
     convert(model, ResidualConfig.from_dict(record["config"]), per_layer=record["per_layer"],
             dtype=_DTYPES[record["dtype"]], schedule=record.get("schedule"))
     wanted = {k for k in model.state_dict() if "attnres" in k}
-    found = _checkpoint_tensors(path, "attnres")
-    missing = sorted(wanted - set(found))
+    found = set(_checkpoint_keys(path))
+    missing = sorted(wanted - found)
     if missing:
         raise ValueError(f"path: the checkpoint lacks {len(missing)} AttnRes tensors, e.g. {missing[:3]}")
-    model.load_state_dict({k: found[k] for k in wanted}, strict=False)
-    return model
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    model.load_state_dict({k: sd[k] for k in wanted}, strict=False)
+    return model.eval()

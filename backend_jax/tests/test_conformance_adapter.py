@@ -1,12 +1,12 @@
-"""The suite's JAX adapter (`attnres_conformance.adapters.jax`) honours the `Backend` protocol."""
+"""The suite's JAX adapter (`attnres_conformance.ports.attnres_jax`) honours the `Backend` protocol."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
-from attnres_conformance.adapters.jax import backend
 from attnres_conformance.backend import OPS, OPTIONS, Backend, OpCall, ProbeCall
+from attnres_conformance.ports.attnres_jax import backend
 from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_numpy import model as ref_model
 from attnres_numpy import ops as ref
@@ -100,9 +100,9 @@ def test_call_probe(rng, schedule):
 def test_compiled_once_per_structure_and_counted(rng):
     """Equal call structures reuse one compiled function (the suite's speed); other shapes or
     attrs compile anew; every op call is counted under the implementation that ran (xla here)."""
-    from attnres_conformance.adapters.jax import JaxAdapter
+    from attnres_conformance.ports.attnres_jax import AttnresJax
 
-    adapter = JaxAdapter()
+    adapter = AttnresJax()
 
     def call(d, scale=1.0, cot=True):
         xs = [rng.standard_normal((3, d)) for _ in range(2)]
@@ -133,17 +133,3 @@ def test_compile_options(monkeypatch):
     monkeypatch.setenv("ATTNRES_CONFORMANCE_JAX_COMPILE", "O0")
     with pytest.raises(ValueError, match="ATTNRES_CONFORMANCE_JAX_COMPILE"):
         adapter_mod.JaxAdapter()
-
-
-def test_old_conformance_module_is_a_deprecated_alias_of_the_suite_adapter():
-    """`attnres_jax.conformance` (the adapter before it moved into the suite) still imports,
-    with a DeprecationWarning, and gives the suite's adapter under its old names."""
-    import importlib
-    import sys
-
-    from attnres_conformance.adapters.jax import backend as adapter
-
-    sys.modules.pop("attnres_jax.conformance", None)
-    with pytest.warns(DeprecationWarning, match="attnres_conformance.adapters.jax"):
-        old = importlib.import_module("attnres_jax.conformance")
-    assert old.backend is adapter and isinstance(old.backend, old.JaxBackend)

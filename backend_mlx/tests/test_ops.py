@@ -311,17 +311,3 @@ def test_implementation_choice_and_scoped_override():
                                         "got tile"):
         with dispatch.use_impl("compiled", tile=4):
             pass
-
-
-def test_old_conformance_module_is_a_deprecated_alias_of_the_suite_adapter():
-    """`attnres_mlx.conformance` (the adapter before it moved into the suite) still imports,
-    with a DeprecationWarning, and gives the suite's adapter under its old names."""
-    import importlib
-    import sys
-
-    from attnres_conformance.adapters.mlx import backend as adapter
-
-    sys.modules.pop("attnres_mlx.conformance", None)
-    with pytest.warns(DeprecationWarning, match="attnres_conformance.adapters.mlx"):
-        old = importlib.import_module("attnres_mlx.conformance")
-    assert old.backend is adapter and isinstance(old.backend, old.MLXBackend)

@@ -1,4 +1,4 @@
-"""The suite's torch adapter (`attnres_conformance.adapters.torch`): capabilities, strided views,
+"""The suite's torch adapter (`attnres_conformance.ports.attnres_torch`): capabilities, strided views,
 inputs read back, gradients by name, native dtypes, aliases, which implementation ran."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from attnres_conformance.adapters.torch import backend
 from attnres_conformance.backend import Backend, OpCall
+from attnres_conformance.ports.attnres_torch import backend
 from attnres_core.config import VARIANT_KINDS
 from attnres_numpy import ops as ref
 from attnres_torch import dispatch
@@ -31,9 +31,9 @@ def test_fused_kernel_declared_where_one_serves():
 def test_fused_kernel_true_exactly_when_it_serves_the_calls():
     """A float32 forward on the CPU runs on `cpu_c` exactly when `fused_kernel` says so, and
     `implementations_used` counts it (calls since the adapter was created)."""
-    from attnres_conformance.adapters.torch import TorchAdapter
+    from attnres_conformance.ports.attnres_torch import AttnresTorch
 
-    adapter = TorchAdapter()
+    adapter = AttnresTorch()
     assert adapter.implementations_used() == {}
     fused = adapter.capabilities().fused_kernel
     adapter.call_op(OpCall("depth_attention", {"sources": [np.ones((3, 8))] * 2, "query": np.ones(8),
@@ -85,15 +85,3 @@ def test_native_dtypes_and_aliases(monkeypatch):
     monkeypatch.setattr(backend, "ops", SimpleNamespace(depth_attention=lambda s, q, g, **kw: s[0][:1]))
     res = backend.call_op(OpCall("depth_attention", {"sources": xs, "query": np.ones(4), "norm_weight": None}))
     assert res.aliases == ("out",)
-
-
-def test_old_module_is_a_deprecated_alias_of_the_suite_adapter():
-    """`attnres_torch.conformance` (the adapter before it moved into the suite) still imports,
-    with a DeprecationWarning, and gives the suite's adapter under its old names."""
-    import importlib
-    import sys
-
-    sys.modules.pop("attnres_torch.conformance", None)
-    with pytest.warns(DeprecationWarning, match="attnres_conformance.adapters.torch"):
-        old = importlib.import_module("attnres_torch.conformance")
-    assert old.backend is backend and isinstance(old.backend, old.TorchBackend)

@@ -130,8 +130,8 @@ def test_summary_paths_and_merge(tmp_path):
     assert good.returncode == 0, good.stderr
     summary = good.stdout[good.stdout.index("attnres conformance summary (1 backend, "):]
     lines = summary.splitlines()
-    assert lines[1].split()[:6] == ["backend", "cases", "pass", "fail", "skip", "xfail"]
-    assert lines[2].split()[:6] == ["numpy", "1", "1", "0", "0", "0"] and " s " in lines[2]
+    assert lines[1].split()[:8] == ["backend", "verdict", "cases", "pass", "fail", "skip", "xfail", "gap"]
+    assert lines[2].split()[:8] == ["numpy", "PASS", "1", "1", "0", "0", "0", "0"] and " s " in lines[2]
     assert lines[3:] == [f"report written: {tmp_path / 'a.json'}", f"report written: {tmp_path / 'a.md'}"]
     again = cli("--backend", "numpy", "--case", case, "--json", str(tmp_path / "a.json"))
     assert f"report written: {tmp_path / 'a.json'} (replaced the earlier file)" in again.stdout
@@ -142,7 +142,8 @@ def test_summary_paths_and_merge(tmp_path):
     assert merged.returncode == 1, merged.stderr
     assert "attnres conformance summary (2 backends" in merged.stdout
     md = (tmp_path / "all.md").read_text()
-    assert "| numpy | 1 | 1 | 0 | 0 | 0 |" in md and "| adapters:broken_norm_weight_grad | 1 | 0 | 1 | 0 | 0 |" in md
+    assert "| numpy | PASS | 1 | 1 | 0 | 0 | 0 | 0 |" in md
+    assert "| adapters:broken_norm_weight_grad | FAIL | 1 | 0 | 1 | 0 | 0 | 0 |" in md
     assert [r["spec"] for r in json.loads((tmp_path / "all.json").read_text())["reports"]] == [
         "numpy", "adapters:broken_norm_weight_grad"]
     broken = tmp_path / "broken.json"

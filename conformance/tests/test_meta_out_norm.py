@@ -46,10 +46,10 @@ def test_honest_ports_pass():
 
 def test_out_normed_per_head():
     """The out-norm rows (each dtype has heads cases) and the float32 golden vector with heads
-    fail (the gradient cell compares the call's outputs too); the H = 1 golden vectors of the
-    other dtypes, the errors and determinism pass."""
+    fail in the forward column (a gradient cell judges gradients only, and this port's VJP is
+    right); the H = 1 golden vectors of the other dtypes, the errors and determinism pass."""
     report = run(adapters.rounding_out_norm_per_head, DTYPES)
-    cols = ("forward", "gradient")
+    cols = ("forward",)
     expected = {(ROW, d, c) for d in DTYPES for c in cols} | {(GOLDEN, "float32", c) for c in cols}
     assert failing(report) == expected
     assert "out_normed" in report.cell(ROW, "float32", "forward").message

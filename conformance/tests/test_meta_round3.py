@@ -145,7 +145,7 @@ def test_out_norm_from_the_rounded_out_c17():
     report = run_conformance(adapters.out_norm_from_rounded_out, select=[f"{DA}/out_norm/"])
     assert failed_ids(report) == {f"{DA}/out_norm/N5-T3-D16-x1e-06/float16",
                                   f"{DA}/out_norm/N4-T2x3-D16-tokq-x1e-06/float16"}
-    assert failing(report) == {(f"{DA}/out_norm", "float16", "forward"), (f"{DA}/out_norm", "float16", "gradient")}
+    assert failing(report) == {(f"{DA}/out_norm", "float16", "forward")}  # its VJP is the reference's
 
 
 def test_low_rank_keys_two_phase_without_gains_m13():

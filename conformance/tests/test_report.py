@@ -81,7 +81,7 @@ def test_counts_add_up_to_what_is_listed_per_device():
         cases = next(line for line in lines[start:] if line.startswith("cases: "))
         assert cases.startswith(f"cases: {len(listed)} listed: ")
         assert _numbers(cases) == dict(Counter(r.status for r in listed), **{
-            s: 0 for s in ("pass", "fail", "skip", "xfail", "xpass") if s not in {r.status for r in listed}})
+            s: 0 for s in ("pass", "fail", "skip", "xfail", "xpass", "gap") if s not in {r.status for r in listed}})
         checks = next(line for line in lines[start:] if line.startswith("checks "))
         assert f": {sum(len(r.cells) for r in listed)}: " in checks
         matrix = next(line for line in lines[start:] if line.startswith("matrix cells: "))
@@ -155,8 +155,9 @@ def test_legend_and_document():
     assert md.startswith("# attnres conformance report\n")
     for needle in ("## Legend", "rel_err(a, r) = max_i", "| float32 | 2e-05 | 0.0001 |", "`pass*`", "`(empty)`",
                    "`xfail`", "`skip`", "wall time: 1.5 s in all", "date: ", "commit: ",
-                   "| backend | cases | pass | fail | skip | xfail | wall time | implementation that ran |",
-                   "| numpy | 1 | 1 | 0 | 0 | 0 |", "| adapters:broken_norm_weight_grad | 1 | 0 | 1 | 0 | 0 |"):
+                   "| backend | verdict | cases | pass | fail | skip | xfail | gap | wall time | implementation that ran |",
+                   "| numpy | PASS | 1 | 1 | 0 | 0 | 0 | 0 |",
+                   "| adapters:broken_norm_weight_grad | FAIL | 1 | 0 | 1 | 0 | 0 | 0 |"):
         assert needle in md, needle
     data = legend.document_dict(reports, wall_time=1.5)
     assert data["schema_version"] == 1 and data["wall_time_s"] == 1.5 and data["spec_version"] == "0.1"

@@ -27,7 +27,8 @@ def test_parse_skips():
 def test_skip_xfail_and_unmatched(tmp_path):
     path = tmp_path / "port-skips.txt"
     path.write_text("probe/  # not ported\nxfail depth_attention/shapes/N33  # dropped sources\n"
-                    "no/such/case\nxfail depth_attention_multi/shapes/N33\nxfail golden/depth_attention/depth_attention_N33\n")
+                    "no/such/case\nxfail depth_attention_multi/shapes/N33\nxfail golden/depth_attention/depth_attention_N33\n"
+                    "xfail depth_attention/sources_past_32/N  # drops past 32: N33 and N130\n")
     report = run_conformance(adapters.broken_drop_past_32, quick=True, dtypes=("float64",), skips=path)
     assert not report.failed
     probe = next(r for r in report.results if r.row == "probe/full")
@@ -55,8 +56,8 @@ def test_report_json_schema():
     assert data["backend"] == "broken_norm_weight_grad"
     assert data["versions"]["attnres_numpy"] == "0.1.0"
     assert data["devices"] == ["cpu"] and "float64" in data["capabilities"]["dtypes"]
-    assert data["summary"] == {"pass": 2, "fail": 1, "skip": 2, "xfail": 0, "xpass": 0}
-    keys = {"id", "row", "kind", "dtype", "device", "forward", "gradient", "reproducer"}
+    assert data["summary"] == {"pass": 2, "fail": 1, "skip": 2, "xfail": 0, "xpass": 0, "gap": 0}
+    keys = {"id", "row", "kind", "dtype", "device", "forward", "gradient", "reproducer", "adapted", "category", "rule"}
     assert all(set(r) == keys for r in data["results"])
     failed, error, skipped = data["results"]
     assert failed["gradient"]["status"] == "fail" and failed["gradient"]["max_rel_err"] > 0.1

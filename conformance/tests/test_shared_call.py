@@ -75,7 +75,7 @@ def test_wrong_outputs_fail_the_forward_cell_of_a_shared_call():
     result = run_case(backend, cases.get_case(CASE))
     assert backend.calls == [True]
     assert result.forward.status == "fail" and "out" in result.forward.message
-    assert result.gradient.status == "fail"  # the gradient cell compares the outputs too
+    assert result.gradient.status == "pass"  # a gradient cell judges the gradients only (they are right)
 
 
 def test_a_raising_backward_leaves_the_forward_judged_on_its_own():

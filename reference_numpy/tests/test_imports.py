@@ -9,7 +9,8 @@ import sys
 FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "mlx", "triton", "tensorflow")
 #: The suite's per-framework adapters import their framework by design; the registry imports one
 #: only when that backend is chosen (checked below: every other module loads without a framework).
-FRAMEWORK_ADAPTERS = tuple(f"attnres_conformance.adapters.{name}" for name in ("torch", "jax", "mlx"))
+FRAMEWORK_ADAPTERS = (tuple(f"attnres_conformance.adapters.{name}" for name in ("torch", "jax", "mlx"))
+                      + tuple(f"attnres_conformance.ports.attnres_{name}" for name in ("torch", "jax", "mlx")))
 
 SCRIPT = """
 import importlib, json, pkgutil, sys

@@ -6,7 +6,7 @@ ops run on Pallas kernels or XLA, chosen per call by the registry `attnres_jax.d
 public backend contract: `IMPLEMENTATIONS`, `availability`, `use_impl`, `last_choice`,
 `impl_counts`, `capabilities`) or forced by their `impl=` keyword.  Flax NNX modules live in
 `attnres_jax.modules` (import it explicitly: Flax is an optional dependency).  The conformance
-adapter lives in the suite: `attnres_conformance.adapters.jax`.
+adapter lives in the suite: `attnres_conformance.ports.attnres_jax`.
 """
 
 from attnres_core.config import ResidualConfig

@@ -18,7 +18,7 @@ selected by name (see `registry.py`) or as `module:object`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Dict, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import numpy as np
 
@@ -61,6 +61,41 @@ class Capabilities:
     deterministic: bool = True
     max_sources: Optional[int] = None
     max_dim: Optional[int] = None
+    # -- design choices a port may declare (each skips or adapts exactly the cases it affects) --
+    #: False: the port takes no key-norm gain (`norm_weight`); cases run with `norm_weight=None`
+    #: (serve a gain through the query instead: the exact fold u = q * g * scale, spec 2.1).
+    gain: bool = True
+    #: A fixed logit scale (e.g. 1.0 for a port without `scale`): cases run at this scale, the
+    #: rows whose point is another scale are skipped.  None: any scale.
+    scale: Optional[float] = None
+    #: A fixed key-norm eps, as `scale`.  None: any eps.
+    eps: Optional[float] = None
+    #: False: forward only (no VJP); every gradient column is skipped with that reason.
+    backward: bool = True
+    #: D rules besides `max_dim`: D a power of two, D a multiple of this.
+    dim_power_of_two: bool = False
+    dim_multiple: Optional[int] = None
+    #: False: `merge_partial` returns no lse (the merge cases run without `return_lse`).
+    merge_lse: bool = True
+    #: What `depth_attention` with `out_norm_weight` returns: ("out", "out_normed") as the spec,
+    #: or ("out_normed",) for a fused norm that returns only the normed output.
+    out_norm_outputs: Tuple[str, ...] = ("out", "out_normed")
+    #: False: the port does not validate its arguments; a spec error it does not raise is
+    #: reported as a validation gap (status "gap", not a failure) instead of a failure.
+    validates_inputs: bool = True
+
+    def dim_reason(self, dim: int) -> Optional[str]:
+        """Why D = `dim` is outside the declared D rules, or None."""
+        if self.max_dim is not None and dim > self.max_dim:
+            return f"D = {dim} beyond declared max_dim = {self.max_dim}"
+        if self.dim_power_of_two and (dim < 1 or dim & (dim - 1)):
+            return f"D = {dim} is not a power of two (declared dim_power_of_two)"
+        if self.dim_multiple and dim % self.dim_multiple:
+            return f"D = {dim} is not a multiple of {self.dim_multiple} (declared dim_multiple)"
+        return None
+
+    def accepts_dim(self, dim: int) -> bool:
+        return self.dim_reason(dim) is None
 
 
 @dataclass

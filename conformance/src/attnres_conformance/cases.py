@@ -26,6 +26,7 @@ zero query is uniform) and "golden" (a committed vector).  `quick` marks the red
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -94,6 +95,16 @@ class Requirements:
     num_sources: int = 0
     dim: int = 0
     deterministic: bool = False
+    #: The case passes a key-norm gain (norm_weight / norm_weights).
+    gain: bool = False
+    #: The logit scale and eps the case calls with (None: not an op case).
+    scale: Optional[float] = None
+    eps: Optional[float] = None
+    #: The case asks merge_partial for its lse.
+    merge_lse: bool = False
+    #: Spec arguments whose checks the (error) case exercises beyond its op: "scale" / "eps"
+    #: need a port that takes them (not fixed), "norm_weight" a port with a gain.
+    arguments: frozenset = frozenset()
 
     def missing(self, caps: Capabilities, dtype: str, device: str) -> Optional[str]:
         """The reason this cannot run on a backend declaring `caps`, or None."""
@@ -116,10 +127,19 @@ class Requirements:
             return f"call input {', '.join(inputs_missing)} not declared"
         if caps.max_sources is not None and self.num_sources > caps.max_sources:
             return f"N = {self.num_sources} beyond declared max_sources = {caps.max_sources}"
-        if caps.max_dim is not None and self.dim > caps.max_dim:
-            return f"D = {self.dim} beyond declared max_dim = {caps.max_dim}"
+        if self.dim and caps.dim_reason(self.dim):
+            return caps.dim_reason(self.dim)
         if self.deterministic and not caps.deterministic:
             return "backend declares deterministic=False"
+        if (self.gain or "norm_weight" in self.arguments) and not caps.gain:
+            return "a key-norm gain (norm_weight) is not taken (declared gain=False)"
+        for name, fixed, used in (("scale", caps.scale, self.scale), ("eps", caps.eps, self.eps)):
+            if fixed is not None and name in self.arguments:
+                return f"the port's {name} is fixed at {fixed:g}: it takes no {name} argument to check"
+            if fixed is not None and used is not None and used != fixed:
+                return f"{name} = {used:g}: the port's {name} is fixed at {fixed:g} (declared {name}={fixed:g})"
+        if self.merge_lse and not caps.merge_lse:
+            return "merge_partial returns no lse (declared merge_lse=False)"
         return None
 
 
@@ -133,6 +153,9 @@ class Case:
     dtype: str
     spec: dict = field(compare=False, hash=False)
     quick: bool = False
+    #: How `fit` adapted the case to a port's declared design choices (empty: as generated);
+    #: part of the case's identity, so the adapted inputs are cached apart.
+    adapted: Tuple[str, ...] = ()
 
     @property
     def row(self) -> str:
@@ -201,7 +224,113 @@ BUILDERS: Dict[str, Callable] = {"da": _da, "multi": _multi, "merge": _merge, "p
 def _golden(case: Case):
     if case.kind == "golden":
         return case.spec["vector"]
-    return BUILDERS[case.spec["builder"]](case.id, case.dtype, **case.spec["kwargs"])
+    golden = BUILDERS[case.spec["builder"]](case.id, case.dtype, **case.spec["kwargs"])
+    if case.spec.get("out_normed_only") and "output.out_normed" in golden.arrays:
+        golden = _out_normed_only(golden)
+    return golden
+
+
+def _out_normed_only(golden):
+    """The case for a fused norm that returns only `out_normed`: no "out" output, its cotangent
+    zero, and every gradient recomputed by the reference with that zero cotangent."""
+    from attnres_numpy import ops
+
+    a = dict(golden.arrays)
+    a.pop("output.out")
+    a["cotangent.out"] = np.zeros_like(a["cotangent.out"])
+    sources = a["input.sources"]
+    sources = list(sources) if golden.sources_layout in ("list", "tuple") else sources
+    attrs = {k: v for k, v in golden.attrs.items()
+             if k in ("eps", "scale", "num_heads", "activation", "key_norm", "out_norm_eps")}
+    grads = ops.depth_attention_vjp(sources, a["input.query"], a.get("input.norm_weight"), a["cotangent.out"],
+                                    a.get("cotangent.lse"), out_norm_weight=a["input.out_norm_weight"],
+                                    d_out_normed=a["cotangent.out_normed"], **attrs)
+    for name, g in grads.items():
+        if f"grad.{name}" in a:
+            a[f"grad.{name}"] = np.stack(g) if isinstance(g, (list, tuple)) else g
+    return dataclasses.replace(golden, arrays=a)
+
+
+# -- fitting a case to a port's declared design choices ------------------------------------------
+#: What a row is *about* (its last id segment): a knob in a row's point is never adapted away;
+#: the case is skipped instead, with the reason.
+ROW_POINTS = {"lse": {"lse"}, "weights": {"weights"}, "weights_sum": {"weights"},
+              "zero_query_uniform": {"weights"}, "eps_scale": {"eps", "scale"}}
+#: Case kinds built from a builder's knobs (the ones `fit` can rebuild).
+ADAPTABLE_KINDS = ("op", "mixed_dtype", "determinism", "invariant")
+
+
+def row_point(row: str) -> set:
+    return ROW_POINTS.get(row.rsplit("/", 1)[-1], set())
+
+
+def fit(case: Case, caps: Optional[Capabilities]) -> Case:
+    """`case` adapted to what a port declares, instead of skipped: lse / weights outputs that are
+    extras to what the row checks are not asked for (the reference recomputed without their
+    cotangent), a gainless port runs without norm_weight, a fixed scale / eps replaces the case's,
+    a merge without lse runs without it, a fused norm returning only `out_normed` is compared on
+    it alone.  The row's own point is never adapted away (`ROW_POINTS`): that case is skipped
+    by its requirements, with the reason.  Returns `case` itself when nothing applies."""
+    if caps is None or case.kind not in ADAPTABLE_KINDS or case.spec.get("builder") in (None, "probe"):
+        return case
+    builder, kw, notes = case.spec["builder"], dict(case.spec["kwargs"]), []
+    point = row_point(case.row) | ({"weights"} if case.spec.get("invariant") in ("weights_sum", "zero_query_uniform")
+                                   else set())
+    if builder == "da":
+        for knob in ("lse", "weights"):
+            if kw.get(knob) and knob not in caps.options and knob not in point:
+                kw[knob] = False
+                notes.append(f"without {knob} (option not declared)")
+    if builder == "merge" and kw.get("lse", True) and not caps.merge_lse and "lse" not in point:
+        kw["lse"] = False
+        notes.append("merge without lse (declared merge_lse=False)")
+    if not caps.gain and kw.get("gain", True):
+        kw["gain"] = False
+        notes.append("without norm_weight (declared gain=False)")
+    for knob, fixed, default in (("scale", caps.scale, 1.0), ("eps", caps.eps, 1e-6)):
+        if fixed is not None and kw.get(knob, default) != fixed and knob not in point:
+            notes.append(f"{knob} {kw.get(knob, default):g} -> {fixed:g} (declared fixed)")
+            kw[knob] = fixed
+    spec = dict(case.spec, kwargs=kw)
+    if builder == "da" and kw.get("out_norm") and tuple(caps.out_norm_outputs) == ("out_normed",):
+        spec["out_normed_only"] = True
+        notes.append("out_normed only (declared out_norm_outputs)")
+    if not notes:
+        return case
+    return dataclasses.replace(case, spec=spec, adapted=tuple(notes))
+
+
+def tags_of(case: Case) -> set:
+    """Label tags a skips line can name (`tag:NAME`): the options a case exercises."""
+    kw = case.spec.get("kwargs", {}) if isinstance(case.spec, dict) else {}
+    tags = {case.kind}
+    if kw.get("scale", 1.0) != 1.0 or "call_scale" in dict(kw.get("call", ())):
+        tags.add("scale")
+    if kw.get("eps", 1e-6) != 1e-6:
+        tags.add("eps")
+    for key, tag in (("lse", "lse"), ("weights", "weights"), ("token_query", "per_token_query"),
+                     ("out_norm", "out_norm"), ("strided", "strided")):
+        if kw.get(key) or case.spec.get(key):
+            tags.add(tag)
+    if kw.get("gain") is False:
+        tags.add("no_gain")
+    if kw.get("num_heads", 1) > 1:
+        tags.add("num_heads")
+    if kw.get("activation") == "sigmoid":
+        tags.add("sigmoid")
+    if kw.get("key_norm") is False:
+        tags.add("no_key_norm")
+    if kw.get("layout") in ("stacked", "tuple"):
+        tags.add(kw["layout"])
+    if kw.get("magnitude", 1.0) != 1.0:
+        tags.add("magnitude")
+    if kw.get("nonfinite"):
+        tags.add("nonfinite")
+    if kw.get("logit_max") is not None:
+        tags.add("large_logits")
+    if case.spec.get("forward_only"):
+        tags.add("forward_only")
+    return tags
 
 
 # -- requirements of a golden case --------------------------------------------------------------
@@ -250,11 +379,14 @@ def requirements_of(golden, spec: Optional[dict] = None) -> Requirements:
         opts.add("strided")
     n = x.shape[0] if "input.sources" in a else 2
     ops_needed = {golden.op}
-    if spec.get("invariant") == "two_phase":
+    if spec.get("invariant") == "two_phase":  # lse compared only where merge_partial returns it
         ops_needed |= {"merge_partial", "depth_attention"}
-        opts.add("lse")
+    gain = "input.norm_weight" in a or "input.norm_weights" in a
+    merge_lse = golden.op == "merge_partial" and bool(attrs.get("return_lse"))
     return Requirements(ops=frozenset(ops_needed), options=frozenset(opts), num_sources=n, dim=x.shape[-1],
-                        deterministic=spec.get("deterministic", False))
+                        deterministic=spec.get("deterministic", False), gain=gain,
+                        scale=float(attrs.get("scale", 1.0)), eps=float(attrs.get("eps", 1e-6)),
+                        merge_lse=merge_lse)
 
 
 # -- the grid ------------------------------------------------------------------------------------
@@ -741,16 +873,40 @@ def _out_norm_error_specs(dtype: str) -> List[Tuple[str, str, dict, dict, dict, 
     ]
 
 
+#: What an error case exercises beyond its op (by label prefix): it runs only where the port
+#: declares that option or takes that argument, so a port is asked only about its own API.
+ERROR_OPTIONS = {"stacked_": {"stacked"}, "heads_": {"num_heads"}, "activation": {"sigmoid"},
+                 "key_norm": {"no_key_norm"}, "lse_sigmoid": {"sigmoid", "lse"},
+                 "query_token_shape": {"per_token_query"}}
+ERROR_ARGUMENTS = {"eps_": "eps", "scale_": "scale", "norm_weight_": "norm_weight", "norm_weights_": "norm_weight"}
+#: Error labels whose finding, when nothing is raised, is a validation gap (the port accepts
+#: input the spec rejects) rather than a crash or a wrong result.
+GAP_LABELS = ("int_source", "mixed_dtypes", "eps_zero", "eps_nan", "eps_negative", "scale_inf", "scale_nan",
+              "query_int", "norm_weight_int", "queries_int", "partial_int", "out1_dtype", "out_norm_weight_int",
+              "out_norm_eps_zero", "out_norm_eps_nan")
+
+
+def _error_requirements(op: str, label: str, extra_options=()) -> Requirements:
+    options, arguments = set(extra_options), set()
+    for prefix, opts in ERROR_OPTIONS.items():
+        if label.startswith(prefix):
+            options |= opts
+    for prefix, arg in ERROR_ARGUMENTS.items():
+        if label.startswith(prefix):
+            arguments.add(arg)
+    return Requirements(ops=frozenset({op}), options=frozenset(options), arguments=frozenset(arguments))
+
+
 def _error_cases(dtypes) -> List[Case]:
     cases = []
     for dtype in dtypes:
         for label, op, inputs, attrs, input_dtypes, exc, arg in _error_specs(dtype):
             spec = dict(op=op, inputs=inputs, attrs=attrs, input_dtypes=input_dtypes, exception=exc,
-                        argument=arg, requires=Requirements(ops=frozenset({op})))
+                        argument=arg, requires=_error_requirements(op, label))
             cases.append(Case(f"errors/{op}/{label}/{dtype}", "error", dtype, spec, True))
         for label, op, inputs, attrs, input_dtypes, exc, arg in _out_norm_error_specs(dtype):  # C17
             spec = dict(op=op, inputs=inputs, attrs=attrs, input_dtypes=input_dtypes, exception=exc,
-                        argument=arg, requires=Requirements(ops=frozenset({op}), options=frozenset({"out_norm"})))
+                        argument=arg, requires=_error_requirements(op, label, {"out_norm"}))
             cases.append(Case(f"errors/{op}/{label}/{dtype}", "error", dtype, spec, False))
     return cases
 
@@ -761,11 +917,17 @@ def _limit_cases(caps: Capabilities, dtypes) -> List[Case]:
     for dtype in dtypes:
         if caps.max_sources is not None:
             n = caps.max_sources
-            cases.append(_op_case("depth_attention/limits", f"N{n}-T1-D4", dtype, "da", True, n=n,
-                                  tokens=(1,), dim=4))
-            x = [np.ones((1, 4))] * (n + 1)
-            spec = dict(op="depth_attention", inputs=dict(sources=x, query=np.ones(4), norm_weight=None),
-                        attrs={}, input_dtypes={}, exception="ValueError", argument="sources",
+            d = sentinel_dim(caps)
+            cases.append(_op_case("depth_attention/limits", f"N{n}-T1-D{d}", dtype, "da", True, n=n,
+                                  tokens=(1,), dim=d))
+            # Distinct sources, so that the result of a port that computes anyway says whether it
+            # dropped the sources past the limit or computed them (`checks.check_error`).
+            rng = np.random.default_rng(seed_of(f"max_sources_plus_1/{dtype}"))
+            from .numerics import round_to
+            x = [round_to(rng.standard_normal((2, d)), dtype) for _ in range(n + 1)]
+            q = round_to(rng.standard_normal(d), dtype)
+            spec = dict(op="depth_attention", inputs=dict(sources=x, query=q, norm_weight=None),
+                        attrs={}, input_dtypes={}, exception="ValueError", argument="sources", limit=n,
                         requires=Requirements(ops=frozenset({"depth_attention"})))
             cases.append(Case(f"errors/depth_attention/max_sources_plus_1/{dtype}", "error", dtype, spec, True))
         if caps.max_dim is not None:
@@ -778,6 +940,30 @@ def _limit_cases(caps: Capabilities, dtypes) -> List[Case]:
                         requires=Requirements(ops=frozenset({"depth_attention"})))
             cases.append(Case(f"errors/depth_attention/max_dim_plus_1/{dtype}", "error", dtype, spec, True))
     return cases
+
+
+#: Ds the every-port rows try, in order: the first one a port accepts is used.
+SENTINEL_DIMS = (64, 16, 8, 128, 32, 4)
+#: N of the rows that run for every port whatever it declares (past 32 and past 128: where ports
+#: have silently dropped sources), forward and `out` only.
+SENTINEL_N = (33, 130)
+
+
+def sentinel_dim(caps: Optional[Capabilities]) -> int:
+    """The D of the every-port rows: 64, or the first of `SENTINEL_DIMS` the port accepts."""
+    if caps is None:
+        return SENTINEL_DIMS[0]
+    return next((d for d in SENTINEL_DIMS if caps.accepts_dim(d)), SENTINEL_DIMS[-1])
+
+
+def _sentinel_cases(caps: Optional[Capabilities], dtypes) -> List[Case]:
+    """The commonest real bug, a silent source cap (Liger-kernel 0.8.3 drops every source past
+    32), checked for every port whatever options it declares: N = 33 and 130, forward, `out`
+    only (no lse, weights, stacking or strides), at a D the port accepts."""
+    d = sentinel_dim(caps)
+    return [_op_case("depth_attention/sources_past_32", f"N{n}-T{t}-D{d}", dtype, "da", True, forward_only=True,
+                     n=n, tokens=(t,), dim=d)
+            for dtype in dtypes for n, t in zip(SENTINEL_N, (3, 2))]
 
 
 # -- determinism and invariants ------------------------------------------------------------------
@@ -904,14 +1090,16 @@ def _sweep_cases(dtypes, quick: bool) -> List[Case]:
 
 def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities] = None,
              vectors_dir=None, sweep: bool = True) -> List[Case]:
-    """Every case for `dtypes` (the `--quick` subset when quick); `caps` adds the declared-limit
+    """Every case for `dtypes` (the `--quick` subset when quick), each `fit` to `caps` (the
+    port's declared design choices: see `fit`); `caps` also adds the declared-limit
     edges; vectors_dir: golden vectors (default: `attnres_numpy.vectors.default_vectors_dir()`)."""
     dtypes = tuple(dtypes)
-    cases = (_depth_attention_cases(dtypes) + _multi_merge_cases(dtypes) + _hole_cases(dtypes)
+    cases = (_sentinel_cases(caps, dtypes) + _depth_attention_cases(dtypes) + _multi_merge_cases(dtypes) + _hole_cases(dtypes)
              + _round3_cases(dtypes) + _probe_cases(dtypes)
              + _error_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
              + (_limit_cases(caps, dtypes) if caps is not None else [])
              + _golden_cases(vectors_dir, dtypes) + (_sweep_cases(dtypes, quick) if sweep else []))
+    cases = [fit(c, caps) for c in cases]
     return quick_grid(cases) if quick else cases
 
 

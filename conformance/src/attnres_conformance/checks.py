@@ -157,13 +157,13 @@ def expected_dtypes(call: OpCall) -> dict:
     return expected
 
 
-def _contract(call: OpCall, result, backward: bool) -> List[str]:
+def _contract(call: OpCall, result, backward: bool, grads_only: bool = False) -> List[str]:
     """C10.3 (every result in its dtype, as the adapter reports it before read-back) and C7a (no
     result shares memory with an input)."""
     failures = []
     reported = getattr(result, "native_dtypes", None) or {}
     expected = expected_dtypes(call)
-    names = [k for k in result.outputs if result.outputs[k] is not None]
+    names = [] if grads_only else [k for k in result.outputs if result.outputs[k] is not None]
     if backward:
         names += [f"grad.{k}" for k, v in result.grads.items() if v is not None]
     for name in names:
@@ -178,7 +178,8 @@ def _contract(call: OpCall, result, backward: bool) -> List[str]:
             got = [got] * len(want) if isinstance(got, str) else list(got)
         if got != want:
             failures.append(f"C10.3: {name!r} is {got}, expected {want}")
-    aliased = [a for a in getattr(result, "aliases", ()) if backward or not a.startswith("grad.")]
+    aliased = [a for a in getattr(result, "aliases", ())
+               if (backward or not a.startswith("grad.")) and not (grads_only and not a.startswith("grad."))]
     if aliased:
         failures.append(f"C7a: {', '.join(map(repr, aliased))} share memory with an input (results must be fresh)")
     return failures
@@ -295,16 +296,17 @@ def check_reference(backend, golden, device, *, strided=False, check="tolerance"
         return call, before, result
 
     def cell(call, before, result, backward: bool) -> Cell:
-        """The forward (outputs) or gradient (outputs and gradients) cell of one call's result."""
+        """The forward (outputs) or gradient (gradients only: an output of the gradient call that
+        misses is the forward cell's finding, not this one's) cell of one call's result."""
         failures = _untouched(call, before, result)
         if isinstance(call, OpCall):
-            failures += _contract(call, result, backward)
-        comps, missing = _compare_outputs(golden, result, override)
+            failures += _contract(call, result, backward, grads_only=backward)
         if backward:
-            grad_comps, grad_missing = _compare_grads(golden, result, override, input_dtypes)
-            comps, missing = comps + grad_comps, missing + grad_missing
+            comps, missing = _compare_grads(golden, result, override, input_dtypes)
+        else:
+            comps, missing = _compare_outputs(golden, result, override)
         if check == "finite":
-            outputs = result.outputs if hasattr(result, "outputs") else {"out": result.out}
+            outputs = {} if backward else result.outputs if hasattr(result, "outputs") else {"out": result.out}
             arrays = dict(outputs, **{f"d_{k}": v for k, v in (result.grads.items() if backward else ())})
             failures += missing + [f for k, v in arrays.items() for f in _finite(k, v)]
             return Cell("fail" if failures else "pass", None, "; ".join(failures))
@@ -329,31 +331,72 @@ def check_reference(backend, golden, device, *, strided=False, check="tolerance"
         return forward, Cell("fail", None, f"the call with cotangents raised {type(exc).__name__}: {exc}")
 
 
-def check_error(backend, case: Case, device) -> Cell:
-    """A spec error: the right exception type, the argument named in the message, inputs untouched."""
+def argument_name(backend, spec_name: str) -> str:
+    """The port's own name for a spec argument (`backend.arg_names`, e.g. {"sources": "xs"});
+    "sources[2]" maps its base name."""
+    names = getattr(backend, "arg_names", None) or {}
+    base, bracket, rest = spec_name.partition("[")
+    return names.get(spec_name) or (names.get(base, base) + bracket + rest)
+
+
+#: The message prefix of an error case that raised nothing (a validation gap when the port
+#: declares `validates_inputs=False`; `runner.category_of` files it apart from numerics).
+NO_ERROR = "no error raised"
+
+
+def check_error(backend, case: Case, device, caps=None) -> Cell:
+    """A spec error: the right exception type, the argument named in the message (in the port's
+    own name, `argument_name`), inputs untouched.  A declared-limit case (N = max_sources + 1)
+    that raises nothing is judged by its result: dropped sources, or a limit that is not one."""
     s = case.spec
     call = OpCall(s["op"], _snapshot(s["inputs"]), dict(s["attrs"]), case.dtype, dict(s["input_dtypes"]), device)
     before = _snapshot(call.inputs)
     expected = getattr(builtins, s["exception"])
+    arg = argument_name(backend, s["argument"])
     failures = []
     try:
-        backend.call_op(call)
-        failures.append(f"no error raised; expected {s['exception']} naming {s['argument']!r}")
+        result = backend.call_op(call)
+        failures.append(f"{NO_ERROR}; expected {s['exception']} naming {arg!r}")
+        if s.get("limit") is not None:
+            failures[-1] += "; " + _past_limit(call, result, s["limit"])
     except expected as exc:
-        if s["argument"] not in str(exc):
-            failures.append(f"{s['exception']} message does not name {s['argument']!r}: {exc}")
+        if arg not in str(exc):
+            failures.append(f"{s['exception']} message does not name {arg!r}: {exc}")
     except Exception as exc:  # noqa: BLE001 - the wrong type is the finding
-        failures.append(f"raised {type(exc).__name__} ({exc}); expected {s['exception']} naming {s['argument']!r}")
+        failures.append(f"raised {type(exc).__name__} ({exc}); expected {s['exception']} naming {arg!r}")
     if not _same(call.inputs, before):
         failures.append("the adapter modified its NumPy inputs")
-    return Cell("fail" if failures else "pass", None, "; ".join(failures))
+    status = "fail" if failures else "pass"
+    if failures and failures[0].startswith(NO_ERROR) and caps is not None and not caps.validates_inputs \
+            and s.get("limit") is None:
+        status = "gap"
+    return Cell(status, None, "; ".join(failures))
 
 
-def check_determinism(backend, case: Case, device) -> Tuple[Cell, Cell]:
-    """Two identical runs give bitwise equal outputs (forward) and gradients (gradient)."""
+def _past_limit(call: OpCall, result, limit: int) -> str:
+    """What a port that computed N = limit + 1 sources did: compared with the reference over all
+    N sources, and over the first `limit` only."""
+    out = getattr(result, "outputs", {}).get("out")
+    if out is None:
+        return "and it returned no 'out' to judge"
+    x, q = call.inputs["sources"], call.inputs["query"]
+    dtype = call.dtype
+    every = ops.depth_attention(list(x), q, None)
+    first = ops.depth_attention(list(x[:limit]), q, None)
+    if compare("out", out, every, dtype, grad=False).ok:
+        return (f"it computes all {limit + 1} sources correctly: the declared max_sources = {limit} is "
+                "not a limit (raise it, or enforce it with a ValueError)")
+    if compare("out", out, first, dtype, grad=False).ok:
+        return f"it silently drops every source past {limit} (C16: raise a ValueError instead)"
+    return f"its result matches neither all {limit + 1} sources nor the first {limit} (C16)"
+
+
+def check_determinism(backend, case: Case, device, *, gradient: bool = True) -> Tuple[Cell, Optional[Cell]]:
+    """Two identical runs give bitwise equal outputs (forward) and gradients (gradient; None
+    without: a forward-only port)."""
     golden = case.golden()
     cells = []
-    for backward in (False, True):
+    for backward in (False, True)[:1 + gradient]:
         runs = [_call(backend, golden, device, backward=backward,
                       input_dtypes=case.spec.get("input_dtypes"))[1] for _ in range(2)]
         what, first, second = (("gradient", runs[0].grads, runs[1].grads) if backward else
@@ -361,11 +404,12 @@ def check_determinism(backend, case: Case, device) -> Tuple[Cell, Cell]:
         failures = [f"{what} {k!r} differs between two identical runs" for k in first
                     if not _same(first[k], second.get(k))]
         cells.append(Cell("fail" if failures else "pass", None, "; ".join(failures)))
-    return cells[0], cells[1]
+    return cells[0], (cells[1] if gradient else None)
 
 
-def _two_phase(backend, golden, device) -> Cell:
-    """Phase 1 + merge on the backend equals the backend's direct call, and the reference."""
+def _two_phase(backend, golden, device, caps) -> Cell:
+    """Phase 1 + merge on the backend equals the backend's direct call, and the reference (lse
+    too, where the port's merge returns it and its depth_attention declares lse)."""
     a, dtype = golden.arrays, golden.dtype
     compute = compute_dtype_for(dtype)
     x, qs, gs = a["input.sources"], a["input.queries"], a.get("input.norm_weights")
@@ -375,19 +419,21 @@ def _two_phase(backend, golden, device) -> Cell:
     phase1 = backend.call_op(OpCall("depth_attention_multi", dict(sources=src, queries=qs, norm_weights=gs),
                                     dict(golden.attrs), dtype, device=device)).outputs
     comps = []
+    with_lse = caps.merge_lse and "lse" in caps.options
     for s in range(qs.shape[0]):
         g = None if gs is None else gs[s]
         merged = backend.call_op(OpCall(
             "merge_partial", dict(out1=np.asarray(phase1["out"][s], np.float64),
                                   lse1=np.asarray(phase1["lse"][s], np.float64), partial=partial,
                                   query=qs[s], norm_weight=g),
-            dict(golden.attrs, return_lse=True), dtype, {"lse1": compute} if compute != dtype else {},
+            dict(golden.attrs, return_lse=with_lse), dtype, {"lse1": compute} if compute != dtype else {},
             device)).outputs
         whole = [*x, partial] if golden.sources_layout == "list" else np.concatenate([x, partial[None]])
         direct = backend.call_op(OpCall("depth_attention", dict(sources=whole, query=qs[s], norm_weight=g),
-                                        dict(golden.attrs, return_lse=True), dtype, device=device)).outputs
+                                        dict(golden.attrs, **({"return_lse": True} if with_lse else {})), dtype,
+                                        device=device)).outputs
         ref_out, ref_lse = ops.depth_attention([*x, partial], qs[s], g, return_lse=True, **golden.attrs)
-        for name, ref in (("out", ref_out), ("lse", ref_lse)):
+        for name, ref in (("out", ref_out), ("lse", ref_lse))[:1 + with_lse]:
             dt = compute if name == "lse" else dtype
             comps += [compare(f"two-phase {name}[{s}] vs direct", merged[name], direct[name], dt, grad=False,
                               override="two_phase_vs_direct"),
@@ -421,10 +467,10 @@ def _identity(golden, call: OpCall, result) -> Cell:
     return cell
 
 
-def check_invariant(backend, case: Case, device) -> Cell:
+def check_invariant(backend, case: Case, device, caps=None) -> Cell:
     golden, inv = case.golden(), case.spec["invariant"]
     if inv == "two_phase":
-        return _two_phase(backend, golden, device)
+        return _two_phase(backend, golden, device, caps or backend.capabilities())
     call = op_call(golden, device, backward=False)
     result = backend.call_op(call)
     if inv == "identity":
@@ -438,15 +484,17 @@ def check_invariant(backend, case: Case, device) -> Cell:
     return _cell([c], [])
 
 
-def check_case(backend, case: Case, device: str = "cpu") -> Tuple[Cell, Optional[Cell]]:
-    """Run one case; returns (forward cell, gradient cell or None)."""
+def check_case(backend, case: Case, device: str = "cpu", caps=None) -> Tuple[Cell, Optional[Cell]]:
+    """Run one case; returns (forward cell, gradient cell or None: none for the case, or a
+    forward-only port, `Capabilities.backward`)."""
+    caps = caps or backend.capabilities()
     if case.kind == "error":
-        return check_error(backend, case, device), None
+        return check_error(backend, case, device, caps), None
     if case.kind == "determinism":
-        return check_determinism(backend, case, device)
+        return check_determinism(backend, case, device, gradient=caps.backward)
     if case.kind == "invariant":
-        return check_invariant(backend, case, device), None
+        return check_invariant(backend, case, device, caps), None
     spec = case.spec
     return check_reference(backend, case.golden(), device, strided=spec.get("strided", False),
                            check=spec.get("check", "tolerance"), override=spec.get("override"),
-                           gradient=case.has_gradient, input_dtypes=spec.get("input_dtypes"))
+                           gradient=case.has_gradient and caps.backward, input_dtypes=spec.get("input_dtypes"))

@@ -23,6 +23,8 @@ STATUSES = {
     "pass*": "the cases that ran passed; others of the cell were skipped or xfailed (see the notes)",
     "FAIL": "at least one case failed: message and reproducer under the matrix",
     "XPASS": "a case marked xfail in the skips file passed: an error, remove the xfail line",
+    "gap": "a spec error the port does not raise, reported as a validation gap because it declares "
+           "validates_inputs=False (not a failure)",
     "xfail": "every case that ran failed as the skips file expects",
     "skip": "nothing ran: not declared in the capabilities, or the skips file (reasons in the notes)",
     "(empty)": "no case of this row exists for this dtype and column (e.g. forward-only rows have no gradient)",
@@ -48,7 +50,8 @@ def legend_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-SUMMARY_HEADER = ["backend", "cases", "pass", "fail", "skip", "xfail", "wall time", "implementation that ran"]
+SUMMARY_HEADER = ["backend", "verdict", "cases", "pass", "fail", "skip", "xfail", "gap", "wall time",
+                  "implementation that ran"]
 
 
 def implementations_text(used: Optional[Dict[str, int]]) -> str:
@@ -61,14 +64,14 @@ def implementations_text(used: Optional[Dict[str, int]]) -> str:
 
 
 def summary_rows(reports: Sequence) -> List[List[str]]:
-    """One row per report: backend, cases, pass, fail (XPASS included), skip, xfail, wall time,
-    implementation; pass + fail + skip + xfail = cases."""
+    """One row per report: backend, verdict, cases, pass, fail (XPASS included), skip, xfail, gap,
+    wall time, implementation; pass + fail + skip + xfail + gap = cases."""
     rows = [list(SUMMARY_HEADER)]
     for r in reports:
         s = r.case_summary()
         wall = "" if r.wall_time is None else f"{r.wall_time:.1f} s"
-        rows.append([r.spec, str(sum(s.values())), str(s["pass"]), str(s["fail"] + s["xpass"]), str(s["skip"]),
-                     str(s["xfail"]), wall, implementations_text(r.implementations)])
+        rows.append([r.spec, r.verdict(), str(sum(s.values())), str(s["pass"]), str(s["fail"] + s["xpass"]),
+                     str(s["skip"]), str(s["xfail"]), str(s["gap"]), wall, implementations_text(r.implementations)])
     return rows
 
 

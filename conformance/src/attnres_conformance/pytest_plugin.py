@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(session, config, items):
     used = set()
     for device in devices:
         for case in cases:
-            rule = match_rule(rules, case.id)
+            rule = match_rule(rules, case)
             used.add(rule)
             name = case.id if len(devices) == 1 else f"{case.id}[{device}]"
             items.append(ConformanceItem.from_parent(session, name=name, nodeid=f"attnres::{name}", case=case,

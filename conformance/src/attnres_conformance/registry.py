@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Optional
 
 from .backend import Backend
 
 #: Registered names -> "module:object".
-#: The adapters live in the suite (`adapters/`); each imports its framework only when chosen.
+#: The adapters live in the suite (`ports/`, on the framework bases of `adapters/`); each imports
+#: its framework only when chosen.
 BACKENDS = {
     "numpy": "attnres_conformance.adapters.numpy:backend",
-    "torch": "attnres_conformance.adapters.torch:backend",
-    "jax": "attnres_conformance.adapters.jax:backend",
-    "mlx": "attnres_conformance.adapters.mlx:backend",
+    "torch": "attnres_conformance.ports.attnres_torch:backend",
+    "jax": "attnres_conformance.ports.attnres_jax:backend",
+    "mlx": "attnres_conformance.ports.attnres_mlx:backend",
 }
 #: The package a registered name needs (for the ImportError's hint).
 PACKAGES = {"numpy": "attnres-numpy", "torch": "attnres-torch", "jax": "attnres-jax", "mlx": "attnres-mlx"}
@@ -51,6 +53,10 @@ def load_backend(spec: Optional[str] = None) -> Backend:
             f"backend: none selected; pass --backend NAME (one of {sorted(BACKENDS)}) or "
             f"module:object, or set ${ENV_VAR}")
     module_name, _, attr = resolve(spec).partition(":")
+    if spec not in BACKENDS and "" not in sys.path and os.getcwd() not in sys.path:
+        # `attnres-conformance --backend my_adapter:backend` finds my_adapter.py in the current
+        # directory, as `python -m` would (console scripts do not put it on sys.path).
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

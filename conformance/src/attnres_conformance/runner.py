@@ -18,6 +18,7 @@ prefix that matches no case gives a warning.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import math
 import sys
@@ -29,18 +30,24 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 from . import SPEC_VERSION, __version__
 from . import cases as cases_mod
-from .checks import Cell, check_case
+from .checks import NO_ERROR, Cell, check_case
+from .coverage import coverage, coverage_text, gaps
 from .legend import implementations_text
 from .numerics import DTYPES
 from .provenance import UNKNOWN, git_commit, source_file, utc_now
 from .registry import BACKENDS
+from .rules import explain, rule_of
 
 SCHEMA_VERSION = 1
 SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 FAILING = ("fail", "xpass")
-STATUSES = ("pass", "fail", "skip", "xfail", "xpass")
+#: "gap": a spec error a port that declares `validates_inputs=False` does not raise (reported
+#: apart, not a failure).
+STATUSES = ("pass", "fail", "skip", "xfail", "xpass", "gap")
 #: Labels of a matrix cell (`Report.matrix_summary`), "empty" where no case fills it.
-MATRIX_LABELS = ("pass", "pass*", "FAIL", "XPASS", "xfail", "skip", "empty")
+MATRIX_LABELS = ("pass", "pass*", "FAIL", "XPASS", "gap", "xfail", "skip", "empty")
+#: Failure categories, in the order the report lists them (`CaseResult.category`).
+CATEGORIES = ("numerical", "validation gap", "error contract", "result contract", "crash")
 
 
 class BackendUnavailable(RuntimeError):
@@ -49,10 +56,20 @@ class BackendUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SkipRule:
+    """One skips-file line.  prefix: a case-id prefix, a glob (with * ? or [), or `tag:NAME`
+    (cases exercising that option, `cases.tags_of`: scale, eps, lse, weights, num_heads, ...)."""
+
     prefix: str
     mode: str  # "skip" | "xfail"
     reason: str
     line: int
+
+    def matches(self, case) -> bool:
+        if self.prefix.startswith("tag:"):
+            return self.prefix[4:] in cases_mod.tags_of(case)
+        if any(ch in self.prefix for ch in "*?["):
+            return fnmatch.fnmatchcase(case.id, self.prefix)
+        return case.id.startswith(self.prefix)
 
 
 def parse_skips(text: str, source: str = "skips") -> List[SkipRule]:
@@ -85,10 +102,28 @@ class CaseResult:
     forward: Cell
     gradient: Optional[Cell]
     reproducer: Optional[str] = None
+    #: How the case was fitted to the port's declared design choices (`cases.fit`).
+    adapted: Tuple[str, ...] = ()
 
     @property
     def cells(self) -> List[Cell]:
         return [c for c in (self.forward, self.gradient) if c is not None]
+
+    @property
+    def category(self) -> Optional[str]:
+        """What kind of finding a failing (or gap) case is (CATEGORIES), None for the rest."""
+        bad = [c.message for c in self.cells if c.status in FAILING + ("gap",)]
+        if not bad:
+            return None
+        text = " ".join(bad)
+        if self.kind == "error":
+            return "validation gap" if all(m.startswith(NO_ERROR) for m in bad) and "max_sources" not in self.id \
+                else "error contract"
+        if text.startswith(("raised ", "the call with cotangents raised")) or "not run: the forward" in text:
+            return "crash"
+        if ("C10.3" in text or "C7a" in text or "modified" in text or "native dtype" in text) and "rel_err" not in text:
+            return "result contract"
+        return "numerical"
 
     @property
     def failed(self) -> bool:
@@ -98,28 +133,42 @@ class CaseResult:
     def status(self) -> str:
         """The case's one status: fail > xpass > xfail > pass > skip over its cells."""
         statuses = {c.status for c in self.cells}
-        return next(s for s in ("fail", "xpass", "xfail", "pass", "skip") if s in statuses)
+        return next(s for s in ("fail", "xpass", "gap", "xfail", "pass", "skip") if s in statuses)
 
     def describe(self) -> str:
         lines = [f"{self.id} [{self.device}]"]
+        worst = None
         for name, c in (("forward", self.forward), ("gradient", self.gradient)):
             if c is not None:
                 err = "" if c.err is None else f" rel_err={c.err:.3g}"
                 lines.append(f"  {name}: {c.status}{err}" + (f"  {c.message}" if c.message else ""))
+                if c.status in FAILING and c.err is not None:
+                    worst = c.err if worst is None else max(worst, c.err)
+        why = explain(self.row, self.dtype, worst)
+        if why:
+            lines.append(f"  why: {why}")
+        if self.adapted:
+            lines.append(f"  adapted to the port: {'; '.join(self.adapted)}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         err = lambda e: e if e is None or math.isfinite(e) else "inf"  # strict JSON has no Infinity
         cell = lambda c: None if c is None else {"status": c.status, "max_rel_err": err(c.err), "message": c.message}
         return {"id": self.id, "row": self.row, "kind": self.kind, "dtype": self.dtype, "device": self.device,
-                "forward": cell(self.forward), "gradient": cell(self.gradient), "reproducer": self.reproducer}
+                "forward": cell(self.forward), "gradient": cell(self.gradient), "reproducer": self.reproducer,
+                "adapted": list(self.adapted), "category": self.category,
+                "rule": (rule_of(self.row) or (None,))[0]}
 
 
-def reproducer(spec: str, case: cases_mod.Case, device: str) -> str:
-    """A copy-pasteable reproducer: the CLI line, and a Python snippet rebuilding the inputs."""
+def reproducer(spec: str, case: cases_mod.Case, device: str, environment: Optional[Dict[str, str]] = None) -> str:
+    """A copy-pasteable reproducer: the CLI line (with the environment the adapter declares,
+    `Backend.environment()`), and a Python snippet rebuilding the inputs."""
+    env = "".join(f"{k}={v} " for k, v in sorted((environment or {}).items()))
     lines = [
-        f"attnres-conformance --backend {spec} --device {device} --case '{case.id}'",
+        f"{env}attnres-conformance --backend {spec} --device {device} --case '{case.id}'",
         f"# or, in Python (inputs rebuilt from seed {case.seed}):",
+        *([f"import os; os.environ.update({dict(sorted(environment.items()))!r})  # before the port imports"]
+          if environment else []),
         "from attnres_conformance.cases import get_case",
         "from attnres_conformance.checks import check_case",
         "from attnres_conformance.registry import load_backend",
@@ -162,10 +211,35 @@ class Report:
     shards: int = 1
     #: (i, k): this report holds part i of k (`run_conformance(shard=...)`); None when whole.
     shard: Optional[Tuple[int, int]] = None
+    #: A run of selected cases only (--case / --select): coverage is not required of it.
+    subset: bool = False
+    #: The environment the adapter declared (`Backend.environment()`), for reproducers.
+    environment: Dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
         return any(r.failed for r in self.results)
+
+    @property
+    def incomplete(self) -> List[str]:
+        """Why the run does not cover what a verdict needs (`coverage.gaps`), [] when it does."""
+        return gaps(self.results, self.capabilities, self.subset)
+
+    def verdict(self, accept_incomplete: bool = False) -> str:
+        """FAIL (a failure), NOTHING CHECKED, INCOMPLETE (a core family never ran, unless
+        accepted: then "PASS (incomplete, accepted)"), or PASS."""
+        if self.failed:
+            return "FAIL"
+        reasons = self.incomplete
+        if reasons == ["nothing was checked"]:
+            return "NOTHING CHECKED"
+        if reasons:
+            return "PASS (incomplete, accepted)" if accept_incomplete else "INCOMPLETE"
+        return "PASS"
+
+    def ok(self, accept_incomplete: bool = False) -> bool:
+        """Whether the CLI exits 0 for this report."""
+        return self.verdict(accept_incomplete) in ("PASS", "PASS (incomplete, accepted)")
 
     def _results(self, device: Optional[str]) -> List[CaseResult]:
         return [r for r in self.results if device is None or r.device == device]
@@ -239,8 +313,21 @@ class Report:
         if self.shards > 1:
             wall += f" ({self.shards} shards in parallel)"
         count = lambda s: ", ".join(f"{n} {k}" for k, n in s.items())  # noqa: E731
+        results = self._results(device)
+        reasons = gaps(results, self.capabilities, self.subset)
+        verdict = self.verdict()
+        verdict += "" if not reasons or self.failed else f" ({'; '.join(reasons)})"
+        categories = {}
+        for r in results:
+            if r.category:
+                categories[r.category] = categories.get(r.category, 0) + 1
+        found = ", ".join(f"{categories[c]} {c}" for c in CATEGORIES if c in categories)
+        adapted = sum(1 for r in results if r.adapted and r.status != "skip")
         return [f"attnres conformance: backend {self.backend} ({self.spec}) on {device}"
                 f"{' [quick]' if self.quick else ''}; {versions}",
+                f"verdict: {verdict}" + (f"; findings: {found}" if found else ""),
+                f"coverage (cases run / cases in declared dtypes): {coverage_text(results, self.capabilities)}"
+                + (f"; {adapted} cases adapted to declared design choices" if adapted else ""),
                 f"run: {self.date or 'date unknown'}{wall}; commit {self.commit}; "
                 f"suite {__version__} (spec {SPEC_VERSION})",
                 f"implementation that ran: {implementations_text(self.implementations)}",
@@ -259,12 +346,20 @@ class Report:
         lines = [f"warning: {w}" for w in self.warnings]
         reasons: Dict[str, int] = {}
         for r in self.results:
-            if r.status == "skip":
-                reasons[r.forward.message] = reasons.get(r.forward.message, 0) + 1
-        lines += [f"skipped {n} cases: {reason}" for reason, n in sorted(reasons.items())]
-        for r in self.results:
-            if r.failed:
-                lines += ["", f"FAILED {r.describe()}", "reproduce:", r.reproducer or ""]
+            for c in r.cells:
+                if c.status == "skip":
+                    reasons[c.message] = reasons.get(c.message, 0) + 1
+        lines += [f"skipped {n} checks: {reason}" for reason, n in sorted(reasons.items())]
+        for category in CATEGORIES:
+            bad = [r for r in self.results if r.category == category]
+            if not bad:
+                continue
+            lines += ["", f"== {category}: {len(bad)} case{'s' * (len(bad) != 1)}"]
+            for r in bad:
+                head = "GAP" if r.status == "gap" else "FAILED"
+                lines += ["", f"{head} {r.describe()}"]
+                if r.failed:
+                    lines += ["reproduce:", r.reproducer or ""]
         return lines
 
     def to_text(self) -> str:
@@ -298,7 +393,10 @@ class Report:
                 "wall_time_s": self.wall_time, "shards": self.shards,
                 "shard": None if self.shard is None else list(self.shard), "versions": self.versions, "capabilities": self.capabilities,
                 "implementations_used": self.implementations, "devices": self.devices,
-                "dtypes": self.dtypes, "quick": self.quick, "summary": self.summary(),
+                "dtypes": self.dtypes, "quick": self.quick, "subset": self.subset,
+                "environment": self.environment, "verdict": self.verdict(), "incomplete": self.incomplete,
+                "coverage": {d: coverage(self._results(d), self.capabilities) for d in self.devices},
+                "summary": self.summary(),
                 "case_summary": self.case_summary(), "matrix": {d: self.matrix_summary(d) for d in self.devices},
                 "warnings": self.warnings, "results": [r.to_dict() for r in self.results]}
 
@@ -313,11 +411,13 @@ class Report:
         err = lambda e: float("inf") if e == "inf" else e  # noqa: E731
         cell = lambda c: None if c is None else Cell(c["status"], err(c["max_rel_err"]), c["message"])  # noqa: E731
         results = [CaseResult(r["id"], r["row"], r["kind"], r["dtype"], r["device"], cell(r["forward"]),
-                              cell(r["gradient"]), r["reproducer"]) for r in data["results"]]
+                              cell(r["gradient"]), r["reproducer"], tuple(r.get("adapted", ())))
+                   for r in data["results"]]
         return cls(data["backend"], data["spec"], data["versions"], data["capabilities"], data["devices"],
                    data["dtypes"], data["quick"], results, list(data["warnings"]), data.get("date", ""),
                    data.get("wall_time_s"), data.get("commit", UNKNOWN), data.get("implementations_used"),
-                   int(data.get("shards", 1)), None if data.get("shard") is None else tuple(data["shard"]))
+                   int(data.get("shards", 1)), None if data.get("shard") is None else tuple(data["shard"]),
+                   bool(data.get("subset", False)), dict(data.get("environment", {})))
 
 
 def _caps_dict(caps) -> dict:
@@ -333,6 +433,7 @@ def _error_cell(exc: BaseException) -> Cell:
 
 def run_case(backend, case: cases_mod.Case, device: str = "cpu", *, spec: Optional[str] = None,
              rule: Optional[SkipRule] = None, caps=None) -> CaseResult:
+    """`case` must be fitted to `caps` (`cases.fit`; `generate(caps=...)` and `get_case(caps=...)` do)."""
     """Run one case (capabilities, skip/xfail rule applied) and wrap it as a CaseResult."""
     caps = caps or backend.capabilities()
     spec = spec or _spec_of(backend)
@@ -345,12 +446,14 @@ def run_case(backend, case: cases_mod.Case, device: str = "cpu", *, spec: Option
     if reason is not None:
         skip = Cell("skip", None, reason)
         return CaseResult(case.id, case.row, case.kind, case.dtype, device, skip,
-                          skip if case.has_gradient else None)
+                          skip if case.has_gradient else None, adapted=case.adapted)
     try:
-        forward, gradient = check_case(backend, case, device)
+        forward, gradient = check_case(backend, case, device, caps)
     except Exception as exc:  # noqa: BLE001 - a crashing backend is a failing cell, not a crash
         forward = _error_cell(exc)
         gradient = Cell("fail", None, "not run: the forward check raised") if case.has_gradient else None
+    if gradient is None and case.has_gradient and not caps.backward:
+        gradient = Cell("skip", None, "forward-only port (declared backward=False)")
     if rule is not None and rule.mode == "xfail":
         for c in (forward, gradient):
             if c is not None:
@@ -358,10 +461,17 @@ def run_case(backend, case: cases_mod.Case, device: str = "cpu", *, spec: Option
                     c.status, c.message = "xfail", f"expected failure ({rule.reason}): {c.message}"
                 else:
                     c.status, c.message = "xpass", f"marked xfail ({rule.reason}) but passed: remove the xfail"
-    result = CaseResult(case.id, case.row, case.kind, case.dtype, device, forward, gradient)
+    result = CaseResult(case.id, case.row, case.kind, case.dtype, device, forward, gradient, adapted=case.adapted)
     if result.failed:
-        result.reproducer = reproducer(spec, case, device)
+        result.reproducer = reproducer(spec, case, device, environment_of(backend))
     return result
+
+
+def environment_of(backend) -> Dict[str, str]:
+    """The environment variables the adapter needs (its optional `environment()`, e.g.
+    {"TRITON_INTERPRET": "1"}), for reproducers; {} without one."""
+    method = getattr(backend, "environment", None)
+    return {str(k): str(v) for k, v in dict(method()).items()} if callable(method) else {}
 
 
 def _spec_of(backend) -> str:
@@ -374,9 +484,14 @@ def _spec_of(backend) -> str:
     return f"{module}:{names[0] if names else 'backend'}"
 
 
-def match_rule(rules: Sequence[SkipRule], case_id: str) -> Optional[SkipRule]:
-    """The longest matching prefix wins (a specific xfail inside a broad skip)."""
-    hits = [r for r in rules if case_id.startswith(r.prefix)]
+def match_rule(rules: Sequence[SkipRule], case) -> Optional[SkipRule]:
+    """The rule for `case` (a Case, or a case id for prefix rules only): the longest matching
+    prefix, glob or tag wins (a specific xfail inside a broad skip)."""
+    if isinstance(case, str):
+        hits = [r for r in rules if not r.prefix.startswith("tag:") and fnmatch.fnmatchcase(case, r.prefix)
+                if any(ch in r.prefix for ch in "*?[")] + [r for r in rules if case.startswith(r.prefix)]
+    else:
+        hits = [r for r in rules if r.matches(case)]
     return max(hits, key=lambda r: len(r.prefix)) if hits else None
 
 
@@ -419,13 +534,14 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
             raise ValueError(f"shard: expected (i, k) with 0 <= i < k, got {shard!r}")
         selected = selected[index::count]
     report = Report(backend.name, spec, dict(backend.versions()), _caps_dict(caps), devices, dtypes, quick,
-                    date=date, commit=git_commit(source_file(backend)), shard=shard)
+                    date=date, commit=git_commit(source_file(backend)), shard=shard,
+                    subset=bool(case_ids or select), environment=environment_of(backend))
     before = _implementations(backend, report.warnings)
     used = set()
     total, done = len(devices) * len(selected), 0
     for device in devices:
         for case in selected:
-            rule = match_rule(rules, case.id)
+            rule = match_rule(rules, case)
             if rule is not None:
                 used.add(rule)
             report.results.append(run_case(backend, case, device, spec=spec, rule=rule, caps=caps))

@@ -5,8 +5,15 @@ style); everything else is written once here: building the inputs (dtype overrid
 tuple / stacked sources, strided views), naming the outputs, flattening and unflattening the
 gradients, reading results and inputs back to NumPy, `native_dtypes` and `aliases` (C7a, C10.3).
 
-Primitives (see each method): `array`, `to_numpy`, `dtype_name`, `ops`, `vjp`, `probe`, and
-`capabilities` / `versions`; optional: `shares_memory`, `context`, `implementations_used`.
+Primitives (see each method): `array`, `to_numpy`, `dtype_name`, `vjp`, and `versions`; the
+framework bases `adapters.torch` / `adapters.jax` / `adapters.mlx` supply them and import no
+AttnRes port.  A port's adapter then declares `capabilities()` and the ops: either `ops` (a module
+or object with `depth_attention`, `depth_attention_multi`, `merge_partial`) or those methods on
+the adapter itself, each called with the spec's arguments (positional `sources, query,
+norm_weight`, keyword `eps`, `scale`, `num_heads`, ... as declared; see `backend.OpCall`).
+Optional: `arg_names` (the port's own names of the spec's arguments, for error messages),
+`environment()` (variables its reproducers need), `probe`, `shares_memory`, `context`,
+`implementations_used`.
 """
 
 from __future__ import annotations
@@ -75,8 +82,12 @@ class Adapter:
     """A `Backend` built from a framework's primitives (subclass it; see the module docstring)."""
 
     name = "adapter"
-    #: Module (or object) with `depth_attention`, `depth_attention_multi`, `merge_partial`.
+    #: Module (or object) with `depth_attention`, `depth_attention_multi`, `merge_partial`; None:
+    #: the adapter's own methods of those names.
     ops: Any = None
+    #: The port's names of the spec's arguments where they differ ({"sources": "xs"}): error
+    #: cases look for these names in the messages (`checks.argument_name`).
+    arg_names: Dict[str, str] = {}
 
     # -- primitives a framework supplies -------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -87,6 +98,11 @@ class Adapter:
 
     def is_available(self) -> bool:
         return True
+
+    def environment(self) -> Dict[str, str]:
+        """Environment variables the port needs set before it is imported (e.g.
+        {"TRITON_INTERPRET": "1"}): reproducers print them."""
+        return {}
 
     def array(self, values: np.ndarray, dtype: str, device: str, strided: bool):
         """A native array of dtype name `dtype` on `device` holding `values` (float64 NumPy,
@@ -159,8 +175,11 @@ class Adapter:
 
     def run_op(self, call: OpCall, args: Dict[str, Any], names: Tuple[str, ...]):
         """(outputs by name, gradients by argument name or {}) as native arrays."""
-        op = getattr(self.ops, call.op)
-        attrs = dict(call.attrs)
+        op = getattr(self if self.ops is None else self.ops, call.op, None)
+        if op is None:
+            raise NotImplementedError(f"{type(self).__name__} has no {call.op} (declare the ops it has in "
+                                      "Capabilities.ops)")
+        attrs = self.declared_attrs(call)
         leaves, rebuild = flatten(args)
 
         def fn(*flat):
@@ -181,10 +200,31 @@ class Adapter:
         outs, grads = self.value_and_grads(fn, leaves, cotangents, key)
         return dict(zip(names, outs)), rebuild(grads)
 
+    def declared_attrs(self, call: OpCall) -> Dict[str, Any]:
+        """The call's keyword arguments less those of options the port does not declare while
+        they hold the spec's default (num_heads=1, activation="softmax", key_norm=True,
+        return_lse / return_weights False), and less a fixed scale / eps: a port's function is
+        called with the keywords of its own API only."""
+        caps = self.capabilities()
+        attrs = dict(call.attrs)
+        for key, default, option in (("num_heads", 1, "num_heads"), ("activation", "softmax", "sigmoid"),
+                                     ("key_norm", True, "no_key_norm"), ("return_lse", False, "lse"),
+                                     ("return_weights", False, "weights")):
+            if option not in caps.options and key in attrs and attrs[key] == default:
+                del attrs[key]
+        for key, fixed in (("scale", caps.scale), ("eps", caps.eps)):
+            if fixed is not None and attrs.get(key) == fixed:
+                del attrs[key]
+        if call.op == "merge_partial" and not caps.merge_lse and attrs.get("return_lse") is False:
+            del attrs["return_lse"]
+        return attrs
+
     def call_op(self, call: OpCall) -> OpResult:
         if call.op not in OPS:
             raise ValueError(f"op: expected one of {OPS}, got {call.op!r}")
         names = output_names(call.op, call.attrs, call.inputs)
+        if "out_normed" in names and tuple(self.capabilities().out_norm_outputs) == ("out_normed",):
+            names = tuple(n for n in names if n != "out")  # a fused norm that returns out_normed only
         with self.context(call):
             args = self.native_inputs(call)
             outputs, grads = self.run_op(call, args, names)

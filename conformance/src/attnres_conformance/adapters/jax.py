@@ -1,9 +1,9 @@
-"""The primitives of attnres_jax for `base.Adapter` (registry name "jax").
+"""`JaxAdapter`: JAX's primitives for `base.Adapter`, with no import of any AttnRes port.
 
-Only public names of attnres_jax are used: the ops, `ops.compute_dtype`, `router.probe_forward`
-and the backend contract of `attnres_jax.dispatch` (capabilities, and `impl_counts()` for which
-implementation served each call).  Calls run on JAX's default device (the contract's first
-device).  float64 calls (and float64/int64 overrides) run inside
+Subclass it for any JAX port (ours is `attnres_conformance.ports.attnres_jax`): declare
+`capabilities()`, and set `ops` or define `depth_attention` (etc.) on the subclass, taking the
+spec's arguments (see `adapters.torch` for an example).  Calls run on JAX's default device.
+float64 calls (and float64/int64 overrides) run inside
 `jax.enable_x64(True)`, a thread-local context, so the process-wide setting never changes.
 
 Strided inputs: JAX arrays have no strides (XLA owns layouts), so `strided=True` builds a
@@ -26,11 +26,7 @@ from typing import Dict
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attnres_core.config import VARIANT_KINDS
-from attnres_jax import dispatch, ops
-from attnres_jax.stack import probe_forward
 
-from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
 from .base import Adapter
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -66,15 +62,7 @@ def _x64_needed(call) -> bool:
 
 
 class JaxAdapter(Adapter):
-    name = "jax"
-    ops = ops
-    #: The forward cell of a gradient case reads the outputs of the case's gradient call
-    #: (`checks.check_reference`): attnres_jax's custom VJPs compute their primal with their fwd
-    #: rule (`attnres_jax.dispatch`), so the forward-only program and the
-    #: forward of the gradient program trace the same code, and a case compiles once instead of
-    #: twice.  Forward-only cases and the determinism and invariant checks still call the
-    #: forward alone; backend_jax's own tests hold jitted forward-only calls to the reference.
-    forward_in_gradient_call = True
+    name = "jax-port"
 
     def __init__(self):
         self._counts: Dict[str, int] = {}
@@ -89,28 +77,14 @@ class JaxAdapter(Adapter):
         except Exception:  # noqa: BLE001 - any backend failure means "not available"
             return False
 
-    def capabilities(self) -> Capabilities:
-        caps = dispatch.capabilities()
-        return Capabilities(dtypes=tuple(d for d in DTYPES if d in caps["dtypes"]), devices=caps["devices"][:1],
-                            ops=frozenset(OPS), options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
-                            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
-                            deterministic=caps["deterministic"])
-
     def versions(self) -> Dict[str, str]:
-        from attnres_jax import __version__
-
-        out = {"attnres_jax": __version__}
-        for dist in ("jax", "jaxlib", "flax"):
+        out = {}
+        for dist in ("jax", "jaxlib"):
             try:
                 out[dist] = metadata.version(dist)
             except metadata.PackageNotFoundError:
                 out[dist] = "not installed"
         return out
-
-    def implementations_used(self) -> Dict[str, int]:
-        """Adapter calls per implementation: "pallas" when an op call traced in it was served by
-        the Pallas kernels (`dispatch.impl_counts()` grew there), else "xla"."""
-        return dict(self._counts)
 
     def context(self, call):
         return jax.enable_x64(_x64_needed(call))
@@ -126,7 +100,7 @@ class JaxAdapter(Adapter):
     def to_numpy(self, x) -> np.ndarray:
         # Read back in the compute dtype (C10): float64 stays, bf16/fp16 widen exactly to float32.
         x = np.asarray(x)
-        return x.astype(ops.compute_dtype(x.dtype))
+        return x.astype(np.float64 if x.dtype == np.float64 else np.float32)
 
     def dtype_name(self, x) -> str:
         return str(x.dtype)
@@ -137,15 +111,8 @@ class JaxAdapter(Adapter):
         return False
 
     def _count(self, full, run):
-        """run(), counted under its implementation (decided when `full` first traced: a cached
-        executable traces no op call)."""
-        before = dispatch.impl_counts()
-        out = run()
-        impl = self._impl.get(full) or ("pallas" if dispatch.impl_counts()["pallas"] > before["pallas"] else "xla")
-        if full is not None:
-            self._impl[full] = impl
-        self._counts[impl] = self._counts.get(impl, 0) + 1
-        return out
+        """run() (a port that reports which implementation served a call overrides this)."""
+        return run()
 
     def _compiled(self, kind, fn, leaves, key, make):
         """(full key, the jitted `make(fn)`): built once per (key, leaf shapes/dtypes, x64)."""
@@ -191,9 +158,3 @@ class JaxAdapter(Adapter):
         outs, grads = self._count(full, lambda: run(tuple(leaves), tuple(c for c in cts if c is not None)))
         return outs, list(grads)
 
-    def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale):
-        return probe_forward(config, params, embedding, sublayer_weights, schedule=schedule, mix=mix,
-                             scale=scale)
-
-
-backend = JaxAdapter()

@@ -1,8 +1,10 @@
-"""The primitives of attnres_mlx for `base.Adapter` (registry name "mlx").
+"""`MLXAdapter`: MLX's primitives for `base.Adapter`, with no import of any AttnRes port.
 
-Native arrays are built on MLX's CPU stream from float64 (so values are not rounded to float32
-on the way); gradients come from `mx.vjp`; capabilities and the implementations that ran come
-from the backend's public contract (`attnres_mlx.dispatch`).
+Subclass it for any MLX port (ours is `attnres_conformance.ports.attnres_mlx`): declare
+`capabilities()`, and set `ops` or define `depth_attention` (etc.) on the subclass, taking the
+spec's arguments (see `adapters.torch` for an example).  Native arrays are built on MLX's CPU
+stream from float64 (so values are not rounded to float32 on the way); gradients come from
+`mx.vjp`.
 """
 
 from __future__ import annotations
@@ -12,11 +14,8 @@ from typing import Dict
 
 import mlx.core as mx
 import numpy as np
-from attnres_core.config import VARIANT_KINDS
-from attnres_mlx import dispatch, ops, probe
 
-from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
-from .base import Adapter, implementation_counts
+from .base import Adapter
 
 _NATIVE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32,
            "float64": mx.float64, "bool": mx.bool_}
@@ -31,33 +30,21 @@ def native_dtype(name: str) -> mx.Dtype:
     return dt
 
 
+def dtype_name(dtype: mx.Dtype) -> str:
+    """"float32" for mx.float32 (MLX prints "mlx.core.float32")."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
 def _native(a: np.ndarray, dtype: str) -> mx.array:
     # mx.array(float64 ndarray) would round to float32 first: build float64, then cast.
     return mx.array(a, dtype=mx.float64).astype(native_dtype(dtype), stream=mx.cpu)
 
 
 class MLXAdapter(Adapter):
-    name = "mlx"
-    ops = ops
-
-    def __init__(self):
-        self._since = dict(dispatch.impl_counts())
-
-    def capabilities(self) -> Capabilities:
-        caps = dispatch.capabilities()
-        return Capabilities(
-            dtypes=caps["dtypes"], devices=caps["devices"], ops=frozenset(OPS),
-            options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
-            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
-            deterministic=caps["deterministic"])
+    name = "mlx-port"
 
     def versions(self) -> Dict[str, str]:
-        from attnres_mlx import __version__
-        return {"mlx": metadata.version("mlx"), "attnres_mlx": __version__}
-
-    def implementations_used(self) -> Dict[str, int]:
-        """Op calls per implementation (`attnres_mlx.dispatch.impl_counts`) since creation."""
-        return implementation_counts(dict(dispatch.impl_counts()), self._since)
+        return {"mlx": metadata.version("mlx")}
 
     def array(self, values, dtype, device, strided):
         a = np.asarray(values, dtype=np.float64)
@@ -73,7 +60,7 @@ class MLXAdapter(Adapter):
         return np.array(x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
 
     def dtype_name(self, x) -> str:
-        return ops.dtype_name(x.dtype)
+        return dtype_name(x.dtype)
 
     # MLX arrays share no memory a caller could write through: `a[i] = v` rebinds `a` to a new
     # array and never changes another array; only returning an argument object itself would let
@@ -88,10 +75,3 @@ class MLXAdapter(Adapter):
             return list(grads)
 
         return outs, pullback
-
-    def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale):
-        return probe.probe_forward(config, params, embedding, sublayer_weights, schedule=schedule,
-                                   mix=mix, scale=scale)
-
-
-backend = MLXAdapter()

@@ -1,24 +1,29 @@
-"""The primitives of attnres_torch for `base.Adapter` (registry name "torch").
+"""`TorchAdapter`: PyTorch's primitives for `base.Adapter`, with no import of any AttnRes port.
 
-Ops are dispatched exactly as users get them; gradients come from `torch.autograd.grad`; the
-probe network is `DepthRouter` run with `torch.func.functional_call` on the given parameters.
+Subclass it for any torch port (ours is `attnres_conformance.ports.attnres_torch`): declare
+`capabilities()`, and either set `ops` (a module with `depth_attention`, `depth_attention_multi`,
+`merge_partial`) or define those methods on the subclass, each taking the spec's arguments::
+
+    class MyPort(TorchAdapter):
+        name = "my_port"
+        def capabilities(self):
+            return Capabilities(dtypes=("float32",), ops=frozenset({"depth_attention"}),
+                                options=frozenset())
+        def depth_attention(self, sources, query, norm_weight, *, eps=1e-6, scale=1.0):
+            return my_port.attn_res(torch.stack(sources), query * norm_weight * scale, eps)
+
+Gradients come from `torch.autograd.grad`; strided inputs are every other element of a buffer
+twice as wide; aliasing (C7a) is judged by overlapping storage.
 """
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Dict
 
 import numpy as np
 import torch
-from attnres_core.config import VARIANT_KINDS
-from attnres_core.probe import probe_sublayers
-from attnres_torch import dispatch, ops
-from attnres_torch.modules import DepthRouter
-from attnres_torch.residual_ops import TorchOps
 
-from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
-from .base import Adapter, implementation_counts
+from .base import Adapter
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -35,38 +40,10 @@ def _span(t: torch.Tensor):
 
 
 class TorchAdapter(Adapter):
-    name = "torch"
-    ops = ops
-
-    def __init__(self):
-        self._since = dict(dispatch.impl_counts())
-
-    def devices(self) -> tuple:
-        return dispatch.capabilities()["devices"]
-
-    def capabilities(self) -> Capabilities:
-        # The backend contract's own answer (attnres_torch.dispatch.capabilities): a fused kernel
-        # serves the default op on the default device (the C kernel on the CPU unless
-        # ATTNRES_TORCH_CPU_C=0 or it cannot be built, the Triton kernels on CUDA).
-        caps = dispatch.capabilities()
-        return Capabilities(
-            dtypes=caps["dtypes"], devices=caps["devices"], ops=frozenset(OPS),
-            options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
-            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
-            deterministic=caps["deterministic"])
+    name = "torch-port"
 
     def versions(self) -> Dict[str, str]:
-        out = {"torch": torch.__version__}
-        for dist in ("attnres-torch", "triton"):
-            try:
-                out[dist] = metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                pass
-        return out
-
-    def implementations_used(self) -> Dict[str, int]:
-        """Calls per implementation (`attnres_torch.dispatch.impl_counts`) since creation."""
-        return implementation_counts(dict(dispatch.impl_counts()), self._since)
+        return {"torch": torch.__version__}
 
     def array(self, values, dtype, device, strided):
         dt = torch_dtype(dtype)
@@ -102,14 +79,3 @@ class TorchAdapter(Adapter):
             return [next(got) if t.requires_grad else None for t in grad_leaves]
 
         return outs, pullback
-
-    def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale):
-        num_layers, dim = sublayer_weights.shape[0], embedding.shape[-1]
-        router = DepthRouter(config, num_layers, dim, schedule=schedule).to(
-            device=embedding.device, dtype=embedding.dtype)
-        sublayers = probe_sublayers(config, TorchOps(), sublayer_weights)  # attnres_core.probe
-        return torch.func.functional_call(router, params, (embedding, sublayers),
-                                          dict(mix=mix, scale=scale))
-
-
-backend = TorchAdapter()

@@ -1,0 +1,47 @@
+"""attnres_mlx on `adapters.mlx.MLXAdapter` (registry name "mlx").
+
+Capabilities and the implementations that ran come from the backend's public contract
+(`attnres_mlx.dispatch`); the probe network is `attnres_mlx.probe.probe_forward`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from attnres_core.config import VARIANT_KINDS
+from attnres_mlx import dispatch, ops, probe
+
+from ..adapters.base import implementation_counts
+from ..adapters.mlx import MLXAdapter
+from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
+
+
+class AttnresMLX(MLXAdapter):
+    name = "mlx"
+    ops = ops
+
+    def __init__(self):
+        self._since = dict(dispatch.impl_counts())
+
+    def capabilities(self) -> Capabilities:
+        caps = dispatch.capabilities()
+        return Capabilities(
+            dtypes=caps["dtypes"], devices=caps["devices"], ops=frozenset(OPS),
+            options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
+            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
+            deterministic=caps["deterministic"])
+
+    def versions(self) -> Dict[str, str]:
+        from attnres_mlx import __version__
+        return dict(super().versions(), attnres_mlx=__version__)
+
+    def implementations_used(self) -> Dict[str, int]:
+        """Op calls per implementation (`attnres_mlx.dispatch.impl_counts`) since creation."""
+        return implementation_counts(dict(dispatch.impl_counts()), self._since)
+
+    def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale):
+        return probe.probe_forward(config, params, embedding, sublayer_weights, schedule=schedule,
+                                   mix=mix, scale=scale)
+
+
+backend = AttnresMLX()

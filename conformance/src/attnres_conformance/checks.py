@@ -224,8 +224,45 @@ def _compare_grads(golden, result, override, input_dtypes=None) -> Tuple[List[Co
                 continue
             dtype = input_dtypes.get(name) if isinstance(input_dtypes.get(name), str) else None
             comps.append(compare(f"d_{name}", _stacked(got), ref, dtype or _array_dtype(golden, name), grad=True,
-                                 override=override))
+                                 override=override, floor=condition_floor(golden, name)))
     return comps, failures
+
+
+def condition_floor(golden, name: str):
+    """For d_query / d_norm_weight of depth_attention: the sum of the magnitudes of the terms
+    their reference sums, sum_i |dz_i| |s r_i x_i| |g| (|q| for the gain), elementwise.  These
+    gradients are sums of terms that cancel (the softmax's dz_i sum to about 0): at N = 2, D = 1,
+    or at a logit gap of 120 without a d_lse cotangent, the result is far smaller than its terms,
+    and an honest float32 port's error, a rounding of the terms, exceeds the array's own RMS.
+    Measured against this floor, a rounding-level error passes and a wrong term (an O(1) part
+    of the terms) still fails.  None elsewhere."""
+    if golden.op != "depth_attention" or name not in ("query", "norm_weight"):
+        return None
+    a, at = golden.arrays, golden.attrs
+    x, q, g = a["input.sources"], a["input.query"], a.get("input.norm_weight")
+    if name == "norm_weight" and g is None:
+        return None
+    kw = {k: at[k] for k in ("eps", "scale", "num_heads", "activation", "key_norm") if k in at}
+    h, s = int(kw.get("num_heads", 1)), float(kw.get("scale", 1.0))
+    with np.errstate(all="ignore"):
+        out, w = ops.depth_attention(list(x), q, g, return_weights=True, **kw)
+        d = x.shape[-1]
+        xh = x.reshape(x.shape[:-1] + (h, d // h))
+        r = 1.0 / np.sqrt(np.mean(xh ** 2, axis=-1, keepdims=True) + kw.get("eps", 1e-6)) \
+            if kw.get("key_norm", True) else np.ones(xh.shape[:-1] + (1,))
+        dout = a["cotangent.out"].reshape(out.shape[:-1] + (h, d // h))
+        outh = out.reshape(dout.shape)
+        wh = np.abs(w).reshape(xh.shape[:-1])
+        dz = wh * (np.abs(np.sum(dout * xh, -1)) + np.abs(np.sum(dout * outh, -1)))
+        if a.get("cotangent.lse") is not None:
+            dz = dz + wh * np.abs(a["cotangent.lse"]).reshape(wh.shape[1:])
+        terms = (dz[..., None] * abs(s) * np.abs(xh * r)).reshape(x.shape)
+        other = np.abs(g) if name == "query" and g is not None else np.abs(q) if name == "norm_weight" else 1.0
+        terms = terms * other
+        total = terms.sum(axis=0)
+        if name == "norm_weight" or q.ndim == 1:
+            total = total.reshape(-1, d).sum(axis=0)
+    return np.nan_to_num(total, nan=0.0, posinf=0.0)
 
 
 def _naive(golden) -> dict:

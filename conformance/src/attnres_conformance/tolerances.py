@@ -100,11 +100,12 @@ class Comparison:
         return self.err <= self.rtol
 
 
-def rel_err(actual, reference, atol: float) -> tuple:
+def rel_err(actual, reference, atol: float, extra_floor=None) -> tuple:
     """(rel_err, message) of `actual` against the float64 `reference` (same shape).
 
     Non-finite entries must agree exactly; the message counts mismatches and names the worst
-    element."""
+    element.  floor: an elementwise condition floor (same shape) raising the RMS floor where a
+    result is a sum of terms that cancel (`checks.condition_floor`)."""
     a = np.asarray(actual, dtype=np.float64)
     r = np.asarray(reference, dtype=np.float64)
     if a.shape != r.shape:
@@ -118,6 +119,8 @@ def rel_err(actual, reference, atol: float) -> tuple:
     if a.size == 0 or not fin_r.any():
         return 0.0, ""
     floor = max(float(np.sqrt(np.mean(np.square(r[fin_r])))), atol)
+    if extra_floor is not None:
+        floor = np.maximum(floor, np.nan_to_num(np.asarray(extra_floor, np.float64), nan=0.0, posinf=0.0))
     with np.errstate(invalid="ignore"):  # inf - inf where both agree on a non-finite value
         e = np.where(fin_r, np.abs(a - r) / (np.abs(r) + floor), 0.0)
     i = np.unravel_index(np.argmax(e), e.shape)
@@ -129,9 +132,10 @@ def rel_err(actual, reference, atol: float) -> tuple:
 
 
 def compare(name: str, actual, reference, dtype: str, *, grad: bool,
-            override: Optional[str] = None) -> Comparison:
-    """Compare one array against the reference with the table's rtol for `dtype`."""
-    err, msg = rel_err(actual, reference, TOLERANCES[dtype].atol)
+            override: Optional[str] = None, floor=None) -> Comparison:
+    """Compare one array against the reference with the table's rtol for `dtype` (floor: an
+    elementwise condition floor, see `rel_err`)."""
+    err, msg = rel_err(actual, reference, TOLERANCES[dtype].atol, floor)
     return Comparison(name, err, tolerance(dtype, grad=grad, override=override), msg)
 
 

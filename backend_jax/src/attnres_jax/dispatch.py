@@ -53,7 +53,6 @@ from attnres_core import dispatch as contract
 from attnres_core.dispatch import Choice
 
 from . import _mesh
-
 from ._args import MergeOptions, Options, Request, compute_dtype, restack, sum_to, unstack
 from ._math import join_columns, query_side, split_columns
 from ._xla import XLA, Xla

@@ -97,7 +97,7 @@ def scheme(config: dict, where: str = "config") -> ResidualConfig:
                 "attnres_torch.hf or attnres_mlx.mlx_lm.save_hf); a PreNorm checkpoint loads with "
                 "mlx_lm.load, then attnres_mlx.mlx_lm.convert_prenorm converts it")
     rc = ResidualConfig.from_dict(record["config"])
-    if config.get("model_type") == AUTO_MODEL_TYPE and not record.get("model_type"):
+    if config.get("model_type") == AUTO_MODEL_TYPE and not _base_type(record):
         _refuse(f"{where}: model_type {AUTO_MODEL_TYPE!r} without the base model_type in the "
                 f"{CONFIG_KEY!r} record")
     form = record.get("form")
@@ -125,8 +125,14 @@ def base_config(config: dict) -> dict:
     (mlx-lm picks its model class by it); mlx-lm's `model_file` dropped."""
     out = {k: v for k, v in config.items() if k != "model_file"}
     if out.get("model_type") == AUTO_MODEL_TYPE:
-        out["model_type"] = out[CONFIG_KEY]["model_type"]
+        out["model_type"] = _base_type(out[CONFIG_KEY])
     return out
+
+
+def _base_type(record: dict):
+    """The base model's type in an "attnres" record: "base_model_type" as attnres_torch.hf
+    writes it (an earlier form wrote "model_type")."""
+    return record.get("base_model_type") or record.get("model_type")
 
 
 def mlx_lm_config(config: dict) -> dict:

@@ -261,16 +261,23 @@ def param_dtype(blocks: Sequence[nn.Module], dtype) -> torch.dtype:
     return dtype
 
 
+def norm_dim(norm: nn.Module) -> Optional[int]:
+    """The D a norm module normalizes (its `normalized_shape`, else its 1-D weight), or None."""
+    shape = getattr(norm, "normalized_shape", None)
+    if shape:
+        return int(shape[-1])
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return int(weight.shape[0])
+    return None
+
+
 def _infer_dim(block: nn.Module, specs) -> int:
     for spec in specs:
         if isinstance(spec, tuple):
-            norm = getattr(block, spec[0])
-            shape = getattr(norm, "normalized_shape", None)
-            if shape:
-                return int(shape[-1])
-            weight = getattr(norm, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() == 1:
-                return int(weight.shape[0])
+            dim = norm_dim(getattr(block, spec[0]))
+            if dim is not None:
+                return dim
     raise ValueError("dim: cannot infer D from the blocks' norms; pass dim=")
 
 

@@ -105,7 +105,7 @@ import torch
 from attnres_core.config import ResidualConfig
 from torch import nn
 
-from .convert import DepthSite, PerLayerRouter, make_sites, param_dtype
+from .convert import DepthSite, PerLayerRouter, make_sites, norm_dim, param_dtype
 from .modules import DepthRouter
 
 __all__ = ["convert", "decoder_layers", "find_decoder", "from_pretrained", "is_converted",
@@ -929,14 +929,9 @@ def _infer_dim(model: nn.Module, layer: nn.Module, form: Form) -> int:
     for chain, _, _ in form:
         for name in chain:
             norm = getattr(layer, name)
-            if not _is_norm(norm):
-                continue
-            shape = getattr(norm, "normalized_shape", None)
-            if shape:
-                return int(shape[-1])
-            weight = getattr(norm, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() == 1:
-                return int(weight.shape[0])
+            dim = norm_dim(norm) if _is_norm(norm) else None
+            if dim is not None:
+                return dim
     if isinstance(hidden, int):
         return hidden
     raise ValueError("model: cannot infer the hidden size D from the layers' norms or config")

@@ -487,11 +487,10 @@ def _spec_of(backend) -> str:
 def match_rule(rules: Sequence[SkipRule], case) -> Optional[SkipRule]:
     """The rule for `case` (a Case, or a case id for prefix rules only): the longest matching
     prefix, glob or tag wins (a specific xfail inside a broad skip)."""
-    if isinstance(case, str):
-        hits = [r for r in rules if not r.prefix.startswith("tag:") and fnmatch.fnmatchcase(case, r.prefix)
-                if any(ch in r.prefix for ch in "*?[")] + [r for r in rules if case.startswith(r.prefix)]
-    else:
-        hits = [r for r in rules if r.matches(case)]
+    if isinstance(case, str):  # an id alone: prefixes and globs (no tags without the case)
+        case = cases_mod.Case(case, "skip", case.rsplit("/", 1)[-1], {})
+        rules = [r for r in rules if not r.prefix.startswith("tag:")]
+    hits = [r for r in rules if r.matches(case)]
     return max(hits, key=lambda r: len(r.prefix)) if hits else None
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Dict
 
-from attnres_core.config import VARIANT_KINDS
 from attnres_jax import dispatch, ops
 from attnres_jax.stack import probe_forward
 
 from ..adapters.jax import DTYPES, JaxAdapter
-from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
+from ..backend import Capabilities
+from . import contract_capabilities
 
 
 class AttnresJax(JaxAdapter):
@@ -31,10 +31,8 @@ class AttnresJax(JaxAdapter):
 
     def capabilities(self) -> Capabilities:
         caps = dispatch.capabilities()
-        return Capabilities(dtypes=tuple(d for d in DTYPES if d in caps["dtypes"]), devices=caps["devices"][:1],
-                            ops=frozenset(OPS), options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
-                            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
-                            deterministic=caps["deterministic"])
+        return contract_capabilities(caps, dtypes=tuple(d for d in DTYPES if d in caps["dtypes"]),
+                                     devices=caps["devices"][:1])
 
     def versions(self) -> Dict[str, str]:
         from attnres_jax import __version__

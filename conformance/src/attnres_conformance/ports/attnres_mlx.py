@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Dict
 
-from attnres_core.config import VARIANT_KINDS
 from attnres_mlx import dispatch, ops, probe
 
 from ..adapters.base import implementation_counts
 from ..adapters.mlx import MLXAdapter
-from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
+from ..backend import Capabilities
+from . import contract_capabilities
 
 
 class AttnresMLX(MLXAdapter):
@@ -24,12 +24,7 @@ class AttnresMLX(MLXAdapter):
         self._since = dict(dispatch.impl_counts())
 
     def capabilities(self) -> Capabilities:
-        caps = dispatch.capabilities()
-        return Capabilities(
-            dtypes=caps["dtypes"], devices=caps["devices"], ops=frozenset(OPS),
-            options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
-            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
-            deterministic=caps["deterministic"])
+        return contract_capabilities(dispatch.capabilities())
 
     def versions(self) -> Dict[str, str]:
         from attnres_mlx import __version__

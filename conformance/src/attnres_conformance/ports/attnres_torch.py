@@ -10,7 +10,6 @@ from importlib import metadata
 from typing import Dict
 
 import torch
-from attnres_core.config import VARIANT_KINDS
 from attnres_core.probe import probe_sublayers
 from attnres_torch import dispatch, ops
 from attnres_torch.modules import DepthRouter
@@ -18,7 +17,8 @@ from attnres_torch.residual_ops import TorchOps
 
 from ..adapters.base import implementation_counts
 from ..adapters.torch import TorchAdapter
-from ..backend import OPS, OPTIONS, SCHEDULES, Capabilities
+from ..backend import Capabilities
+from . import contract_capabilities
 
 
 class AttnresTorch(TorchAdapter):
@@ -35,12 +35,7 @@ class AttnresTorch(TorchAdapter):
         # The backend contract's own answer (attnres_torch.dispatch.capabilities): a fused kernel
         # serves the default op on the default device (the C kernel on the CPU unless
         # ATTNRES_TORCH_CPU_C=0 or it cannot be built, the Triton kernels on CUDA).
-        caps = dispatch.capabilities()
-        return Capabilities(
-            dtypes=caps["dtypes"], devices=caps["devices"], ops=frozenset(OPS),
-            options=frozenset(OPTIONS), variants=frozenset(VARIANT_KINDS),
-            schedules=frozenset(SCHEDULES), fused_kernel=caps["fused_kernel"],
-            deterministic=caps["deterministic"])
+        return contract_capabilities(dispatch.capabilities())
 
     def versions(self) -> Dict[str, str]:
         out = {"torch": torch.__version__}

@@ -106,7 +106,10 @@ def _draw_sources(rng, n: int, shape: tuple, dtype: str, magnitude: float = 1.0,
         return np.zeros((n,) + shape)
     if magnitude != 1.0:
         return round_to_dtype(magnitude * np.clip(rng.standard_normal((n,) + shape), -3, 3), dtype)
-    mag = np.exp(rng.standard_normal(n)).reshape((n,) + (1,) * len(shape))
+    # The magnitudes are rounded to float32: np.exp may differ by an ulp between CPUs (SIMD
+    # paths), and a float32 value times a float64 normal is exact, so every machine regenerates
+    # the committed inputs bit for bit.
+    mag = round_to_dtype(np.exp(rng.standard_normal(n)), "float32").reshape((n,) + (1,) * len(shape))
     return round_to_dtype(rng.standard_normal((n,) + shape) * mag, dtype)
 
 

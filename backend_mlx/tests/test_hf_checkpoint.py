@@ -63,13 +63,20 @@ def test_load_hf_gives_torchs_logits_and_greedy_tokens(case):
     assert _greedy(model, want["prompt"], len(want["greedy"])) == want["greedy"]
 
 
-def test_plain_mlx_lm_loads_refuse_or_are_wrong_which_is_why_load_hf_exists():
-    """What the docs warn about, on the torch-saved checkpoint: strict loading refuses the rows;
-    strict=False returns the PreNorm model (at mlx-lm's default RoPE base, too) without a word."""
+def test_plain_mlx_lm_loads_refuse_or_are_wrong_which_is_why_load_hf_exists(tmp_path):
+    """What the docs warn about.  The checkpoint as attnres_torch.hf saves it (model_type
+    "attnres"): mlx-lm alone refuses it, strict or not (no such model type).  The earlier record
+    form (the base model_type in config.json): strict loading refuses the rows, strict=False
+    returns the PreNorm model (at mlx-lm's default RoPE base, too) without a word."""
     want = _expected(DATA / "block")
+    for strict in (True, False):
+        with pytest.raises(ValueError, match="Model type attnres not supported"):
+            load_model(DATA / "block", strict=strict)
+    d = _copy("block", tmp_path)
+    _edit_config(d, _legacy_record)
     with pytest.raises(ValueError, match="attnres"):
-        load_model(DATA / "block")
-    plain, _ = load_model(DATA / "block", strict=False)
+        load_model(d)
+    plain, _ = load_model(d, strict=False)
     assert np.abs(_logits(plain, want["prompt"]) - np.asarray(want["logits"])).max() > 0.1
 
 
@@ -185,23 +192,21 @@ def test_a_torch_config_naming_the_model_file_makes_plain_mlx_lm_loud_and_load_h
     assert np.abs(_logits(model, want["prompt"]) - np.asarray(want["logits"])).max() <= _tolerance(want)
 
 
-def _auto_record(c: dict) -> None:
-    """The record form of newer attnres_torch.hf (model_type "attnres", the base type and the
-    traced form in the record), from the committed fixture's older form."""
+def _legacy_record(c: dict) -> None:
+    """The record form of earlier attnres_torch.hf (the base model_type in config.json, the
+    decoder "layout" in the record), from the committed fixture's form (model_type "attnres",
+    the base type and the traced form in the record)."""
     record = c["attnres"]
-    if c["model_type"] != "attnres":  # the committed fixture may already be in this form
-        record.pop("layout")
-        record.update(model_type=c["model_type"], form=FORM)
-        c["model_type"] = "attnres"
+    assert c["model_type"] == "attnres" and record.pop("form") == FORM
+    c["model_type"] = record.pop("base_model_type")
+    record["layout"] = ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
 
 
 @pytest.mark.parametrize("case", ["block", "full"])
-def test_the_model_type_attnres_record_loads_and_saves_back_in_its_own_form(case, tmp_path):
+def test_the_earlier_record_form_loads_and_saves_back_in_its_own_form(case, tmp_path):
     want = _expected(DATA / case)
     d = _copy(case, tmp_path)
-    _edit_config(d, _auto_record)
-    with pytest.raises(ValueError, match="Model type attnres not supported"):
-        load_model(d, strict=False)  # mlx-lm alone: loud, not the PreNorm model
+    _edit_config(d, _legacy_record)
     model, _ = load_hf(d)
     assert np.abs(_logits(model, want["prompt"]) - np.asarray(want["logits"])).max() <= _tolerance(want)
     assert _greedy(model, want["prompt"], len(want["greedy"])) == want["greedy"]
@@ -211,13 +216,43 @@ def test_the_model_type_attnres_record_loads_and_saves_back_in_its_own_form(case
     assert cfg == json.loads((d / "config.json").read_text())
     remote, _ = load_model(tmp_path / "out", trust_remote_code=True)
     assert np.array_equal(_logits(remote, want["prompt"]), _logits(model, want["prompt"]))
-    # forms the mlx-lm conversion does not run, and a record without the base type
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["attnres", "legacy"])
+def test_a_changed_scheme_saves_a_new_record_in_the_loaded_form(legacy, tmp_path):
+    """save_hf of a model whose scheme is not the loaded one writes a new record, in the form
+    the checkpoint had (model_type "attnres" + base_model_type + form, or the base model_type +
+    layout), and it loads back equal."""
+    d = _copy("block", tmp_path)
+    if legacy:
+        _edit_config(d, _legacy_record)
+    model, _ = load_hf(d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["attnres"]["config"]["block_size"] = 2  # the record now disagrees with the model's scheme
+    save_hf(model, tmp_path / "out", config=cfg)
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    record = out["attnres"]
+    assert record["config"]["block_size"] == 4  # the model's scheme, not the stale record's
+    if legacy:
+        assert out["model_type"] == "llama" and record["layout"] and "form" not in record
+    else:
+        assert out["model_type"] == "attnres" and record["base_model_type"] == "llama"
+        assert record["form"] == FORM and "layout" not in record and "model_type" not in record
+    back, _ = load_hf(tmp_path / "out")
+    prompt = _expected(DATA / "block")["prompt"]
+    assert np.array_equal(_logits(back, prompt), _logits(model, prompt))
+
+
+def test_records_load_hf_refuses(tmp_path):
+    """Forms the mlx-lm conversion does not run, and a model_type "attnres" record without the
+    base type."""
+    d = _copy("block", tmp_path)
     olmo2 = [[["self_attn", "post_attention_layernorm"], "self_attn", None],
              [["mlp", "post_feedforward_layernorm"], "mlp", None]]
     _edit_config(d, lambda c: c["attnres"].update(form=olmo2))
     with pytest.raises(ValueError, match="converts PreNorm layers only"):
         load_hf(d)
-    _edit_config(d, lambda c: c["attnres"].update(form=FORM, model_type=None))
+    _edit_config(d, lambda c: (c["attnres"].update(form=FORM), c["attnres"].pop("base_model_type")))
     with pytest.raises(ValueError, match="without the base model_type"):
         load_hf(d)
 

@@ -325,7 +325,7 @@ def _record(model, layers, config: dict) -> dict:
               "dtype": dtype, "layers": "model.layers", "layout": list(LAYOUT)}
     if config.get("model_type") == AUTO_MODEL_TYPE:
         record.pop("layout")
-        record.update(form=copy.deepcopy(FORM), model_type=loaded["model_type"])
+        record.update(form=copy.deepcopy(FORM), base_model_type=_base_type(loaded))
     return record
 
 

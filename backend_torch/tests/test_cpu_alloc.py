@@ -89,25 +89,3 @@ def test_rejects_a_non_bool():
 @pytest.mark.skipif(GLIBC, reason="the non-glibc answer")
 def test_returns_false_without_glibc():
     assert cpu.keep_large_blocks(True) is False and not cpu.large_blocks_kept()
-
-
-def test_cpu_is_a_deprecated_alias_of_cpu_alloc():
-    """`attnres_torch.cpu` (the module's previous name) warns once on import and hands out the
-    same functions, so the setting's state is one."""
-    code = textwrap.dedent("""
-        import warnings
-        warnings.simplefilter("error", DeprecationWarning)
-        import attnres_torch
-        try:
-            from attnres_torch import cpu
-        except DeprecationWarning as w:
-            print("warned:", w)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from attnres_torch import cpu, cpu_alloc
-        assert cpu.keep_large_blocks is cpu_alloc.keep_large_blocks
-        assert cpu.large_blocks_kept is cpu_alloc.large_blocks_kept
-        print("same")
-    """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "warned: attnres_torch.cpu is deprecated" in res.stdout and "same" in res.stdout

@@ -1,6 +1,6 @@
 """The public backend contract in `attnres_torch.dispatch` (IMPLEMENTATIONS, availability,
-use_impl, Choice, last_choice, impl_counts, capabilities), its deprecated names, and the flat
-kernel path: from the public op to a kernel at most 3 files on the stack, none entered twice."""
+use_impl, Choice, last_choice, impl_counts, capabilities) and the flat kernel path: from the
+public op to a kernel at most 3 files on the stack, none entered twice."""
 
 from __future__ import annotations
 
@@ -124,20 +124,6 @@ def test_implementation_modules():
         dispatch.implementation("nope")
     for module in (cpu_c, chunked):
         assert module.NAME in dispatch.IMPLEMENTATIONS and module.DEVICE_TYPE == "cpu"
-
-
-def test_previous_names_are_deprecated_aliases():
-    with pytest.warns(DeprecationWarning, match="dispatch.IMPLS is deprecated"):
-        impls = dispatch.IMPLS
-    assert impls["chunked"] is chunked and impls["cpu_c"] is cpu_c
-    with pytest.warns(DeprecationWarning, match="dispatch.kernel is deprecated"):
-        assert dispatch.kernel("chunked") is chunked
-    with pytest.warns(DeprecationWarning, match="dispatch.triton_kernels is deprecated"):
-        triton_kernels = dispatch.triton_kernels
-    module = triton_kernels()
-    assert module is None or module.NAME == "triton"
-    with pytest.raises(AttributeError):
-        dispatch.no_such_name  # noqa: B018
 
 
 # -- the flat path ----------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """The `torch.library` custom ops of each kernel implementation (`attnres::<impl>_<kind>`,
 registered by `library.define`): opcheck (schema, fake/meta, autograd registration), a
-`torch.compile(fullgraph=True)` trace of a model using them, and the previous release's
-impl-argument ops as deprecated functions."""
+`torch.compile(fullgraph=True)` trace of a model using them."""
 
 from __future__ import annotations
 
@@ -57,29 +56,6 @@ def test_ops_are_named_per_implementation():
     assert not hasattr(chunked.OPS, "depth_attention_out_norm")
     with pytest.raises(ValueError, match="bodies: expected kinds"):
         library.define("bogus", {"depth_attention": chunked.depth_attention}, lambda d, o: False)
-
-
-def test_previous_ops_are_deprecated_functions_of_the_named_implementation():
-    """`library.depth_attention_op(..., impl, save)` and its siblings warn and return exactly what
-    the named implementation's op returns."""
-    xs, q, g = _sources(grad=False), torch.randn(6), torch.rand(6) + 0.5
-    with pytest.warns(DeprecationWarning, match="depth_attention_op is deprecated"):
-        old = library.depth_attention_op
-    for impl, module in IMPLS.items():
-        got = old(xs, q, g, 1e-6, 1.0, impl, "auto")
-        want = module.OPS.depth_attention(xs, q, g, 1e-6, 1.0, "auto")
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.warns(DeprecationWarning, match="out_norm_backward_op"):
-        old_bwd = library.depth_attention_out_norm_backward_op
-    w = torch.rand(6) + 0.5
-    out, _, lse, _ = cpu_c.OPS.depth_attention_out_norm(xs, q, g, w, 1e-6, 1.0, 1e-5, False, "out")
-    args = (xs, q, g, w, out, lse, torch.randn(4, 6), torch.randn(4, 6), torch.randn(4), 1e-6, 1.0,
-            1e-5)
-    got = old_bwd(*args[:12], "cpu_c")
-    want = cpu_c.OPS.depth_attention_out_norm_backward(*args)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(AttributeError):
-        library.no_such_op  # noqa: B018
 
 
 def test_compile_fullgraph_router_model():

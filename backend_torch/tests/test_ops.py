@@ -9,7 +9,6 @@ import torch
 from _helpers import DTYPES, assert_close, compute_dtype, f64, leaves, rand
 from attnres_conformance.tolerances import TOLERANCES
 from attnres_numpy import ops as ref
-from attnres_torch import chunked
 
 FAST = ("float32", "float16", "bfloat16")
 CASES = [  # (N, batch, D, per-token query, gain)
@@ -271,18 +270,6 @@ def test_forcing_cpu_on_unsupported_call_raises():
             pass
 
 
-def test_use_impl_cpu_is_a_deprecated_alias_of_chunked():
-    """"cpu" was the chunked kernel's name until it became "chunked": one release of warning."""
-    x, q = torch.randn(4, 8), torch.randn(8)
-    with pytest.warns(DeprecationWarning, match='"cpu" is deprecated.*"chunked"'):
-        with at.use_impl("cpu"):
-            assert at.dispatch.forced() == "chunked"
-            at.depth_attention([x, x + 1], q)
-    assert at.last_impl() == "chunked"
-    with pytest.warns(DeprecationWarning, match='"cpu"'):
-        assert at.dispatch.implementation("cpu") is chunked
-
-
 def test_tolerances_are_tight_enough_to_fail():
     """The comparison (the suite's metric and float32 value row) rejects a result whose every
     element is off by 3 rtol relative (the check can fail)."""
@@ -337,4 +324,3 @@ def test_merge_partial_goes_through_the_dispatch_choice():
     with at.use_impl("cpu_c"):
         at.merge_partial(out1[0], lse1[0], xs[0], q.requires_grad_(True))
     assert at.last_impl() == "composite"
-

@@ -1,12 +1,9 @@
 """Training tools (`attnres_torch.training`): the stability schedules' values, exact end points and
-argument errors; the monitor and converters it re-exports; `attnres_torch.schedules`, its
-deprecated alias."""
+argument errors; the monitor and converters it re-exports."""
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 
 import pytest
 from attnres_torch.training import CosineWarmup, LinearWarmup, TemperatureSchedule
@@ -80,16 +77,3 @@ def test_training_gathers_the_tools_of_diagnostics_and_checkpoints():
     for name in ("fla_config", "k3_config", "from_fla", "to_fla", "from_k3", "to_k3", "load_into"):
         assert getattr(training, name) is getattr(checkpoints, name), name
     assert all(hasattr(training, name) for name in training.__all__)
-
-
-def test_schedules_is_a_deprecated_alias_of_training():
-    import attnres_torch.training as training
-
-    saved = sys.modules.pop("attnres_torch.schedules", None)
-    try:
-        with pytest.warns(DeprecationWarning, match="attnres_torch.schedules is deprecated: import attnres_torch.training"):
-            old = importlib.import_module("attnres_torch.schedules")
-        assert old is training and old.LinearWarmup is LinearWarmup
-    finally:
-        if saved is not None:
-            sys.modules["attnres_torch.schedules"] = saved

@@ -1,5 +1,5 @@
 """The CPU allocator setting of training/inference loops: keep freed large blocks in the process
-(opt-in, glibc only; `attnres_torch.cpu` is its deprecated alias).
+(opt-in, glibc only).
 
 PyTorch's CPU allocator takes its buffers from the C library's `malloc`.  glibc serves a block
 of 32 MiB or more (one fp32 `[8192, 1024]` gradient) with a fresh `mmap` and gives it back with

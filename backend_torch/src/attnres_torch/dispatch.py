@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional, Sequence, Tuple
@@ -59,9 +58,6 @@ from . import chunked, composite, cpu_c
 IMPLEMENTATIONS = ("triton", "cpu_c", "chunked", "composite")
 #: Source dtypes of the kernels (the compute dtype is fp32 for all three, C10).
 FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: Removed names, accepted with a DeprecationWarning for one release: "cpu" was the chunked
-#: kernel's name until the C kernel ("cpu_c") joined it.
-DEPRECATED_NAMES = {"cpu": "chunked"}
 
 MERGE = "merge_partial"
 
@@ -134,16 +130,6 @@ def _load_triton():
     return _triton[0]
 
 
-def _current_name(name, stacklevel: int):
-    """`name`, or the name it was renamed to (with a DeprecationWarning)."""
-    new = DEPRECATED_NAMES.get(name) if isinstance(name, str) else None
-    if new is None:
-        return name
-    warnings.warn(f'impl "{name}" is deprecated and will be removed in the next release: use "{new}"',
-                  DeprecationWarning, stacklevel=stacklevel + 1)
-    return new
-
-
 def _check_name(name) -> str:
     if not isinstance(name, str) or name not in IMPLEMENTATIONS:
         raise ValueError(f"impl: expected one of {IMPLEMENTATIONS}, got {name!r}")
@@ -153,7 +139,7 @@ def _check_name(name) -> str:
 def implementation(name: str):
     """The module of implementation `name` ("triton" imports Triton); ValueError for an unknown
     name or a Triton that cannot be imported."""
-    name = _check_name(_current_name(name, 2))
+    name = _check_name(name)
     if name == "triton":
         module = _load_triton()
         if isinstance(module, str):
@@ -192,10 +178,8 @@ def capabilities() -> dict:
 @contextlib.contextmanager
 def use_impl(name: str, **options) -> Iterator[None]:
     """Force every op call inside the block (in this thread / task) onto implementation `name`
-    (one of `IMPLEMENTATIONS`, or "auto": the automatic choice; a `DEPRECATED_NAMES` entry warns
-    and forces its new name).  The torch implementations take no options.  Used by tests, and
+    (one of `IMPLEMENTATIONS`, or "auto": the automatic choice).  The torch implementations take no options.  Used by tests, and
     by the Triton tests on CPU tensors under TRITON_INTERPRET=1."""
-    name = _current_name(name, 3)  # the caller's `with` line: contextmanager's __enter__ between
     if name != "auto":
         _check_name(name)
     if options:
@@ -323,32 +307,3 @@ def record(choice: Choice) -> None:
     for a call whose Choice `ops` kept from an earlier call of the same signature."""
     _record(choice)
 
-
-# -- names of the previous release, deprecated ----------------------------------------------------
-
-def _triton_or_none():
-    """The Triton implementation module, or None when Triton cannot be imported."""
-    module = _load_triton()
-    return None if isinstance(module, str) else module
-
-
-def _deprecated_impls() -> dict:
-    return {name: implementation(name) for name in IMPLEMENTATIONS
-            if name != "triton" or not isinstance(_load_triton(), str)}
-
-
-_DEPRECATED = {
-    "IMPLS": ("IMPLEMENTATIONS and implementation(name)", _deprecated_impls),
-    "kernel": ("implementation(name)", lambda: implementation),
-    "triton_kernels": ("availability()['triton'] and implementation('triton')",
-                       lambda: _triton_or_none),
-}
-
-
-def __getattr__(attr: str):
-    if attr not in _DEPRECATED:
-        raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
-    new, value = _DEPRECATED[attr]
-    warnings.warn(f"attnres_torch.dispatch.{attr} is deprecated and will be removed in the next "
-                  f"release: use {new}", DeprecationWarning, stacklevel=2)
-    return value()

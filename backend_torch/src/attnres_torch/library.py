@@ -38,16 +38,11 @@ Every body computes with autocast disabled (C3a, C10: the chunked kernel's fp32 
 fp32 inside a `torch.autocast` region, in the forward, the backward and inside compiled graphs);
 mixed source dtypes are promoted before the ops, in `ops.py` (`torch.library.register_autocast`
 casts every input to one fixed dtype, which would round fp32 sources to bf16).
-
-The ops of the previous release, `attnres::depth_attention` and friends with an `impl` string
-argument (`depth_attention_op`, ... here), remain for one release as deprecated functions that
-call the named implementation's op.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from types import SimpleNamespace
 from typing import Callable, Dict
 
@@ -236,32 +231,3 @@ def define(name: str, bodies: Dict[str, Callable],
     dtensor.register({f"{name}_{kind}": kind for kind in bodies})
     return ops
 
-
-# -- the previous release's ops (impl as an argument), deprecated ---------------------------------
-
-#: Old function name -> (op kind, position of its `impl` argument).
-_OLD_OPS = {"depth_attention_op": ("depth_attention", 5),
-            "depth_attention_weights_op": ("depth_attention_weights", 5),
-            "depth_attention_backward_op": ("depth_attention_backward", 9),
-            "depth_attention_multi_op": ("depth_attention_multi", 5),
-            "depth_attention_out_norm_op": ("depth_attention_out_norm", 7),
-            "depth_attention_out_norm_backward_op": ("depth_attention_out_norm_backward", 12)}
-
-
-def __getattr__(attr: str):
-    if attr not in _OLD_OPS:
-        raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
-    kind, at = _OLD_OPS[attr]
-    warnings.warn(f"attnres_torch.library.{attr} is deprecated and will be removed in the next "
-                  f"release: call attnres_torch.dispatch.implementation(impl).OPS.{kind} "
-                  "(the same arguments without impl)", DeprecationWarning, stacklevel=2)
-
-    def old_op(*args):
-        from . import dispatch
-
-        args = list(args)
-        impl = args.pop(at)
-        return getattr(dispatch.implementation(impl).OPS, kind)(*args)
-
-    old_op.__name__ = attr
-    return old_op

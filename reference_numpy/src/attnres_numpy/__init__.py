@@ -8,9 +8,7 @@ The float64 oracle:
 
 The spec core every backend imports (`config`, `validation`, `numerics`, `schedule`, `probe`,
 `training`) is the package `attnres_core`, shipped in the same distribution.  `ResidualConfig`,
-`VARIANT_KINDS`, `numerics`, `schedule` and `validation` are re-exported here (the same objects);
-the old module paths `attnres_numpy.<core module>` are deprecated aliases of `attnres_core.<module>`
-(the same module objects, a `DeprecationWarning` on import) for one release.
+`VARIANT_KINDS`, `numerics`, `schedule` and `validation` are re-exported here (the same objects).
 """
 
 from attnres_core import numerics, schedule, validation

@@ -28,8 +28,9 @@ from flax import nnx
 from flax.core import meta as flax_meta
 from flax.nnx.nn import linear as flax_linear
 
+from ._math import HIGHEST
 from .ops import depth_attention, dtype_name
-from .stack import HIGHEST, Sublayer, scan_apply, stack_apply
+from .stack import Sublayer, scan_apply, stack_apply
 
 #: The mesh axis of tensor parallelism in the modules' partitioning metadata.
 TENSOR_AXIS = "model"

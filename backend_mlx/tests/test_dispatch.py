@@ -1,4 +1,4 @@
-"""The public backend contract (`attnres_mlx.dispatch`) and the deprecated names it replaces."""
+"""The public backend contract (`attnres_mlx.dispatch`)."""
 
 import mlx.core as mx
 import numpy as np
@@ -78,25 +78,3 @@ def test_forced_metal_leaves_float64_to_compiled(monkeypatch):
     for choice in choices:
         assert choice.impl == "compiled"
         assert choice.refused == (("metal", "Metal has no float64 (C10)"),)
-
-
-def test_deprecated_names_warn_and_keep_working():
-    with pytest.deprecated_call(match="dispatch.IMPLEMENTATIONS"):
-        legacy = ops.IMPLEMENTATIONS
-    assert list(legacy) == ["metal", "compiled"] and legacy["compiled"] is dispatch.REGISTRY["compiled"]
-    with pytest.deprecated_call(match="dispatch.use_impl"):
-        forcing = ops.use_implementation("compiled")
-    with forcing:
-        with pytest.deprecated_call(match="dispatch.last_choice"):
-            assert ops.implementation_for(mx.float32).name == "compiled"
-        assert _every_op()[0].impl == "compiled"
-    with pytest.deprecated_call():
-        with ops.use_implementation("metal"):  # legacy: float64 keeps the automatic choice
-            with pytest.deprecated_call():
-                assert ops.implementation_for(mx.float64).name == "compiled"
-    with pytest.deprecated_call(), pytest.raises(ValueError, match="implementation: expected one of "
-                                                                     "metal, compiled or None, got 'cuda'"):
-        with ops.use_implementation("cuda"):
-            pass
-    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
-        ops.nonexistent  # noqa: B018

@@ -268,17 +268,15 @@ def test_row_cache_follows_parameter_updates():
 
 
 def test_probe_is_the_shared_one_and_checks_its_weights():
-    """The probe's sublayers are `attnres_core.probe`'s on `MlxOps` (the deprecated
-    `probe.probe_sublayers` included); sublayer_weights not `[L, D, D]` raises naming it."""
+    """The probe's sublayers are `attnres_core.probe`'s on `MlxOps` (`probe.probe_sublayers`
+    included); sublayer_weights not `[L, D, D]` raises naming it."""
     cfg = ResidualConfig.variant("fused_out_norm", eps=1e-3)
     _, _, emb, w = _probe_inputs(cfg, "float64")
     h, wm = to_mx(emb, "float64"), to_mx(w, "float64")
     with mx.stream(mx.cpu):
-        with pytest.deprecated_call(match="attnres_core.probe.probe_sublayers"):
-            fs = probe.probe_sublayers(wm, 1e-3, prenorm=False)
+        fs = probe.probe_sublayers(wm, 1e-3, prenorm=False)
         np.testing.assert_allclose(to_np(fs[1](h)), np.tanh(emb @ w[1]), rtol=1e-14, atol=1e-15)
-        with pytest.deprecated_call():
-            fs = probe.probe_sublayers(wm, 1e-3)
+        fs = probe.probe_sublayers(wm, 1e-3)
         np.testing.assert_allclose(to_np(fs[1](h)), ref_model.probe_sublayers(w, 1e-3)[1](emb),
                                    rtol=1e-14, atol=1e-15)
         params = {k: to_mx(v, "float64") for k, v in cfg.init_params(L, D).items()}

@@ -2,8 +2,8 @@
 and array steps, `mlx.optimizers.join_schedules`, as an optimizer's learning rate); the monitor's
 recorded statistics (the weights of the router's own reads: fused or not, the call's scale, M6
 input queries, M13 low-rank keys) against the float64 reference's depth weights, a recorded
-step's output and gradients equal to an unmonitored one's and the reference's, two-phase passes
-and the deprecated `record(scale=)`, a healthy run that answers nothing, and a constructed
+step's output and gradients equal to an unmonitored one's and the reference's, two-phase passes,
+a healthy run that answers nothing, and a constructed
 collapse that triggers each policy (reset in the router and the optimizer state, also on M6
 `query_weights`; lr_scale equal to the row in its own optimizer at lr * factor); the FLA / K3
 converters (bitwise round trips, a forward equal to the reference, at init and trained rows)."""
@@ -377,22 +377,6 @@ def test_two_phase_under_a_record_runs_direct_and_outside_runs_unobserved():
         model(x, monitor.observer)
     assert [r["row"] for r in monitor.history[0]["rows"]] == list(range(L + 1))
     assert monitor.history[0]["rows"] == monitor.history[1]["rows"]
-
-
-def test_record_scale_is_a_deprecated_no_op():
-    """record(step, scale=) still runs: a DeprecationWarning at the caller, and the entry is the
-    one recorded without it (the pass's own scale made the weights)."""
-    cfg, params, w, emb = _probe("full")
-    model = _Model(cfg, params, w)
-    monitor = T.DepthMonitor(model.router)
-    x = mx.array(emb)
-    with monitor.record(0):
-        model(x, monitor.observer, scale=2.0)
-    with pytest.warns(DeprecationWarning, match=r"record\(scale=\) is deprecated and ignored") as rec:
-        with monitor.record(1, scale=0.5):
-            model(x, monitor.observer, scale=2.0)
-    assert rec[0].filename == __file__ and len(rec) == 1
-    assert monitor.history[1]["rows"] == monitor.history[0]["rows"]
 
 
 # -- converters --------------------------------------------------------------------------------

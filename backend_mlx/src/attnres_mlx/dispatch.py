@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Dict, Iterator, NamedTuple, Optional, Protocol, Tuple
+from typing import Dict, Iterator, Optional, Protocol, Tuple
 
 from attnres_core import dispatch as contract
 from attnres_core.dispatch import Choice
@@ -78,12 +78,7 @@ REGISTRY: Dict[str, Implementation] = {
 IMPLEMENTATIONS: Tuple[str, ...] = tuple(REGISTRY)
 
 
-class _Forced(NamedTuple):
-    name: str
-    legacy: bool  # `ops.use_implementation` (deprecated): runs where it reports itself unavailable
-
-
-#: The contract's bookkeeping (`attnres_core.dispatch`): the forcing (a `_Forced`) and the record.
+#: The contract's bookkeeping (`attnres_core.dispatch`): the forcing (a name) and the record.
 _REGISTRY = contract.Registry("attnres_mlx", IMPLEMENTATIONS)
 
 
@@ -116,18 +111,7 @@ def use_impl(name: str, **options) -> Iterator[None]:
                         f"{', '.join(sorted(options))}")
     if name != "auto":
         _check_name(name)
-    with _REGISTRY.forcing(None if name == "auto" else _Forced(name, False)):
-        yield
-
-
-@contextlib.contextmanager
-def _use_legacy(name: Optional[str]) -> Iterator[None]:
-    """`ops.use_implementation`'s semantics (deprecated): the forced implementation runs every
-    call it supports even where it reports itself unavailable; None is the automatic choice."""
-    if name is not None and name not in REGISTRY:
-        raise ValueError(f"implementation: expected one of {', '.join(IMPLEMENTATIONS)} or None, "
-                         f"got {name!r}")
-    with _REGISTRY.forcing(None if name is None else _Forced(name, True)):
+    with _REGISTRY.forcing(None if name == "auto" else name):
         yield
 
 
@@ -136,16 +120,15 @@ def _select(op: str, dtype) -> Tuple[Implementation, Tuple[Tuple[str, str], ...]
     forced = _REGISTRY.forced()
     given = {}
     if forced is not None:
-        impl = REGISTRY[forced.name]
+        impl = REGISTRY[forced]
         reason = impl.unsupported(dtype)
-        if reason is None and not forced.legacy:
+        if reason is None:
             reason = impl.unavailable()
             if reason is not None:
-                raise ValueError(f"use_impl: implementation {forced.name!r} cannot serve {op} "
+                raise ValueError(f"use_impl: implementation {forced!r} cannot serve {op} "
                                  f"({dtype_name(dtype)} sources): {reason}")
-        if reason is None:
-            return impl, _REGISTRY.refused_before(forced.name, f"use_impl({forced.name!r})")
-        given[forced.name] = reason  # metal with float64: the documented fallback
+            return impl, _REGISTRY.refused_before(forced, f"use_impl({forced!r})")
+        given[forced] = reason  # metal with float64: the documented fallback
     name, refused = _REGISTRY.auto(lambda n: REGISTRY[n].unavailable() or REGISTRY[n].unsupported(dtype),
                                    given)
     if name is None:
@@ -160,12 +143,6 @@ def choose(op: str, dtype) -> Implementation:
     impl, refused = _select(op, dtype)
     _REGISTRY.record(Choice(op, impl.name, refused))
     return impl
-
-
-def _implementation_for(dtype) -> Implementation:
-    """The implementation a call with sources of `dtype` would get now (nothing recorded): the
-    deprecated `ops.implementation_for`."""
-    return _select("depth_attention", dtype)[0]
 
 
 def last_choice() -> Optional[Choice]:

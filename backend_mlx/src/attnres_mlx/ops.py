@@ -21,10 +21,8 @@ into a list), passed to the implementation as given.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -100,35 +98,6 @@ class Static:
     stacked_rms: bool = False
     with_lse: bool = True
     with_weights: bool = True
-
-
-def use_implementation(name: Optional[str]) -> contextlib.AbstractContextManager:
-    """Deprecated: `dispatch.use_impl(name)` (None: "auto").  Kept for one release with its
-    semantics: the forced implementation runs every call it supports even where it reports
-    itself unavailable; calls it does not support (float64 for `metal`) keep the automatic
-    choice."""
-    warnings.warn("attnres_mlx.ops.use_implementation is deprecated: use "
-                  "attnres_mlx.dispatch.use_impl (\"auto\" for None)", DeprecationWarning,
-                  stacklevel=2)
-    return dispatch._use_legacy(name)
-
-
-def implementation_for(dtype) -> Implementation:
-    """Deprecated: the implementation a call with sources of `dtype` gets now; the contract
-    reports the one that ran instead (`dispatch.last_choice()`, `dispatch.impl_counts()`)."""
-    warnings.warn("attnres_mlx.ops.implementation_for is deprecated: use "
-                  "attnres_mlx.dispatch.last_choice / impl_counts / availability",
-                  DeprecationWarning, stacklevel=2)
-    return dispatch._implementation_for(dtype)
-
-
-def __getattr__(name: str):
-    if name == "IMPLEMENTATIONS":  # deprecated: the name -> implementation dict moved
-        warnings.warn("attnres_mlx.ops.IMPLEMENTATIONS is deprecated: use "
-                      "attnres_mlx.dispatch.IMPLEMENTATIONS (the names, in preference order)",
-                      DeprecationWarning, stacklevel=2)
-        return dict(dispatch.REGISTRY)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=None)

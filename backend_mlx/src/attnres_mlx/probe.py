@@ -4,7 +4,6 @@ with the given parameters, and its gradients by `mx.vjp`."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Dict, List, Mapping
 
 import mlx.core as mx
@@ -16,11 +15,9 @@ from .router import DepthRouter, MlxOps, Sublayer
 
 
 def probe_sublayers(sublayer_weights: mx.array, eps: float, *, prenorm: bool = True) -> List[Sublayer]:
-    """Deprecated: `attnres_core.probe.probe_sublayers(config, MlxOps(), W)`, which reads eps
-    and the prenorm (M15) from the config.  L callables `h [..., D] -> v [..., D]`; W `[L, D, D]`."""
-    warnings.warn("attnres_mlx.probe.probe_sublayers is deprecated: use "
-                  "attnres_core.probe.probe_sublayers(config, attnres_mlx.router.MlxOps(), W)",
-                  DeprecationWarning, stacklevel=2)
+    """The probe's L sublayers `f_l(h) = tanh(rmsnorm(h, eps) @ W[l-1])` on `MlxOps`
+    (`attnres_core.probe.probe_sublayers`, with eps and fuse_out_norm = not prenorm), as
+    `attnres_numpy` and `attnres_jax` name it.  L callables `h [..., D] -> v [..., D]`; W `[L, D, D]`."""
     config = ResidualConfig(eps=eps, fuse_out_norm=not prenorm)
     return core.probe_sublayers(config, MlxOps(), sublayer_weights)
 

@@ -28,7 +28,6 @@ same code torch and JAX call); this module evaluates it on `mlx.core` and adds t
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Mapping
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
@@ -226,16 +225,11 @@ class DepthMonitor(core.DepthMonitorBase):
         self._grad_norm = norms
 
     @contextlib.contextmanager
-    def record(self, step: int, *, scale: Optional[float] = None) -> Iterator[None]:
+    def record(self, step: int) -> Iterator[None]:
         """Record the forward pass(es) run inside the block with `observer=monitor.observer` as
         `history` entry `step` (values averaged over several passes), then check it for collapse
-        and answer.  The passes must use schedule="direct" (see `_MonitorObserver`).
-
-        scale: deprecated and ignored (a DeprecationWarning when given; removed in the next
-          release): the weights are the pass's own, formed with the scale it was called with."""
-        if scale is not None:
-            warnings.warn("record(scale=) is deprecated and ignored: the monitor records the weights "
-                          "each pass formed with its own scale", DeprecationWarning, stacklevel=3)
+        and answer.  The passes must use schedule="direct" (see `_MonitorObserver`); the weights
+        are each pass's own, formed with the scale it was called with."""
         self.start_record(step)
         try:
             yield

@@ -1,14 +1,13 @@
-"""The public backend contract of `attnres_jax.dispatch` (the same names in every backend), its
-deprecated old home `attnres_jax.pallas.dispatch`, and the flat path from a public call to a
-kernel: at the kernel the package's frames span ops.py -> dispatch.py -> one implementation
-module, no file twice, and the leaf helpers (`_args`, `_math`) call nothing back."""
+"""The public backend contract of `attnres_jax.dispatch` (the same names in every backend) and the
+flat path from a public call to a kernel: at the kernel the package's frames span ops.py ->
+dispatch.py -> one implementation module, no file twice, and the leaf helpers (`_args`, `_math`)
+call nothing back."""
 
 from __future__ import annotations
 
 import collections
 import os
 import sys
-import warnings
 
 import attnres_jax
 import jax
@@ -111,36 +110,6 @@ def test_auto_with_interpreter_options_keeps_other_calls_on_xla(rng):
                                           (("pallas", "a masked read (num_valid) runs on XLA only"),))
         merge_partial(xs[0], jnp.zeros(5), xs[1], q)
         assert dispatch.last_choice() == ("merge_partial", "pallas", ())
-
-
-# -- the deprecated home ------------------------------------------------------------------------------
-
-
-def test_old_pallas_dispatch_names_warn_and_work(rng):
-    from attnres_jax.pallas import dispatch as old
-    from attnres_jax.pallas import impl as old_impl
-
-    for name in ("use", "select", "REGISTRY", "MODES", "Impl"):
-        with pytest.warns(DeprecationWarning, match=f"attnres_jax.pallas.dispatch.{name} is deprecated"):
-            getattr(old, name)
-    with pytest.warns(DeprecationWarning, match="attnres_jax.pallas.impl.Pallas is deprecated"):
-        assert old_impl.Pallas is kernels.Pallas
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        assert old.REGISTRY is dispatch.REGISTRY and old.select is dispatch.select
-        kernels.CALLS.clear()
-        with old.use("interpret", tile=4, poison=True):  # as before: kernels where they run, else XLA
-            depth_attention(_xs(rng), jnp.ones(D))
-            depth_attention(_xs(rng), jnp.ones(D), num_heads=2)
-        assert kernels.CALLS["attnres_forward"] == 1 and dispatch.last_choice().impl == "xla"
-        with old.use("xla"):
-            depth_attention(_xs(rng), jnp.ones(D))
-        assert dispatch.last_choice().impl == "xla"
-        with pytest.raises(ValueError, match="mode: expected one of"):
-            with old.use("triton"):
-                pass
-    with pytest.raises(AttributeError):
-        old.nothing
 
 
 # -- the path from the public call to a kernel ---------------------------------------------------------

@@ -12,7 +12,8 @@ from attnres_core.config import ResidualConfig
 from attnres_core.schedule import ScheduleObserver
 from attnres_jax import depth_attention, rmsnorm, scan_apply, stack_apply
 from attnres_jax.modules import DepthRouter, Transformer
-from attnres_jax.stack import matmul, remat_policy
+from attnres_jax.residual_ops import matmul
+from attnres_jax.stack import remat_policy
 from attnres_numpy import model as ref
 from attnres_numpy import ops as ref_ops
 from flax import nnx
@@ -340,22 +341,3 @@ def test_scan_apply_rejects_an_unknown_backward(rng):
     block = ResidualConfig.variant("block", block_size=2)  # replayed by default: remat still checked
     with pytest.raises(ValueError, match="remat: expected one of"):
         scan_apply(block, block.init_params(L, D), emb, [_probe_layer(block)], w, remat="bogus")
-
-
-def test_router_module_is_a_deprecated_alias_of_stack():
-    """`attnres_jax.router` (renamed `attnres_jax.stack`: it holds the stack functions and JaxOps,
-    no router) still imports, warns, and hands out the very same objects."""
-    import importlib
-    import sys
-    import warnings
-
-    from attnres_jax import stack
-
-    sys.modules.pop("attnres_jax.router", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        router = importlib.import_module("attnres_jax.router")
-    assert any(issubclass(w.category, DeprecationWarning) and "attnres_jax.stack" in str(w.message)
-               for w in caught)
-    assert router.scan_apply is stack.scan_apply and router.JaxOps is stack.JaxOps
-    assert router.probe_forward is stack.probe_forward and router._replayed_scan is stack._replayed_scan

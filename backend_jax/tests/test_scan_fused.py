@@ -13,7 +13,7 @@ import pytest
 from attnres_conformance.tolerances import TOLERANCES, rel_err
 from attnres_core.config import ResidualConfig
 from attnres_jax import _scan_full, scan_apply
-from attnres_jax.stack import matmul, rmsnorm
+from attnres_jax.residual_ops import matmul, rmsnorm
 from attnres_numpy import model as ref
 from jax_helpers import assert_close, precision
 

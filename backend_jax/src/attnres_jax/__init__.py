@@ -13,7 +13,8 @@ from attnres_core.config import ResidualConfig
 
 from . import dispatch
 from .ops import depth_attention, depth_attention_multi, merge_partial
-from .stack import probe_forward, probe_sublayers, rmsnorm, scan_apply, stack_apply
+from .residual_ops import rmsnorm
+from .stack import probe_forward, probe_sublayers, scan_apply, stack_apply
 
 __version__ = "0.1.0"
 

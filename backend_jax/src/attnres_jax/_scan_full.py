@@ -43,6 +43,7 @@ from attnres_core.config import ResidualConfig
 from ._args import Options, compute_dtype
 from ._math import HIGHEST
 from ._xla import _head_rms, out_norm
+from .residual_ops import JaxOps
 
 #: The memory modes the fused backward runs (None: keep each sublayer's VJP residuals;
 #: "recompute": keep its input and recompute its VJP in the backward).
@@ -115,9 +116,7 @@ def full_scan(config: ResidualConfig, embedding, qg, sublayers: Sequence[Callabl
     fns = [c[0] for c in converted]
     consts = tuple(tuple(c[1]) for c in converted)
 
-    from .stack import JaxOps  # the schedule's primitives (blend, composed M15 norm)
-
-    ops = JaxOps()
+    ops = JaxOps()  # the schedule's primitives (blend, composed M15 norm)
 
     def rms(v):
         """r of one row `[..., D]` -> `[..., H]` (overflow-safe, C10.6)."""

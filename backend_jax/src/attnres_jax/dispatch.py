@@ -35,9 +35,6 @@ Implementations (`REGISTRY`) are hashable objects with `unavailable(platform)`,
 `supports(request)` (None, or why not), `resolve(request)` (the object with everything fixed for
 the call, e.g. the tile) and the entry points `forward`, `backward`, `forward_normed`,
 `backward_normed`, `phase1`, `phase1_backward`, `merge`, `merge_backward`.
-
-`attnres_jax.pallas.dispatch` (`use`, `select`, `REGISTRY`) is the deprecated home of this
-module, kept for one release.
 """
 
 from __future__ import annotations

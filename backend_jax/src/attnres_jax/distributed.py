@@ -26,7 +26,7 @@ from attnres_core.config import ResidualConfig
 from attnres_core.schedule import ResidualStream
 
 from . import ops
-from .stack import JaxOps
+from .residual_ops import JaxOps
 
 
 def _head_map(axis_name: str, local_dim: int, dim: int, num_heads: int, dtype):

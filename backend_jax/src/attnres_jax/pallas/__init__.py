@@ -1,3 +1,2 @@
 """The Pallas implementation (`kernels`: `Pallas` and the kernels it runs).  The registry that
-chooses between it and XLA is `attnres_jax.dispatch`; `dispatch` and `impl` here are deprecated
-aliases."""
+chooses between it and XLA is `attnres_jax.dispatch`."""

@@ -238,7 +238,8 @@ class Adapter:
             if args.get(name) is None:
                 dtypes[f"grad.{name}"], read[name] = None, None
                 continue
-            pairs = list(zip(_items(value), _items(args[name])))
+            given = _items(args[name])
+            pairs = list(zip([None] * len(given) if value is None else _items(value), given))
             names = [self.dtype_name(a if g is None else g) for g, a in pairs]
             arrays = [np.zeros(np.shape(self.to_numpy(a))) if g is None else self.to_numpy(g)
                       for g, a in pairs]

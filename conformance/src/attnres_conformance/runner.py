@@ -117,7 +117,8 @@ class CaseResult:
             return None
         text = " ".join(bad)
         if self.kind == "error":
-            return "validation gap" if all(m.startswith(NO_ERROR) for m in bad) and "max_sources" not in self.id \
+            return "validation gap" if self.status == "gap" or all(m.startswith(NO_ERROR) for m in bad) \
+                and "max_sources" not in self.id \
                 else "error contract"
         if text.startswith(("raised ", "the call with cotangents raised")) or "not run: the forward" in text:
             return "crash"

@@ -31,7 +31,7 @@ Decode: one warm-up prefill, `--prefill-reps` timed ones, 2 warm-up tokens, `--t
 All variants of a group are alive at once (three models with their AdamW state; `--train-pairs`
 keeps two: PreNorm + Full, then PreNorm + Block).  Peak memory, per worker: torch = peak RSS
 (VmHWM) minus the RSS after the imports (model, optimizer state, activations, allocator slack),
-and for training also `examples.probes.training_memory` (16 B per parameter + the tensors
+and for training also `experiments.probes.training_memory` (16 B per parameter + the tensors
 autograd saves, each storage once); JAX = `compiled.memory_analysis()` (arguments + outputs -
 aliased + temporaries), the RSS beside it; MLX = `mx.get_peak_memory()`.  Where a ratio exceeds
 the paper's overhead (< 4 % train, < 2 % inference), `--profile auto` profiles every variant of
@@ -194,7 +194,9 @@ class TorchTrain:
         return time.perf_counter() - t0
 
     def memory(self):
-        from attnres_torch.examples.probes import training_memory
+        if str(ROOT) not in sys.path:  # the checkout's experiments/ (no wheel ships it)
+            sys.path.insert(0, str(ROOT))
+        from experiments.probes import training_memory
 
         out = _rss_peak(self.base)  # read before the probe's extra pass
         out["method"] = "peak RSS (VmHWM) - RSS after imports"
@@ -831,7 +833,7 @@ def markdown(doc: dict) -> str:
     for (fw, form, L), g in by.items():
         if "saved_activation_bytes" in g["prenorm"]["memory"] and len(g) == len(TRAIN_VARIANTS):
             a = {v: g[v]["memory"]["saved_activation_bytes"] for v in TRAIN_VARIANTS}
-            notes.append(f"{fw} L={L}, saved activations (`examples.probes.training_memory`): PreNorm "
+            notes.append(f"{fw} L={L}, saved activations (`experiments.probes.training_memory`): PreNorm "
                          f"{_gib(a['prenorm'])}, Full {_x(a['full'] / a['prenorm'])}, Block "
                          f"{_x(a['block'] / a['prenorm'])}; 16 B/parameter state "
                          f"{_gib(g['prenorm']['memory']['state_bytes'])}.")

@@ -42,7 +42,7 @@ counted from the child's start-up (imports, CUDA context; at most 120 s), in thi
    then forward at the second shape, one two-phase block (8 blocks, 12 sublayers) against 12
    independent reads, phase 1 (8 blocks, 12 queries) and merge at T=8192, D=7168 and D=4096.
    The copy bandwidth (`dst.copy_(src)`) is measured first.
-3. Distributed smoke (`python -m attnres_torch.distributed.smoke`; NCCL, gloo on the CPU),
+3. Distributed smoke (`python -m experiments.distributed_smoke`; NCCL, gloo on the CPU),
    `--smoke-cap` (at most 120 s).
 4. Each peer in its own child, cheapest first (`Adapter.cost` in `bench/peers`): the eager
    composite, Liger, `torch.compile` of the composite, FLA (default and Gluon), fast-attnres,
@@ -1424,7 +1424,7 @@ class Run:
         env = dict(os.environ)
         if self.args.dry_run:
             env["TRITON_INTERPRET"] = "1"
-        paths = [str(ROOT / "reference_numpy" / "src")]
+        paths = [str(ROOT), str(ROOT / "reference_numpy" / "src")]  # ROOT: experiments.distributed_smoke
         paths += [str(ROOT / "backend_jax" / "src")] if jax else [str(ROOT / "backend_torch" / "src")]
         env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
         if jax:
@@ -1684,7 +1684,7 @@ class Run:
         with rep.lock:
             rep.current = "distributed smoke"
         t0 = time.monotonic()
-        cmd = [sys.executable, "-m", "attnres_torch.distributed.smoke", "--device", self.args.device]
+        cmd = [sys.executable, "-m", "experiments.distributed_smoke", "--device", self.args.device]
         end = self.run_child("distributed smoke", cmd, cap, self.env())
         if end["killed"]:
             verdict = "FAIL"

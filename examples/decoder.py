@@ -9,7 +9,7 @@ the router's parameters are new), and with the router's zero-initialized pseudo-
 converted model computes the same logits as the PreNorm one (uniform depth weights divide the
 stream by a positive number, which the next RMSNorm undoes).
 
-    python -m attnres_torch.examples.decoder
+    python examples/decoder.py
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from attnres_torch import DepthRouter, ResidualConfig
 from torch import nn
-
-from .. import DepthRouter, ResidualConfig
 
 
 class Attention(nn.Module):

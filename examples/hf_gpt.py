@@ -15,7 +15,7 @@ A PreNorm checkpoint loads into the converted model with `strict=False` (missing
 LayerNorm's eps (uniform depth weights divide the state by the number of sources, which a norm
 undoes exactly only with eps = 0).
 
-    python -m attnres_torch.examples.hf_gpt
+    python examples/hf_gpt.py
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from attnres_torch import ResidualConfig
+from attnres_torch.convert import wrap_prenorm
 from torch import nn
-
-from .. import ResidualConfig
-from ..convert import wrap_prenorm
 
 
 @dataclass

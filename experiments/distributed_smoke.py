@@ -1,6 +1,6 @@
 """Smoke test of every distributed path on one device, and the device-mixing detector.
 
-    python -m attnres_torch.distributed.smoke [--device cuda] [--backend nccl]
+    python -m experiments.distributed_smoke [--device cuda] [--backend nccl]
 
 On a machine with one GPU this runs a `torch.distributed` world of size 1 on NCCL (the collectives
 and the pipeline's one-stage hand-off really run on the GPU; a size-1 world cannot exercise
@@ -137,8 +137,7 @@ def _probe(w, eps):
 
 def _check_tp(rep, dev, gen):
     from attnres_numpy import ops as ref
-
-    from .tensor_parallel import HiddenShard, depth_attention_tp
+    from attnres_torch.distributed.tensor_parallel import HiddenShard, depth_attention_tp
     n, tok, dim, heads = 3, (2, 3), 8, 2
     xs = [torch.randn(tok + (dim,), generator=gen, dtype=torch.float64) for _ in range(n)]
     q, g = torch.randn(dim, generator=gen, dtype=torch.float64) * 0.5, torch.rand(dim, generator=gen, dtype=torch.float64) + 0.5
@@ -181,7 +180,11 @@ def _reference(block_size, num_layers, emb, w, queries, gains, cot):
 
 
 def _check_seq(rep, dev, gen):
-    from .sequence_parallel import all_reduce_grads, sequence_sharded_prefill, shard_sequence
+    from attnres_torch.distributed.sequence_parallel import (
+        all_reduce_grads,
+        sequence_sharded_prefill,
+        shard_sequence,
+    )
     L, S, tok, dim = 5, 2, (2, 4), 8
     emb, w, queries, gains, cot = _network(gen, L, tok, dim)
     demb, dcot = emb.to(dev), cot.to(dev)
@@ -199,8 +202,8 @@ def _check_seq(rep, dev, gen):
 
 
 def _check_pipeline(rep, dev, gen, schedule, chunk_sizes):
-    from .pipeline import run_pipeline
-    from .pipeline_plan import PipelinePlan
+    from attnres_torch.distributed.pipeline import run_pipeline
+    from attnres_torch.distributed.pipeline_plan import PipelinePlan
     plan = PipelinePlan(chunk_sizes, 2, 1)
     M, tok, dim = 2, (3,), 8
     nets = [_network(gen, plan.num_layers, tok, dim) for _ in range(M)]
@@ -223,8 +226,8 @@ def _check_pipeline(rep, dev, gen, schedule, chunk_sizes):
 
 
 def _check_dtype_error(rep, dev):
-    from .pipeline import run_pipeline
-    from .pipeline_plan import PipelinePlan
+    from attnres_torch.distributed.pipeline import run_pipeline
+    from attnres_torch.distributed.pipeline_plan import PipelinePlan
     plan = PipelinePlan((1, 2), 2, 1)
     w = torch.zeros(3, 4, 4, device=dev)
     try:

@@ -14,8 +14,7 @@ from typing import Optional
 
 import torch
 from attnres_core.config import VARIANT_KINDS, ResidualConfig
-
-from ..modules import AttnResTransformer
+from attnres_torch.modules import AttnResTransformer
 
 #: Every named residual variant of the spec (`ResidualConfig.variant`).
 VARIANTS = tuple(VARIANT_KINDS)

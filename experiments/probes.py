@@ -1,5 +1,5 @@
 """Measurements of a trained example model beyond its validation loss, for the depth study
-(`attnres_torch.examples.study`):
+(`experiments.study`):
 
 * `copy_accuracy` — a downstream probe that needs early information at depth: held-out text
   windows x `[n, P]` are shown twice, `[x, x]`, and the model must reproduce the second copy

@@ -12,9 +12,9 @@ on hop 2 (`shortcut_ceiling`).  A model with two attention layers can still go b
 second attention can gather the other pairs as a bag of (x, f(x)) features and its MLP pick the
 one whose x is f(q), a lookup in the MLP that gets harder as the bag grows with `nodes`.
 
-    python -m attnres_torch.examples.recall --out DIR                 # the probe (resumes)
-    python -m attnres_torch.examples.recall --out DIR --report-only   # summary.md from the runs
-    python -m attnres_torch.examples.recall --depths 1 --seeds 1 --max-steps 5 --out tiny
+    python -m experiments.recall --out DIR                 # the probe (resumes)
+    python -m experiments.recall --out DIR --report-only   # summary.md from the runs
+    python -m experiments.recall --depths 1 --seeds 1 --max-steps 5 --out tiny
 
 Every (depth, variant, seed) run trains `ExampleLM` (RoPE, no learned positions) with AdamW (linear
 warmup, then a constant learning rate) on a fresh stream of sequences; for one seed every variant
@@ -350,7 +350,7 @@ def summary_markdown(runs: List[dict], meta: Optional[dict] = None) -> str:
     seeds = sorted({r["seed"] for r in runs})
     chance = 1.0 / (s["nodes"] - 1)
     levels = " / ".join(f"{100 * lv:.0f}" for lv in SPEED_LEVELS)
-    lines = ["# Multi-hop recall probe (attnres_torch.examples.recall)", "",
+    lines = ["# Multi-hop recall probe (experiments.recall)", "",
              f"{len(runs)} runs: variants {', '.join(variants)}; depths "
              f"{', '.join(f'L = {L}' for L in sorted({r['layers'] for r in runs}))} sublayers at "
              f"d = {s['dim']} ({s['heads']} heads, RoPE); seeds {', '.join(map(str, seeds))}.", "",
@@ -442,7 +442,7 @@ def write_report(out: Path, runs: List[dict], *, plots: bool = True) -> List[Pat
 # ------------------------------------------------------------------------------------------ main
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m attnres_torch.examples.recall", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.recall", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--residual", type=train._variants, default=train._variants("standard,full,block"),
                    help="comma list of residual variants (default: standard,full,block)")

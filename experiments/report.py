@@ -1,4 +1,4 @@
-"""The report folder of `attnres_torch.examples.train`, drawn from its metrics (the runs' losses and
+"""The report folder of `experiments.train`, drawn from its metrics (the runs' losses and
 `DepthMonitor` histories):
 
 * `metrics.json` — everything measured (written by `train` as it goes);
@@ -10,7 +10,7 @@
 
 Plots need matplotlib (`pip install matplotlib`; from a checkout `pip install -e 'backend_torch[plots]'`),
 imported only when drawing; without it `train` writes metrics.json and summary.md and says so.
-Regenerate a report from its metrics with `python -m attnres_torch.examples.report DIR`.
+Regenerate a report from its metrics with `python -m experiments.report DIR`.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def write_report(out: Path, meta: dict, *, plots: bool = True) -> List[Path]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attnres_torch.examples.report",
+    p = argparse.ArgumentParser(prog="python -m experiments.report",
                                 description="Redraw a report folder from its metrics.json.")
     p.add_argument("folder", type=Path)
     p.add_argument("--no-plots", action="store_true")

@@ -7,8 +7,8 @@ trained with every variant (`--residual`: PreNorm "standard", "block", "full") a
 seeds at the smallest `--multi-seed-sizes` sizes (one seed above).  Every run sees the same
 number of training tokens per non-embedding parameter (`--tokens-per-param`, counted on the
 PreNorm model of its size, so the variants of a size see the same batches), on the byte-level
-corpus of `examples.corpus` (the standard library and a few installed packages, held-out files
-for validation).  The runs are `examples.train.train_model`'s, paired like the trainer's: for one
+corpus of `experiments.corpus` (the standard library and a few installed packages, held-out files
+for validation).  The runs are `experiments.train.train_model`'s, paired like the trainer's: for one
 seed every variant starts from the same sublayer, embedding and head weights.
 
 * **Learning rate**: first a sweep of `--lr-sweep` peak values at `--lr-size` (every variant,
@@ -20,13 +20,13 @@ seed every variant starts from the same sublayer, embedding and head weights.
 * **Compute** per run: C = 6 * N * tokens, N the run's non-embedding parameters (everything but
   the token and position embeddings and the LM head), tokens = steps * batch * context.  The
   measured wall time and load average are recorded beside it.
-* **Report** (`examples.scaling_report`): a fit loss(C) = a * C^-b + c per variant, the compute
+* **Report** (`experiments.scaling_report`): a fit loss(C) = a * C^-b + c per variant, the compute
   multiplier of Block and Full against PreNorm at equal loss with a paired bootstrap interval,
   and the paper's figure (loss against compute, log x, fitted curves); summary.md, summary.json.
 
-    python -m attnres_torch.examples.scaling --out DIR --plan          # measure, estimate, train nothing
-    python -m attnres_torch.examples.scaling --out DIR                 # lr sweep, then sizes small to large
-    python -m attnres_torch.examples.scaling --out DIR --report-only   # redraw from the finished runs
+    python -m experiments.scaling --out DIR --plan          # measure, estimate, train nothing
+    python -m experiments.scaling --out DIR                 # lr sweep, then sizes small to large
+    python -m experiments.scaling --out DIR --report-only   # redraw from the finished runs
 
 Each finished run is saved as `DIR/runs/<blocks>x<dim>-<variant>-s<seed>.json` (the sweep's as
 `DIR/runs/lr<lr>-<blocks>x<dim>-<variant>-s0.json`); the same command again skips them, so an
@@ -79,7 +79,7 @@ def _shape(text: str) -> Tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m attnres_torch.examples.scaling", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("attnres-scaling"), help="output folder (./attnres-scaling)")
     p.add_argument("--sizes", type=study._shapes, default=study._shapes(DEFAULT_SIZES),

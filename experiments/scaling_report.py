@@ -1,4 +1,4 @@
-"""The report of the compute-scaling sweep (`attnres_torch.examples.scaling`): fits, compute
+"""The report of the compute-scaling sweep (`experiments.scaling`): fits, compute
 multipliers, `summary.md`, `summary.json` and PNGs drawn from the saved runs.
 
 * **Fit** per variant, over the ladder runs' (compute C, final validation loss) points:

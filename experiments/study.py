@@ -1,25 +1,25 @@
 """The depth study: does AttnRes help more as the model gets deeper, and at what cost?
 
-Trains the example byte-level LM (`examples.train.train_model`, same data, same pairing: for one
+Trains the example byte-level LM (`experiments.train.train_model`, same data, same pairing: for one
 seed every variant starts from the same sublayer / embedding / head weights and sees the same
 batches) for every residual variant x shape x seed, where the shapes are a depth sweep at fixed
 width (`--depths` blocks at `--dim`) plus `--matched` shapes (BLOCKSxDIM, e.g. shallow-wide with
 about the parameters of the deepest sweep shape).  Each run also gets
 
-* the copy probe (`examples.probes.copy_accuracy`: held-out text shown twice, accuracy on the
+* the copy probe (`experiments.probes.copy_accuracy`: held-out text shown twice, accuracy on the
   second copy),
 * its dilution measures at the last step (`DepthMonitor`: input RMS growth, per-sublayer output
   share, gradient norm per sublayer),
 * its cost: training step time, training memory, batch-1 decode latency (Block: two-phase and
   direct schedules).
 
-    python -m attnres_torch.examples.study --out /tmp/study                # the full study
-    python -m attnres_torch.examples.study --depths 2,4 --dim 32 --steps 20 --seeds 1 --out s
-    python -m attnres_torch.examples.study --out /tmp/study --report-only  # report what is done
+    python -m experiments.study --out /tmp/study                # the full study
+    python -m experiments.study --depths 2,4 --dim 32 --steps 20 --seeds 1 --out s
+    python -m experiments.study --out /tmp/study --report-only  # report what is done
 
 Each finished run is saved as `OUT/runs/<blocks>x<dim>-<variant>-s<seed>.json`; running the same
 command again skips finished runs (an interrupted study continues).  The report (`summary.md`,
-PNGs: `examples.study_report`) is written at the end.
+PNGs: `experiments.study_report`) is written at the end.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _shapes(text: str) -> List[Tuple[int, int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m attnres_torch.examples.study", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.study", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--residual", type=train._variants, default=train._variants(DEFAULT_VARIANTS),
                    help=f"comma list of residual variants (default: {DEFAULT_VARIANTS})")

@@ -1,4 +1,4 @@
-"""The report of the depth study (`attnres_torch.examples.study`): `summary.md` and PNGs drawn
+"""The report of the depth study (`experiments.study`): `summary.md` and PNGs drawn
 from the saved runs.
 
 * `gap_vs_depth.png` — final validation loss minus the paired standard run (same seed, same

@@ -2,8 +2,8 @@
 variant and seed, on the CPU, and write a report folder (loss curves, per-layer magnitudes and
 gradient norms, depth-weight heatmaps, summary.md, metrics.json).
 
-    python -m attnres_torch.examples.train                          # standard vs full vs block, 3 seeds
-    python -m attnres_torch.examples.train --residual block,window --seeds 1 --steps 50 --out rep
+    python -m experiments.train                          # standard vs full vs block, 3 seeds
+    python -m experiments.train --residual block,window --seeds 1 --steps 50 --out rep
 
 Every variant of a seed starts from the same sublayer / embedding / head weights and sees the same
 batches, so the runs are paired: at step 0 the zero-initialized Full and Block models compute the
@@ -24,9 +24,9 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from attnres_torch.diagnostics import POLICIES, DepthCollapseWarning, DepthMonitor, collapse_policy
+from attnres_torch.training import MIX_SCHEDULES, TemperatureSchedule
 
-from ..diagnostics import POLICIES, DepthCollapseWarning, DepthMonitor, collapse_policy
-from ..training import MIX_SCHEDULES, TemperatureSchedule
 from . import report
 from .data import fixed_batches, load_stdlib_corpus, random_batch
 from .model import VARIANTS, ExampleLM, variant_config
@@ -62,7 +62,7 @@ def _temperature(text: str) -> TemperatureSchedule:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m attnres_torch.examples.train", description=__doc__,
+        prog="python -m experiments.train", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--residual", type=_variants, default=_variants("standard,full,block"),
                    help=f"comma list of residual variants: {', '.join(VARIANTS)} "
@@ -304,7 +304,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     plots = not args.no_plots and _plots_available()
     if not args.no_plots and not plots:
         _say("matplotlib is not installed: writing metrics.json and summary.md without figures "
-             "(`pip install matplotlib`, then `python -m attnres_torch.examples.report "
+             "(`pip install matplotlib`, then `python -m experiments.report "
              f"{args.out}` draws them from the metrics)")
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from attnres_core.config import VARIANT_KINDS, ResidualConfig
 from attnres_torch import DepthRouter
 from attnres_torch.convert import DepthSite, PerLayerRouter, RowStack, wrap_prenorm
-from attnres_torch.examples.decoder import Decoder
 from torch import nn
+
+from examples.decoder import Decoder
 
 VARIANTS = [v for v in VARIANT_KINDS  # every variant of the spec with a row per sublayer
             if v not in ("shared_queries", "low_rank_keys")]
@@ -224,7 +225,7 @@ def test_wrapper_and_router_argument_errors():
 
 @pytest.mark.parametrize("per_layer", [True, False])
 def test_hf_gpt_example_converts_in_place_and_matches_prenorm_at_init(per_layer):
-    from attnres_torch.examples import hf_gpt
+    from examples import hf_gpt
 
     config = hf_gpt.GPT2Config(n_embd=32, n_layer=3, n_head=2, layer_norm_epsilon=1e-12)
     torch.manual_seed(0)

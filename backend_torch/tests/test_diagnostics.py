@@ -398,7 +398,7 @@ def test_example_trainer_collapse_policy_flag_on_a_forced_collapse(tmp_path, mon
     the query back to zero and the run finishes with the response in its diagnostics."""
     import json
 
-    from attnres_torch.examples import train
+    from experiments import train
 
     real = train.DepthMonitor
 

@@ -25,7 +25,8 @@ from attnres_torch.distributed import (
     shard_sequence,
 )
 from attnres_torch.distributed import tensor_parallel as tp_module
-from attnres_torch.distributed.smoke import DeviceMixingDetector
+
+from experiments.distributed_smoke import DeviceMixingDetector
 
 META = torch.device("meta")
 D = 10

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from attnres_torch import ResidualConfig
 from attnres_torch.distributed import run_local
-from attnres_torch.examples.decoder import Decoder
+
+from examples.decoder import Decoder
 
 CONFIGS = {"block": ResidualConfig(kind="block", block_size=2), "full": ResidualConfig(kind="full")}
 

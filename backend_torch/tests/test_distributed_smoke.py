@@ -1,4 +1,4 @@
-"""The single-device distributed smoke test (`attnres_torch.distributed.smoke`, run by
+"""The single-device distributed smoke test (`experiments.distributed_smoke`, run by
 `bench/gpu_check.py`): every path over a world of size 1 against the float64 reference, under the
 device-mixing detector.  On this CPU machine it runs on gloo; with a GPU the NCCL run is here too;
 without one the NCCL run must skip and say why."""
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from attnres_torch.distributed import run_local
-from attnres_torch.distributed.smoke import main, run_smoke, unavailable_reason
+
+from experiments.distributed_smoke import main, run_smoke, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,9 +38,9 @@ def test_nccl_smoke_on_one_gpu():
     if reason is not None:
         pytest.skip(f"the NCCL smoke test needs a CUDA GPU and NCCL: {reason}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "backend_torch" / "src"), str(ROOT / "reference_numpy" / "src"),
+        [str(ROOT), str(ROOT / "backend_torch" / "src"), str(ROOT / "reference_numpy" / "src"),
          os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "attnres_torch.distributed.smoke", "--device", "cuda"],
+    proc = subprocess.run([sys.executable, "-m", "experiments.distributed_smoke", "--device", "cuda"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout

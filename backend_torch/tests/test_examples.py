@@ -11,8 +11,9 @@ import warnings
 
 import pytest
 import torch
-from attnres_torch.examples import data, report, train
-from attnres_torch.examples.model import VARIANTS, ExampleLM, variant_config
+
+from experiments import data, report, train
+from experiments.model import VARIANTS, ExampleLM, variant_config
 
 TINY = dict(dim=16, num_blocks=3, num_heads=2, context=8)
 
@@ -226,7 +227,7 @@ def test_log_ticks_are_round_and_enough():
 
 
 def test_decoder_example_converts_and_trains(capsys):
-    from attnres_torch.examples import decoder
+    from examples import decoder
 
     assert decoder.main([]) == 0
     out = capsys.readouterr().out
@@ -238,7 +239,8 @@ def test_decoder_example_converts_and_trains(capsys):
 
 def test_decoder_conversion_is_prenorm_at_init_in_float64():
     from attnres_core.config import ResidualConfig
-    from attnres_torch.examples.decoder import Decoder, convert
+
+    from examples.decoder import Decoder, convert
 
     torch.manual_seed(0)
     prenorm = Decoder(64, 16, 3, 2).double()

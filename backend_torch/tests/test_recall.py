@@ -9,7 +9,8 @@ import json
 
 import pytest
 import torch
-from attnres_torch.examples import recall
+
+from experiments import recall
 
 TASK = {"nodes": 5, "symbols": 9, "hops": 3, "queries": 4}
 

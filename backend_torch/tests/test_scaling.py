@@ -9,7 +9,8 @@ import math
 
 import numpy as np
 import pytest
-from attnres_torch.examples import corpus, scaling, scaling_report
+
+from experiments import corpus, scaling, scaling_report
 
 # --- the fit ---------------------------------------------------------------------------------
 

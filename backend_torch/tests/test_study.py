@@ -7,8 +7,9 @@ import json
 
 import pytest
 import torch
-from attnres_torch.examples import probes, study, study_report
-from attnres_torch.examples.model import ExampleLM, variant_config
+
+from experiments import probes, study, study_report
+from experiments.model import ExampleLM, variant_config
 
 TINY = ["--depths", "1,2", "--dim", "16", "--heads", "2", "--matched", "1x32", "--residual",
         "standard,block", "--seeds", "1", "--steps", "3", "--batch", "2", "--context", "16",

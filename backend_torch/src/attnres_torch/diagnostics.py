@@ -15,7 +15,7 @@ records, inside
 Weights are normalized per token before the statistics (softmax weights already sum to 1; sigmoid
 weights are divided by their sum).  Entropy is in nats (a uniform row over N sources has log N).
 Outside `record` the observer does nothing; `close()` detaches it.  `history` is a list of plain,
-JSON-serializable dicts, one per record, from which `attnres_torch.examples.report` draws plots.
+JSON-serializable dicts, one per record, from which `experiments.report` draws plots.
 
 A collapse can also be *answered* (`on_collapse=`, a `CollapsePolicy` or its name):
 

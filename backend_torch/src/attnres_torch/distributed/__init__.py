@@ -10,8 +10,6 @@
 - `split_stack` / `split_transformer` / `pipeline_stages`: an AttnRes stack cut into stock
   `torch.distributed.pipelining` stages (GPipe, 1F1B, interleaved 1F1B), the blocks and the
   open partial sum (Full: every output) carried as extra stage outputs.
-- `smoke`: `python -m attnres_torch.distributed.smoke` runs every path on one GPU over NCCL
-  (world size 1) under a device-mixing detector.
 - `run_local`: a local gloo world of CPU processes (tests); `CommCounter`: elements on the wire.
 """
 

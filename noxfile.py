@@ -42,8 +42,8 @@ TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
 #: The Hugging Face stack tests-torch converts and trains (tiny configs, random weights, nothing
 #: downloaded): pinned, so a new release cannot change what CI checks without a commit.
 HF_STACK = ("transformers==5.24.0", "accelerate==1.15.0", "peft==0.21.2")
-BASE = ("-e", "reference_numpy", "-e", "conformance")
-DISTRIBUTIONS = ("reference_numpy", "conformance", "backend_torch", "backend_jax", "backend_mlx")
+BASE = ("-e", "core", "-e", "reference_numpy", "-e", "conformance")
+DISTRIBUTIONS = ("core", "reference_numpy", "conformance", "backend_torch", "backend_jax", "backend_mlx")
 #: The golden vectors: package data of the suite (its wheel ships them); spec/vectors links here.
 GOLDEN = "conformance/src/attnres_conformance/golden"
 
@@ -54,7 +54,7 @@ BACKEND_INSTALL = {
     "mlx": (MLX, MLX_LM, "-e", "backend_mlx"),
 }
 BACKEND_TESTS = {
-    "numpy": ("reference_numpy/tests", "conformance/tests"),
+    "numpy": ("core/tests", "reference_numpy/tests", "conformance/tests"),
     "torch": ("backend_torch/tests",),
     "jax": ("backend_jax/tests",),
     "mlx": ("backend_mlx/tests",),
@@ -112,7 +112,7 @@ def _tests(session: nox.Session, backend: str) -> None:
 
 @nox.session(name="tests-numpy", tags=["tests"])
 def tests_numpy(session: nox.Session) -> None:
-    """The reference, its finite-difference checks, golden-vector drift, and the suite's meta-tests."""
+    """The core, the reference, its finite-difference checks, golden-vector drift, and the suite's meta-tests."""
     _tests(session, "numpy")
 
 

@@ -969,7 +969,7 @@ class _OpAdapter:
 def _tree_paths():
     """Nothing of ours is installed on the GPU machine: every package from the tree (_helpers
     compares with the suite's tolerance table, attnres_conformance)."""
-    for sub in ("conformance/src", "reference_numpy/src", "backend_torch/src",
+    for sub in ("conformance/src", "core/src", "reference_numpy/src", "backend_torch/src",
                 "backend_torch/tests", "bench"):
         if str(ROOT / sub) not in sys.path:
             sys.path.insert(0, str(ROOT / sub))
@@ -1424,7 +1424,7 @@ class Run:
         env = dict(os.environ)
         if self.args.dry_run:
             env["TRITON_INTERPRET"] = "1"
-        paths = [str(ROOT), str(ROOT / "reference_numpy" / "src")]  # ROOT: experiments.distributed_smoke
+        paths = [str(ROOT), str(ROOT / "core" / "src"), str(ROOT / "reference_numpy" / "src")]  # ROOT: experiments/
         paths += [str(ROOT / "backend_jax" / "src")] if jax else [str(ROOT / "backend_torch" / "src")]
         env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
         if jax:

@@ -39,7 +39,7 @@ def test_nccl_smoke_on_one_gpu():
         pytest.skip(f"the NCCL smoke test needs a CUDA GPU and NCCL: {reason}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), str(ROOT / "backend_torch" / "src"), str(ROOT / "reference_numpy" / "src"),
-         os.environ.get("PYTHONPATH", "")]))
+         str(ROOT / "core" / "src"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "experiments.distributed_smoke", "--device", "cuda"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -648,7 +648,7 @@ def test_fla_mapping_through_fla_naive_reference(gain):
 
 LIGER_SCRIPT = r"""
 import sys, torch
-sys.path[:0] = [{bench!r}, {tests!r}, {ref!r}]
+sys.path[:0] = [{bench!r}, {tests!r}, {ref!r}, {core!r}]
 import peers
 peers.add_peer_site()
 from _helpers import assert_close, f64, rand
@@ -678,7 +678,7 @@ print("liger ok")
                     reason="liger-kernel or triton not importable: run bench/fetch_peers.sh")
 def test_liger_kernel_interpreted_against_float64_reference():
     script = LIGER_SCRIPT.format(bench=str(ROOT / "bench"), tests=str(Path(__file__).parent),
-                                 ref=str(ROOT / "reference_numpy" / "src"))
+                                 ref=str(ROOT / "reference_numpy" / "src"), core=str(ROOT / "core" / "src"))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert proc.returncode == 0 and "liger ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -13,7 +13,7 @@ tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard libr
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-FOLDERS = ("reference_numpy", "conformance", "backend_torch", "backend_jax", "backend_mlx")
+FOLDERS = ("core", "reference_numpy", "conformance", "backend_torch", "backend_jax", "backend_mlx")
 TOOLS = {"nox"}  # installed to run the README's two commands, not a dependency of anything
 pytestmark = pytest.mark.skipif(not README.is_file(), reason="README.md is not beside this checkout")
 

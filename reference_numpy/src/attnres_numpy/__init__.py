@@ -7,7 +7,7 @@ The float64 oracle:
   `vectors`  the golden-vector generator and reader.
 
 The spec core every backend imports (`config`, `validation`, `numerics`, `schedule`, `probe`,
-`training`) is the package `attnres_core`, shipped in the same distribution.  `ResidualConfig`,
+`training`, `dispatch`) is the package `attnres_core`, in its own distribution `attnres-core`.  `ResidualConfig`,
 `VARIANT_KINDS`, `numerics`, `schedule` and `validation` are re-exported here (the same objects).
 """
 

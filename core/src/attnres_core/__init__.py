@@ -12,8 +12,9 @@
                 `use_impl`, the record behind `last_choice` / `impl_counts`), standard library
                 only; each backend's `dispatch` module builds on it.
 
-It ships in the `attnres-numpy` distribution beside the float64 oracle (`attnres_numpy`: `ops`,
-`tape`, `model`, `vectors`), which imports it; nothing here imports the oracle.  Import the modules
+It is the distribution `attnres-core`, which every backend, the float64 oracle (`attnres-numpy`:
+`ops`, `tape`, `model`, `vectors`) and the conformance suite depend on; nothing here imports the
+oracle.  Import the modules
 by their path (`from attnres_core.config import ResidualConfig`); this package imports none of them.
 """
 

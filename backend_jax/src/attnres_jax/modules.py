@@ -8,11 +8,23 @@
   unrolled or layer-scanned (`scan_layers`), with partitioning metadata on its parameters.
 
 Partitioning: every weight matrix carries `nnx.with_partitioning` metadata over one tensor-
-parallel mesh axis `TENSOR_AXIS` ("model"; Megatron layout: qkv / MLP-up column-parallel,
-attention-out / MLP-down row-parallel, vocab-parallel embedding and head); the router's
-parameters, the norms' gains and the biases of row-parallel layers are replicated.
+parallel axis, the `Transformer`'s `tensor_axis` (default `TENSOR_AXIS`, "model"; Megatron
+layout: qkv / MLP-up column-parallel, attention-out / MLP-down row-parallel, vocab-parallel
+embedding and head); the router's parameters, the norms' gains and the biases of row-parallel
+layers are replicated.  The name is a Flax logical axis name: the mesh axis it lands on is the
+name itself, or what `nnx.logical_axis_rules` maps it to where such rules are set (so
+`tensor_axis="tp"` and `nnx.logical_axis_rules([("model", "tp")])` both fit a `("dp", "tp")`
+mesh; `tensor_axis=None` replicates every parameter: data parallel only).
 `nnx.get_named_sharding(nnx.state(model), mesh)` gives the shardings of a mesh with that axis
-(and any data axes: the batch is the caller's).
+(and any data axes: the batch is the caller's).  Built under a mesh (`jax.set_mesh`, flax then
+places each parameter as it is created) the model checks that the axis is one of the mesh's and
+otherwise refuses, naming both fixes; `model.shardings(mesh)` makes the same check for a model
+built outside the mesh.
+
+Explicit mesh axes (`jax.make_mesh`'s default): the `Transformer`'s forward runs with the
+explicit axes made Auto (`jax.sharding.auto_axes`, as the ops do: XLA places the
+intermediates) and returns logits typed as the tokens (`[B, T]`'s spec, vocab unsharded); the
+gradients come back typed as the parameters.
 """
 
 from __future__ import annotations
@@ -26,13 +38,16 @@ from attnres_core.config import ResidualConfig
 from attnres_core.schedule import ScheduleObserver
 from flax import nnx
 from flax.core import meta as flax_meta
+from flax.core import spmd as flax_spmd
 from flax.nnx.nn import linear as flax_linear
 
+from . import _mesh
 from ._math import HIGHEST
 from .ops import depth_attention, dtype_name
 from .stack import Sublayer, scan_apply, stack_apply
 
-#: The mesh axis of tensor parallelism in the modules' partitioning metadata.
+#: The default tensor-parallel axis of the `Transformer`'s partitioning metadata (a logical axis
+#: name: a mesh axis of that name, or what `nnx.logical_axis_rules` maps it to).
 TENSOR_AXIS = "model"
 
 
@@ -114,11 +129,38 @@ def _identity(h):
 
 
 def _kernel(spec):
-    """nnx.Linear's default kernel init with partitioning metadata `spec` (`TENSOR_AXIS`)."""
+    """nnx.Linear's default kernel init with partitioning metadata `spec` (over the tensor axis)."""
     return nnx.with_partitioning(flax_linear.default_kernel_init, spec)
 
 
-_COLUMN, _ROW = (None, TENSOR_AXIS), (TENSOR_AXIS, None)
+def _specs(axis: Optional[str]):
+    """(column-parallel, row-parallel) kernel specs over the tensor axis `axis`."""
+    return (None, axis), (axis, None)
+
+
+def _mesh_axis(axis: Optional[str]):
+    """The mesh axis that the logical axis name `axis` lands on under the active
+    `nnx.logical_axis_rules` (itself where no rule names it)."""
+    if axis is None:
+        return None
+    return dict(flax_spmd.get_logical_axis_rules() or ()).get(axis, axis)
+
+
+def _check_axis(axis: Optional[str], mesh, where: str) -> None:
+    """Refuse a tensor axis that lands on no axis of `mesh`, naming the fixes."""
+    target = _mesh_axis(axis)
+    if mesh is None or target is None:
+        return
+    targets = target if isinstance(target, (tuple, list)) else (target,)
+    missing = [t for t in targets if t is not None and t not in mesh.axis_names]
+    if missing:
+        via = "" if target == axis else f" (mapped to {target!r} by nnx.logical_axis_rules)"
+        raise ValueError(
+            f"{where}: the Transformer's tensor-parallel axis {axis!r}{via} is not an axis of the "
+            f"mesh {tuple(mesh.axis_names)}; build it with tensor_axis=<one of "
+            f"{tuple(mesh.axis_names)}> (tensor_axis=None: every parameter replicated, data "
+            f"parallel only), or map the name with nnx.logical_axis_rules([({axis!r}, "
+            f"<mesh axis>)]) around construction and nnx.get_named_sharding")
 
 
 def _linear(d_in: int, d_out: int, spec, rngs: nnx.Rngs, dtype, *, use_bias: bool = False) -> nnx.Linear:
@@ -131,10 +173,11 @@ class _Attention(nnx.Module):
     """Causal multi-head self-attention sublayer with its own pre-RMSNorm: `[B, T, D] -> [B, T, D]`."""
 
     def __init__(self, dim: int, num_heads: int, eps: float, rngs: nnx.Rngs, prenorm: bool = True,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, axis: Optional[str] = TENSOR_AXIS):
+        column, row = _specs(axis)
         self.norm = nnx.RMSNorm(dim, epsilon=eps, param_dtype=dtype, rngs=rngs) if prenorm else _identity
-        self.qkv = _linear(dim, 3 * dim, _COLUMN, rngs, dtype)
-        self.out = _linear(dim, dim, _ROW, rngs, dtype)
+        self.qkv = _linear(dim, 3 * dim, column, rngs, dtype)
+        self.out = _linear(dim, dim, row, rngs, dtype)
         self.num_heads = num_heads
 
     def __call__(self, h):
@@ -151,10 +194,11 @@ class _MLP(nnx.Module):
     """GELU MLP sublayer with its own pre-RMSNorm: `[..., D] -> [..., D]`."""
 
     def __init__(self, dim: int, hidden: int, eps: float, rngs: nnx.Rngs, prenorm: bool = True,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, axis: Optional[str] = TENSOR_AXIS):
+        column, row = _specs(axis)
         self.norm = nnx.RMSNorm(dim, epsilon=eps, param_dtype=dtype, rngs=rngs) if prenorm else _identity
-        self.up = _linear(dim, hidden, _COLUMN, rngs, dtype, use_bias=True)
-        self.down = _linear(hidden, dim, _ROW, rngs, dtype, use_bias=True)
+        self.up = _linear(dim, hidden, column, rngs, dtype, use_bias=True)
+        self.down = _linear(hidden, dim, row, rngs, dtype, use_bias=True)
 
     def __call__(self, h):
         return self.down(jax.nn.gelu(self.up(self.norm(h))))
@@ -164,9 +208,9 @@ class _Block(nnx.Module):
     """One transformer block's two sublayers (attention, MLP), the period of a scanned stack."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: int, eps: float, rngs: nnx.Rngs,
-                 prenorm: bool, dtype):
-        self.attention = _Attention(dim, num_heads, eps, rngs, prenorm=prenorm, dtype=dtype)
-        self.mlp = _MLP(dim, mlp_ratio * dim, eps, rngs, prenorm=prenorm, dtype=dtype)
+                 prenorm: bool, dtype, axis: Optional[str] = TENSOR_AXIS):
+        self.attention = _Attention(dim, num_heads, eps, rngs, prenorm=prenorm, dtype=dtype, axis=axis)
+        self.mlp = _MLP(dim, mlp_ratio * dim, eps, rngs, prenorm=prenorm, dtype=dtype, axis=axis)
 
 
 def _stacked(modules: list) -> nnx.Module:
@@ -210,20 +254,30 @@ class Transformer(nnx.Module):
     scan_backward: None (`scan_apply`'s default), "fused", "replay" or "scan": the scanned
     form's backward (`scan_apply(backward=)`).
     param_dtype: the dtype of every parameter (the stream runs in the embedding's, M1a).
+    tensor_axis: the tensor-parallel axis of the partitioning metadata (module docstring): a mesh
+    axis name, or a logical name that `nnx.logical_axis_rules` maps to one; None replicates
+    every parameter.  Built under a mesh without that axis: ValueError naming the fixes.
+
+    Under Explicit mesh axes (`jax.make_mesh`'s default) the call runs with them made Auto and
+    returns logits typed as `tokens` (vocab unsharded).
     """
 
     def __init__(self, config: ResidualConfig, *, vocab_size: int, dim: int, num_blocks: int,
                  num_heads: int, rngs: nnx.Rngs, eps: float = 1e-6, mlp_ratio: int = 4,
                  scan_layers: bool = False, remat: Optional[str] = None, param_dtype=jnp.float32,
-                 scan_backward: Optional[str] = None):
+                 scan_backward: Optional[str] = None, tensor_axis: Optional[str] = TENSOR_AXIS):
         fused = config.fuse_out_norm  # M15
         if fused and eps != config.eps:
             raise ValueError(f"eps: with fuse_out_norm the router's norms use config.eps = "
                              f"{config.eps}, so the model's eps must equal it; got eps={eps}")
+        if tensor_axis is not None and not isinstance(tensor_axis, str):
+            raise TypeError(f"tensor_axis: a mesh or logical axis name (str) or None; got {tensor_axis!r}")
+        _check_axis(tensor_axis, flax_meta.get_global_mesh(), "Transformer(...) under the mesh")
+        column, row = _specs(tensor_axis)
         with _partitioning_context():
             self.embed = nnx.Embed(vocab_size, dim, param_dtype=param_dtype, rngs=rngs,
-                                   embedding_init=nnx.with_partitioning(flax_linear.default_embed_init, _ROW))
-            blocks = [_Block(dim, num_heads, mlp_ratio, eps, rngs, not fused, param_dtype)
+                                   embedding_init=nnx.with_partitioning(flax_linear.default_embed_init, row))
+            blocks = [_Block(dim, num_heads, mlp_ratio, eps, rngs, not fused, param_dtype, tensor_axis)
                       for _ in range(num_blocks)]
             if scan_layers:
                 self.blocks = _stacked(blocks)
@@ -232,26 +286,49 @@ class Transformer(nnx.Module):
             self.router = DepthRouter(config, 2 * num_blocks, dim, dtype=param_dtype)
             self.final_norm = _identity if fused else nnx.RMSNorm(dim, epsilon=eps, param_dtype=param_dtype,
                                                                   rngs=rngs)
-            self.head = _linear(dim, vocab_size, _COLUMN, rngs, param_dtype)
+            self.head = _linear(dim, vocab_size, column, rngs, param_dtype)
         self.scan_layers, self.remat, self.scan_backward = scan_layers, remat, scan_backward
+        self.tensor_axis = tensor_axis
+
+    def shardings(self, mesh):
+        """`nnx.get_named_sharding(nnx.state(self), mesh)` after checking that the tensor axis
+        (under the active `nnx.logical_axis_rules`) is one of `mesh`'s axes: a model built
+        outside the mesh gets the refusal that construction under the mesh gives, naming the
+        fixes, instead of JAX's "Resource axis ... not found"."""
+        _check_axis(self.tensor_axis, mesh, "Transformer.shardings(mesh)")
+        return nnx.get_named_sharding(nnx.state(self), mesh)
 
     def __call__(self, tokens, *, schedule: str = "direct", mix=None, scale=None,
                  observer: Optional[ScheduleObserver] = None):
         """tokens `[B, T]` -> logits `[B, T, vocab]`; schedule, mix, scale, observer as in
         `stack_apply` (mix and scale may be traced arrays).  scan_layers=True: direct schedule,
-        no observer (ValueError)."""
+        no observer (ValueError).  Under Explicit mesh axes: run with them made Auto, logits
+        typed as `tokens` with the vocab axis unsharded."""
+        if self.scan_layers and (schedule != "direct" or observer is not None):
+            raise ValueError("schedule/observer: the layer-scanned Transformer runs the direct "
+                             "schedule without observers; build it with scan_layers=False for "
+                             f"those (got schedule={schedule!r}, observer={observer!r})")
+        graphdef, state = nnx.split(self)
+        values = {"state": state, "tokens": tokens, "mix": mix, "scale": scale}
+        if _mesh.explicit_mesh(*(x for x in jax.tree_util.tree_leaves(values) if hasattr(x, "dtype"))) is None:
+            return self._logits(tokens, schedule, mix, scale, observer)
+
+        def run(state, tokens, mix, scale):
+            return nnx.merge(graphdef, state)._logits(tokens, schedule, mix, scale, observer)
+
+        tokens_spec = _mesh.spec(tokens) if hasattr(tokens, "dtype") else (None,) * jnp.ndim(tokens)
+        return _mesh.auto_arrays(run, values, _mesh.P(*tokens_spec, None))
+
+    def _logits(self, tokens, schedule, mix, scale, observer):
         x = self.embed(tokens)
         if not self.scan_layers:
             h = self.router(x, list(self.sublayers), schedule=schedule, mix=mix, scale=scale,
                             observer=observer, remat=self.remat)
             return self.head(self.final_norm(h))
-        if schedule != "direct" or observer is not None:
-            raise ValueError("schedule/observer: the layer-scanned Transformer runs the direct "
-                             "schedule without observers; build it with scan_layers=False for "
-                             f"those (got schedule={schedule!r}, observer={observer!r})")
         graphdef, state = nnx.split(self.blocks)
         sublayers = (lambda p, h: nnx.merge(graphdef, p).attention(h),
                      lambda p, h: nnx.merge(graphdef, p).mlp(h))
         h = self.router.scan(x, sublayers, state, mix=mix, scale=scale, remat=self.remat,
                              backward=self.scan_backward)
         return self.head(self.final_norm(h))
+

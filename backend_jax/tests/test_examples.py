@@ -10,8 +10,9 @@ pytest.importorskip("flax", reason="the example needs the flax extra")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from attnres_core.config import ResidualConfig  # noqa: E402
-from attnres_jax.examples.decoder import Decoder, train_step  # noqa: E402
 from flax import nnx  # noqa: E402
+
+from examples.jax_decoder import Decoder, train_step  # noqa: E402
 
 
 def _pair(config):

@@ -7,6 +7,9 @@ import mlx.core as mx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The checkout's top-level `examples/` (no wheel ships it): the example's test and the usage page's
+# blocks import it as `examples.mlx_decoder`.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def pytest_collection_modifyitems(config, items):

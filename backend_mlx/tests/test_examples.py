@@ -8,7 +8,8 @@ import re
 import mlx.core as mx
 import pytest
 from attnres_core.config import ResidualConfig
-from attnres_mlx.examples import decoder
+
+from examples import mlx_decoder as decoder
 
 
 @pytest.mark.parametrize("config", [ResidualConfig(kind="full"), ResidualConfig(kind="block", block_size=2)])

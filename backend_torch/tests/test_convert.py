@@ -14,7 +14,7 @@ from attnres_torch import DepthRouter
 from attnres_torch.convert import DepthSite, PerLayerRouter, RowStack, wrap_prenorm
 from torch import nn
 
-from examples.decoder import Decoder
+from examples.torch_decoder import Decoder
 
 VARIANTS = [v for v in VARIANT_KINDS  # every variant of the spec with a row per sublayer
             if v not in ("shared_queries", "low_rank_keys")]

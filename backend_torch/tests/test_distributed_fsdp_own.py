@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from attnres_torch import ResidualConfig
 from attnres_torch.distributed import run_local
 
-from examples.decoder import Decoder
+from examples.torch_decoder import Decoder
 
 CONFIGS = {"block": ResidualConfig(kind="block", block_size=2), "full": ResidualConfig(kind="full")}
 

@@ -227,7 +227,7 @@ def test_log_ticks_are_round_and_enough():
 
 
 def test_decoder_example_converts_and_trains(capsys):
-    from examples import decoder
+    from examples import torch_decoder as decoder
 
     assert decoder.main([]) == 0
     out = capsys.readouterr().out
@@ -240,7 +240,7 @@ def test_decoder_example_converts_and_trains(capsys):
 def test_decoder_conversion_is_prenorm_at_init_in_float64():
     from attnres_core.config import ResidualConfig
 
-    from examples.decoder import Decoder, convert
+    from examples.torch_decoder import Decoder, convert
 
     torch.manual_seed(0)
     prenorm = Decoder(64, 16, 3, 2).double()

@@ -8,7 +8,7 @@ router's zero-initialized pseudo-queries the converted model computes the same l
 Without Flax, `attnres_jax.stack_apply(config, params, embedding, sublayers)` is the same wiring
 as a pure function.
 
-    python -m attnres_jax.examples.decoder
+    python examples/jax_decoder.py   # needs attnres-jax[flax]
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from typing import List, Optional
 import jax
 import jax.numpy as jnp
 from attnres_core.config import ResidualConfig
+from attnres_jax.modules import DepthRouter
 from flax import nnx
-
-from ..modules import DepthRouter
 
 
 class Attention(nnx.Module):

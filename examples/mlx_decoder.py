@@ -6,7 +6,7 @@ keeps both sublayers as they are (each with its own pre-norm) and hands them to
 PreNorm model's weights load with `model.update(prenorm.parameters())`, and with the router's
 zero-initialized pseudo-queries the converted model computes the same logits.
 
-    python -m attnres_mlx.examples.decoder
+    python examples/mlx_decoder.py
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from attnres_core.config import ResidualConfig
-
-from .. import DepthRouter
+from attnres_mlx import DepthRouter
 
 
 class Attention(nn.Module):

@@ -9,7 +9,7 @@ the router's parameters are new), and with the router's zero-initialized pseudo-
 converted model computes the same logits as the PreNorm one (uniform depth weights divide the
 stream by a positive number, which the next RMSNorm undoes).
 
-    python examples/decoder.py
+    python examples/torch_decoder.py
 """
 
 from __future__ import annotations

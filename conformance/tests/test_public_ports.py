@@ -27,9 +27,11 @@ SMALL = ["depth_attention/base/", "depth_attention/sources_past_32/"]
 def _require(port_key: str, module: str):
     """The adapter module of a port, or a skip naming what to install."""
     port = PORTS[port_key]
-    top = {"fla": "fla", "attn_res": "attn_res", "liger": "liger_kernel"}[port.module]
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec(top) is None:
-        pytest.skip(f"{port.package} is not installed here: `{port.install}` with torch==2.13.0 "
+    top = {"fla": "fla", "attn_res": "attn_res", "liger": "liger_kernel", "mlx_lm_k3": "mlx_lm"}[port.module]
+    framework = "mlx" if port.module == "mlx_lm_k3" else "torch"
+    if importlib.util.find_spec(framework) is None or importlib.util.find_spec(top) is None:
+        with_torch = "" if framework == "mlx" else " with torch==2.13.0"
+        pytest.skip(f"{port.package} is not installed here: `{port.install}`{with_torch} "
                     f"(`nox -s ports` installs every pinned port and runs this file)")
     return importlib.import_module(f"attnres_conformance.ports.{module}")
 
@@ -70,6 +72,12 @@ def test_liger_adapter_and_the_release_installed():
         assert all(r.failed for r in past_32) and report.verdict() == "FAIL"
     else:
         assert report.verdict() == "PASS", report.to_text()
+
+
+def test_mlx_lm_kimi_k3_adapter():
+    adapter = _require("mlx-lm-0.32.2", "mlx_lm_k3")
+    report = run_conformance(adapter.backend, dtypes=["float32"], select=SMALL + ["depth_attention/eps_scale/"])
+    assert len(_ran(report)) >= 5 and report.verdict() == "PASS", report.to_text()
 
 
 # -- what the table relies on, on stand-ins ----------------------------------------------------------

@@ -66,7 +66,8 @@ class Port:
 
     @property
     def install(self) -> str:
-        extra = {"fla": " fla-core==0.6.0 triton", "liger": " triton packaging"}.get(self.module, "")
+        extra = {"fla": " fla-core==0.6.0 triton", "liger": " triton packaging",
+                 "mlx_lm_k3": ' "mlx[cpu]"'}.get(self.module, "")
         return f"pip install {self.package}=={self.version}{extra}"
 
 
@@ -88,6 +89,10 @@ PORTS: List[Port] = [
     Port("liger-kernel-0.8.4", "Liger-kernel `LigerAttnResFunction`", "liger-kernel", "0.8.4", "liger", "FAIL",
          frozenset({"2.1", "C10.6"}), forbid_rules=frozenset({"C1, C16", "C1, C2, C16"}), options=("--quick", "--dtype", "float32", "--dtype", "float16"),
          scope=LIGER_SCOPE, home="https://github.com/linkedin/Liger-Kernel"),
+    Port("mlx-lm-0.32.2", "mlx-lm Kimi K3 `_attn_res_mix`", "mlx-lm", "0.32.2", "mlx_lm_k3", "FAIL",
+         frozenset({"C1, C2, C16", "C10.6"}), forbid_rules=frozenset({"C1, C16"}),
+         scope="the whole suite, every declared dtype, on MLX's CPU (the compiled combine; the Metal kernel "
+               "serves inference on Apple GPUs only)", home="https://github.com/ml-explore/mlx-lm"),
 ]
 #: Ports whose verdicts must differ on one rule: the regression the table exists to show.
 CONTRAST = ("liger-kernel-0.8.3", "liger-kernel-0.8.4", "C1, C16")
@@ -136,7 +141,8 @@ def run_ports(ports: Sequence[Port], reports: Path, jobs: int = 2) -> Dict[str, 
     """Run each port into reports/<key>.json, `jobs` at a time; returns the wall time of each."""
     reports.mkdir(parents=True, exist_ok=True)
     skips_dir = Path(tempfile.mkdtemp(prefix="attnres-ports-"))
-    pending, running, walls = list(ports), [], {}
+    # The interpreted Triton runs are the longest: first, so the others fill the second slot.
+    pending, running, walls = sorted(ports, key=lambda q: q.module != "liger"), [], {}
     while pending or running:
         while pending and len(running) < jobs:
             port = pending.pop(0)
@@ -181,13 +187,28 @@ def failing_rules(report: Report, port: Optional[Port] = None) -> Dict[str, List
 
 
 def _failed_cells(results) -> list:
-    """(error, dtype) of the failing forward cells, or of the failing gradient cells when no
-    forward cell failed: a forward error is the finding, and gradients next to a wrong forward
-    may be whatever the port left in memory."""
-    cells = [(r.forward, r.dtype) for r in results if r.forward is not None and r.forward.status == "fail"]
-    if not cells:
-        cells = [(r.gradient, r.dtype) for r in results if r.gradient is not None and r.gradient.status == "fail"]
-    return [(c.err, dtype) for c, dtype in cells if c.err is not None]
+    """(error, dtype) of the failing forward cells with an error size, or of the failing gradient
+    cells when no forward cell has one: a forward error is the finding, and gradients next to a
+    wrong forward may be whatever the port left in memory."""
+    for column in ("forward", "gradient"):
+        cells = [(getattr(r, column).err, r.dtype) for r in results if getattr(r, column) is not None
+                 and getattr(r, column).status == "fail" and getattr(r, column).err]
+        if cells:
+            return cells
+    return []
+
+
+def categories(results) -> str:
+    return ", ".join(sorted({r.category for r in results if r.category}))
+
+
+def contract_example(results) -> str:
+    """The first message of a failing non-numerical case (those hold no figures that could vary)."""
+    for r in results:
+        if r.category in ("result contract", "error contract", "crash"):
+            message = next(c.message for c in r.cells if c.status == "fail")
+            return f"; e.g. `{r.id}`: {message.split(' at /')[0][:160]}"
+    return ""
 
 
 def worst(results) -> Optional[float]:
@@ -319,9 +340,10 @@ def render(reports: Dict[str, Report]) -> str:
                 why = rule_of(rs[0].row)[1] if rule_of(rs[0].row) else ""
                 dtypes = sorted({r.dtype for r in rs}, key=["float64", "float32", "float16", "bfloat16"].index)
                 rows = sorted({r.row.split("/", 1)[-1] for r in rs})
-                lines.append(f"    - **{rule}** ({why}): {len(rs)} case{'s' * (len(rs) != 1)} in "
-                             f"{', '.join(dtypes)}, worst relative error {_e(worst(rs))}{worst_hint(rs)}; rows "
-                             + ", ".join(f"`{row}`" for row in rows))
+                lines.append(f"    - **{rule}** ({why}): {len(rs)} case{'s' * (len(rs) != 1)} "
+                             f"({categories(rs)}) in {', '.join(dtypes)}, worst relative error "
+                             f"{_e(worst(rs))}{worst_hint(rs)}; rows " + ", ".join(f"`{row}`" for row in rows)
+                             + contract_example(rs))
             for rule, why in port.unstable:
                 lines.append(f"    - **{rule}**, unstable: {why}")
         gaps = sorted({r.id.split("/")[2] for r in report.results if r.status == "gap"})

@@ -13,8 +13,8 @@ in float32, so float64 is not declared; bfloat16 is not testable under the inter
 bf16 arithmetic on CPUs is wrong, so it is left out on CPU only), one static query, stacked
 sources, no lse / weights, no argument checks (`validates_inputs=False`).
 
-Interpreted calls are slow (seconds at N = 33 and 130): `RUN` is the subset the compliance
-table runs on CPU; on CUDA run the whole suite.
+Interpreted calls are slow (seconds at N = 33 and 130): on CPU the compliance table runs the quick
+grid in float32 and float16 (`compliance.PORTS`); on CUDA run the whole suite.
 """
 
 from __future__ import annotations

@@ -125,6 +125,22 @@ class OpCall:
     device: str = "cpu"
     strided: bool = False
     cotangents: Optional[Dict[str, np.ndarray]] = None
+    #: Per-input memory layouts beyond `strided` (issue 44's layout transforms): input name ->
+    #: (layout, axis), layout one of `LAYOUTS`; for list / tuple sources it applies to each source
+    #: (axis counted in the source's own axes).  Values are unchanged; an adapter built on
+    #: `adapters.base.Adapter` builds these views (`Adapter.layout_array`), others may ignore it.
+    layouts: Dict[str, Tuple[str, int]] = field(default_factory=dict)
+    #: Cotangents given in another dtype than their output's (issue 44's bad-cotangent rows):
+    #: output name -> dtype name.
+    cotangent_dtypes: Dict[str, str] = field(default_factory=dict)
+
+
+#: Memory layouts of an input (`OpCall.layouts`): every other element of a buffer twice as wide
+#: along the channel / a token / the source axis, a stacked array stored with its first two axes
+#: swapped (a KV-cache-like [T, N, D] buffer read as [N, T, D]), a contiguous view at a storage
+#: offset (a slice of a larger buffer), and a stride-0 broadcast along the token axes (values
+#: equal on every token).
+LAYOUTS = ("channel_strided", "token_strided", "source_strided", "transposed", "offset", "expanded")
 
 
 @dataclass

@@ -168,7 +168,7 @@ class Case:
     @property
     def has_gradient(self) -> bool:
         """Whether the case fills the gradient column of the matrix."""
-        if self.kind in ("error", "invariant", "skip"):
+        if self.kind in ("error", "invariant", "skip", "cotangent", "sequence"):
             return False
         if self.kind == "golden":
             return "cotangent.out" in self.spec["vector"].arrays
@@ -225,6 +225,10 @@ def _golden(case: Case):
     if case.kind == "golden":
         return case.spec["vector"]
     golden = BUILDERS[case.spec["builder"]](case.id, case.dtype, **case.spec["kwargs"])
+    if case.spec.get("post"):  # a transform's changed inputs, results recomputed (`transforms.finish`)
+        from .transforms import finish
+
+        golden = finish(golden, case.spec)
     if case.spec.get("out_normed_only") and "output.out_normed" in golden.arrays:
         golden = _out_normed_only(golden)
     return golden
@@ -257,7 +261,7 @@ def _out_normed_only(golden):
 ROW_POINTS = {"lse": {"lse"}, "weights": {"weights"}, "weights_sum": {"weights"},
               "zero_query_uniform": {"weights"}, "eps_scale": {"eps", "scale"}}
 #: Case kinds built from a builder's knobs (the ones `fit` can rebuild).
-ADAPTABLE_KINDS = ("op", "mixed_dtype", "determinism", "invariant")
+ADAPTABLE_KINDS = ("op", "mixed_dtype", "determinism", "invariant", "cotangent")
 
 
 def row_point(row: str) -> set:
@@ -275,7 +279,7 @@ def fit(case: Case, caps: Optional[Capabilities]) -> Case:
         return case
     builder, kw, notes = case.spec["builder"], dict(case.spec["kwargs"]), []
     point = row_point(case.row) | ({"weights"} if case.spec.get("invariant") in ("weights_sum", "zero_query_uniform")
-                                   else set())
+                                   else set()) | set(case.spec.get("point", ()))
     if builder == "da":
         for knob in ("lse", "weights"):
             if kw.get(knob) and knob not in caps.options and knob not in point:
@@ -284,7 +288,7 @@ def fit(case: Case, caps: Optional[Capabilities]) -> Case:
     if builder == "merge" and kw.get("lse", True) and not caps.merge_lse and "lse" not in point:
         kw["lse"] = False
         notes.append("merge without lse (declared merge_lse=False)")
-    if not caps.gain and kw.get("gain", True):
+    if not caps.gain and kw.get("gain", True) and "gain" not in point:
         kw["gain"] = False
         notes.append("without norm_weight (declared gain=False)")
     for knob, fixed, default in (("scale", caps.scale, 1.0), ("eps", caps.eps, 1e-6)):
@@ -330,6 +334,8 @@ def tags_of(case: Case) -> set:
         tags.add("large_logits")
     if case.spec.get("forward_only"):
         tags.add("forward_only")
+    if case.spec.get("transform"):  # issue 44's transforms: tag:<transform>, tag:transforms
+        tags |= {case.spec["transform"], "transforms"}
     return tags
 
 
@@ -377,6 +383,7 @@ def requirements_of(golden, spec: Optional[dict] = None) -> Requirements:
         opts.add("stacked")
     if spec.get("strided"):
         opts.add("strided")
+    opts |= set(spec.get("extra_options", ()))  # what a transform needs (a layout: "strided")
     n = x.shape[0] if "input.sources" in a else 2
     ops_needed = {golden.op}
     if spec.get("invariant") == "two_phase":  # lse compared only where merge_partial returns it
@@ -636,6 +643,14 @@ def _round3_cases(dtypes) -> List[Case]:
             # backend fills forward cells from its gradient call (`forward_in_gradient_call`).
             _op_case(f"{da}/forward_only", "N5-T3-D16-H2-lse-weights-outnorm", dtype, "da", False,
                      forward_only=True, n=5, tokens=(3,), dim=16, num_heads=2, lse=True, weights=True, **on),
+            # Issue 44 item 5: the forward-only program with per-token queries, its own out_norm_eps,
+            # sigmoid and no key norm (each a branch a forward-only path can get wrong alone).
+            _op_case(f"{da}/forward_only", "N5-T2x3-D16-tokq-lse-outnorm_eps1e-2", dtype, "da", False,
+                     forward_only=True, n=5, tokens=(2, 3), dim=16, token_query=True, lse=True,
+                     out_norm_eps=1e-2, **on),
+            _op_case(f"{da}/forward_only", "N5-T3-D16-sigmoid-nokn-weights", dtype, "da", False,
+                     forward_only=True, n=5, tokens=(3,), dim=16, activation="sigmoid", key_norm=False,
+                     weights=True),
         ]
         if dtype != "float16":  # C10.7: the partial's weight e^-20 at every token (see SMALL_PARTIAL_GAP)
             cases += [
@@ -660,6 +675,8 @@ def _round3_cases(dtypes) -> List[Case]:
                          s=3, tokens=(3,), dim=16),
                 _op_case(f"{me}/forward_only", "T3-D16", dtype, "merge", False, forward_only=True, tokens=(3,),
                          dim=16),
+                _op_case(f"{me}/forward_only", "T2x3-D16-tokq", dtype, "merge", False, forward_only=True,
+                         tokens=(2, 3), dim=16, token_query=True),
             ]
         if dtype in LARGE_DTYPES:
             cases.append(_op_case(f"{da}/weights", f"N{LARGE_N}-T2-D8", dtype, "da", False, n=LARGE_N, tokens=(2,),
@@ -966,6 +983,68 @@ def _sentinel_cases(caps: Optional[Capabilities], dtypes) -> List[Case]:
             for dtype in dtypes for n, t in zip(SENTINEL_N, (3, 2))]
 
 
+# -- bad cotangents (issue 44 item 3) -------------------------------------------------------------
+#: The small case of each op whose every differentiable output gets a bad cotangent.
+COTANGENT_BASES = (("depth_attention", "da", dict(n=3, tokens=(3,), dim=4, lse=True, out_norm=True),
+                    ("out", "out_normed", "lse")),
+                   ("depth_attention_multi", "multi", dict(n=3, s=2, tokens=(3,), dim=4), ("out", "lse")),
+                   ("merge_partial", "merge", dict(tokens=(3,), dim=4, lse=True), ("out", "lse")))
+#: wrong_shape: one more element in the last axis; broadcastable: a leading axis of 1 that
+#: broadcasts to the output's shape; wrong_dtype: another floating dtype than the output's.
+COTANGENT_VARIANTS = ("wrong_shape", "broadcastable", "wrong_dtype")
+
+
+def _cotangent_cases(dtypes) -> List[Case]:
+    """A cotangent of the wrong shape, a broadcastable one and one of another dtype, for every
+    output of every op (`checks.check_cotangent`): a clear error naming the cotangent, or the
+    framework's own autodiff error; a wrong dtype may instead be cast (then the gradients must be
+    those of the cast cotangent).  In FORM_DTYPES (the defect does not depend on the dtype)."""
+    cases = []
+    for dtype in dtypes:
+        if dtype not in FORM_DTYPES:
+            continue
+        for op, builder, kwargs, outputs in COTANGENT_BASES:
+            for output in outputs:
+                for variant in COTANGENT_VARIANTS:
+                    spec = dict(builder=builder, kwargs=dict(kwargs), output=output, variant=variant,
+                                point=("lse",) if output == "lse" else (), strided=False)
+                    cases.append(Case(f"cotangents/{op}/{output}-{variant}/{dtype}", "cotangent", dtype, spec,
+                                      True))
+    return cases
+
+
+# -- calls in sequence (issue 44 item 4) -----------------------------------------------------------
+#: (op, builder knobs, steps): each step's attrs replace the case's; "ok" steps are compared with
+#: the reference at those attrs, the others must raise (exception, argument named).
+SEQUENCES = (
+    ("depth_attention", "da", dict(n=4, tokens=(3,), dim=8, gain=False),
+     ((dict(scale=1.0), "ok"), (dict(scale=0.37), "ok"), (dict(eps=1e-2, scale=-2.0), "ok"),
+      (dict(eps=0.0), ("ValueError", "eps")), (dict(scale=float("inf")), ("ValueError", "scale")),
+      (dict(scale=1.5), "ok"))),
+    ("depth_attention_multi", "multi", dict(n=4, s=2, tokens=(3,), dim=8, gain=False),
+     ((dict(eps=1e-6), "ok"), (dict(eps=0.1, scale=0.5), "ok"), (dict(scale=float("nan")), ("ValueError", "scale")),
+      (dict(eps=-1.0), ("ValueError", "eps")))),
+    ("merge_partial", "merge", dict(tokens=(3,), dim=8, gain=False, lse=False),
+     ((dict(scale=1.0), "ok"), (dict(scale=-2.0), "ok"), (dict(eps=float("nan")), ("ValueError", "eps")),
+      (dict(scale=0.25, eps=1e-3), "ok"))),
+)
+
+
+def _sequence_cases(dtypes) -> List[Case]:
+    """The same signature called again with changed scalars, then with an invalid one, then valid
+    again (`checks.check_sequence`): a per-signature plan cache that keeps the first call's scale
+    or skips the scalar checks on a repeat fails here.  In FORM_DTYPES."""
+    cases = []
+    for dtype in dtypes:
+        if dtype not in FORM_DTYPES:
+            continue
+        for op, builder, kwargs, steps in SEQUENCES:
+            spec = dict(builder=builder, kwargs=dict(kwargs), steps=steps, strided=False,
+                        requires=Requirements(ops=frozenset({op}), arguments=frozenset({"scale", "eps"})))
+            cases.append(Case(f"sequences/{op}/scalars-then-invalid/{dtype}", "sequence", dtype, spec, True))
+    return cases
+
+
 # -- determinism and invariants ------------------------------------------------------------------
 def _determinism_cases(dtypes) -> List[Case]:
     runs = [
@@ -1089,16 +1168,20 @@ def _sweep_cases(dtypes, quick: bool) -> List[Case]:
 
 
 def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities] = None,
-             vectors_dir=None, sweep: bool = True) -> List[Case]:
+             vectors_dir=None, sweep: bool = True, transforms: bool = True) -> List[Case]:
     """Every case for `dtypes` (the `--quick` subset when quick), each `fit` to `caps` (the
     port's declared design choices: see `fit`); `caps` also adds the declared-limit
     edges; vectors_dir: golden vectors (default: `attnres_numpy.vectors.default_vectors_dir()`)."""
     dtypes = tuple(dtypes)
     cases = (_sentinel_cases(caps, dtypes) + _depth_attention_cases(dtypes) + _multi_merge_cases(dtypes) + _hole_cases(dtypes)
              + _round3_cases(dtypes) + _probe_cases(dtypes)
-             + _error_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
+             + _error_cases(dtypes) + _cotangent_cases(dtypes) + _sequence_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
              + (_limit_cases(caps, dtypes) if caps is not None else [])
              + _golden_cases(vectors_dir, dtypes) + (_sweep_cases(dtypes, quick) if sweep else []))
+    if transforms:
+        from .transforms import transform_cases
+
+        cases += transform_cases(cases, dtypes, declared=None if caps is None else caps.dtypes)
     cases = [fit(c, caps) for c in cases]
     return quick_grid(cases) if quick else cases
 

@@ -9,6 +9,7 @@ column.  A cell passes only when every comparison passes; its `err` is the large
 from __future__ import annotations
 
 import builtins
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -56,7 +57,7 @@ def _array_dtype(golden, name: str) -> str:
 
 # -- calls ---------------------------------------------------------------------------------------
 def op_call(golden, device: str = "cpu", *, backward: bool, strided: bool = False,
-            input_dtypes: Optional[dict] = None) -> OpCall:
+            input_dtypes: Optional[dict] = None, layouts: Optional[dict] = None) -> OpCall:
     """The backend call of an op golden case (fresh copies of its inputs); sources as a list,
     tuple or stacked array as the case says.  input_dtypes: per-input dtypes other than the
     case's (a query in its own dtype, C10.1)."""
@@ -73,7 +74,8 @@ def op_call(golden, device: str = "cpu", *, backward: bool, strided: bool = Fals
                         **(input_dtypes or {}))
     cot = ({k.split(".", 1)[1]: v.copy() for k, v in a.items() if k.startswith("cotangent.")}
            if backward else None)
-    return OpCall(golden.op, inputs, dict(golden.attrs), golden.dtype, input_dtypes, device, strided, cot)
+    return OpCall(golden.op, inputs, dict(golden.attrs), golden.dtype, input_dtypes, device, strided, cot,
+                  layouts=dict(layouts or {}))
 
 
 def probe_call(golden, device: str = "cpu", *, backward: bool) -> ProbeCall:
@@ -308,7 +310,7 @@ def _finite(name, value) -> List[str]:
 
 
 def check_reference(backend, golden, device, *, strided=False, check="tolerance", override=None,
-                    gradient=True, input_dtypes=None) -> Tuple[Cell, Optional[Cell]]:
+                    gradient=True, input_dtypes=None, layouts=None) -> Tuple[Cell, Optional[Cell]]:
     """Forward (a call without cotangents) and gradient (a call with them) vs the reference;
     for ops also the result dtypes (C10.3) and no aliasing (C7a).
 
@@ -326,7 +328,8 @@ def check_reference(backend, golden, device, *, strided=False, check="tolerance"
                    and check == "tolerance" else None)
 
     def run(backward: bool):
-        call = (op_call(golden, device, backward=backward, strided=strided, input_dtypes=input_dtypes)
+        call = (op_call(golden, device, backward=backward, strided=strided, input_dtypes=input_dtypes,
+                        layouts=layouts)
                 if golden.op != "probe" else probe_call(golden, device, backward=backward))
         before = _snapshot(call.inputs) if isinstance(call, OpCall) else _snapshot(call)
         result = backend.call_op(call) if isinstance(call, OpCall) else backend.call_probe(call)
@@ -523,12 +526,110 @@ def check_invariant(backend, case: Case, device, caps=None) -> Cell:
     return _cell([c], [])
 
 
+#: Words a clear cotangent error names (the cotangent's own name is added per case): the spec's
+#: d_<output>, or a framework's own autodiff check (torch's grad_output, JAX's and MLX's VJP).
+_COTANGENT_WORDS = ("cotangent", "grad_output", "VJP", "vjp")
+
+
+def check_cotangent(backend, case: Case, device, caps=None) -> Cell:
+    """A bad cotangent for one output (`cases.COTANGENT_VARIANTS`): a wrong or broadcastable
+    shape must raise an error naming the cotangent (its output's name, d_<name>, "cotangent" or
+    the framework's "grad_output"); a wrong dtype may raise so, or be cast: then every gradient
+    must equal the port's own for the same values in the output's dtype (exact in both)."""
+    from .transforms import OTHER_DTYPE
+
+    golden, s = case.golden(), case.spec
+    name, variant = s["output"], s["variant"]
+    call = op_call(golden, device, backward=True)
+    if name not in (call.cotangents or {}):
+        return Cell("skip", None, f"the case has no {name!r} output to take a cotangent of")
+    good = np.asarray(call.cotangents[name])
+    what = f"a {variant.replace('_', ' ')} cotangent for {name!r}"
+    if variant == "wrong_dtype":
+        other = OTHER_DTYPE[case.dtype]
+        bad = round_to(good, other)
+        call.cotangents[name], call.cotangent_dtypes = bad.copy(), {name: other}
+        what += f" ({other}, the output is {case.dtype if name not in COMPUTE_DTYPE else _array_dtype(golden, name)})"
+    else:
+        shape = good.shape[:-1] + (good.shape[-1] + 1,) if variant == "wrong_shape" and good.ndim else \
+            (good.shape + (2,) if variant == "wrong_shape" else (1,) + good.shape[1:])
+        bad = np.ones(shape)
+        call.cotangents[name] = bad
+        what += f" (shape {shape}, the output is {good.shape})"
+    try:
+        result = backend.call_op(call)
+    except Exception as exc:  # noqa: BLE001 - judged by its message
+        text = str(exc)
+        if any(w in text for w in _COTANGENT_WORDS) or f"d_{name}" in text or f"'{name}'" in text:
+            return Cell("pass", None, "")
+        return Cell("fail", None, f"{what} raised an unclear {type(exc).__name__} (it names no cotangent): {text[:200]}")
+    if variant != "wrong_dtype":
+        return Cell("fail", None, f"{what} was accepted (broadcast or truncated silently): expected an error naming it")
+    # Accepted: it must equal the port's own call with the same values in the output's dtype (the
+    # row judges the cotangent's handling; the gradients' correctness is every other row's).
+    same = op_call(golden, device, backward=True)
+    same.cotangents[name] = bad.copy()
+    own = backend.call_op(same)
+    comps = []
+    for key, want in own.grads.items():
+        got = result.grads.get(key)
+        if want is None or got is None:
+            continue
+        comps.append(compare(f"d_{key}", _stacked(got), _stacked(want), golden.tolerance_class, grad=True))
+    cell = _cell(comps, [])
+    if cell.status == "fail":
+        cell.message = f"{what} was accepted, but its gradients differ from those of the cast cotangent: {cell.message}"
+    return cell
+
+
+def check_sequence(backend, case: Case, device, caps=None) -> Cell:
+    """The case's op called on the same inputs (one signature) step by step with changed scalars:
+    each valid step equals the reference at its own attrs, each invalid one raises its error naming
+    the argument, also after valid calls (`cases.SEQUENCES`)."""
+    from .transforms import recompute
+
+    golden = case.golden()
+    failures, comps = [], []
+    for i, (change, expect) in enumerate(case.spec["steps"], 1):
+        attrs = dict(golden.attrs, **change)
+        call = op_call(golden, device, backward=False)
+        call.attrs = attrs
+        step = f"call {i} ({', '.join(f'{k}={v:g}' for k, v in change.items())})"
+        if expect == "ok":
+            try:
+                result = backend.call_op(call)
+            except Exception as exc:  # noqa: BLE001
+                failures.append(f"{step} raised {type(exc).__name__}: {exc}")
+                continue
+            ref = recompute(dataclasses.replace(golden, attrs=attrs), golden.arrays).arrays["output.out"]
+            comps.append(compare(f"out of {step}", result.outputs.get("out"), ref, golden.tolerance_class, grad=False))
+            continue
+        exc_name, arg = expect
+        arg = argument_name(backend, arg)
+        try:
+            backend.call_op(call)
+            failures.append(f"{step} after valid calls of the same signature: {NO_ERROR}; expected {exc_name} "
+                            f"naming {arg!r} (a per-signature plan cache must not skip the scalar checks)")
+        except getattr(builtins, exc_name) as exc:
+            if arg not in str(exc):
+                failures.append(f"{step}: {exc_name} message does not name {arg!r}: {exc}")
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"{step} raised {type(exc).__name__} ({exc}); expected {exc_name} naming {arg!r}")
+    return _cell(comps, failures)
+
+
 def check_case(backend, case: Case, device: str = "cpu", caps=None) -> Tuple[Cell, Optional[Cell]]:
     """Run one case; returns (forward cell, gradient cell or None: none for the case, or a
     forward-only port, `Capabilities.backward`)."""
     caps = caps or backend.capabilities()
     if case.kind == "error":
         return check_error(backend, case, device, caps), None
+    if case.kind == "sequence":
+        return check_sequence(backend, case, device, caps), None
+    if case.kind == "cotangent":
+        if not caps.backward:
+            return Cell("skip", None, "forward-only port (declared backward=False)"), None
+        return check_cotangent(backend, case, device, caps), None
     if case.kind == "determinism":
         return check_determinism(backend, case, device, gradient=caps.backward)
     if case.kind == "invariant":
@@ -536,4 +637,5 @@ def check_case(backend, case: Case, device: str = "cpu", caps=None) -> Tuple[Cel
     spec = case.spec
     return check_reference(backend, case.golden(), device, strided=spec.get("strided", False),
                            check=spec.get("check", "tolerance"), override=spec.get("override"),
-                           gradient=case.has_gradient and caps.backward, input_dtypes=spec.get("input_dtypes"))
+                           gradient=case.has_gradient and caps.backward, input_dtypes=spec.get("input_dtypes"),
+                           layouts=spec.get("layouts"))

@@ -13,6 +13,17 @@ from __future__ import annotations
 import re
 from typing import Callable, Dict, List, Sequence, Tuple
 
+
+def _transform_group(row: str) -> str:
+    """The group of a transform row (`transforms/<name>`), "" for other rows."""
+    if not row.startswith("transforms/"):
+        return ""
+    from .transforms import BY_NAME
+
+    t = BY_NAME.get(row.split("/")[1])
+    return t.group if t is not None else "layouts"
+
+
 #: (family, predicate on the row), first match wins; "options" takes the rest.
 FAMILIES: List[Tuple[str, Callable[[str], bool]]] = [
     ("every-port rows", lambda r: r.endswith("/sources_past_32")),
@@ -26,10 +37,15 @@ FAMILIES: List[Tuple[str, Callable[[str], bool]]] = [
     ("output norm", lambda r: r.endswith("/out_norm")),
     ("probe", lambda r: r.startswith("probe/")),
     ("errors", lambda r: r.startswith("errors/")),
+    ("cotangents", lambda r: r.startswith("cotangents/")),
+    ("sequences", lambda r: r.startswith("sequences/")),
     ("determinism", lambda r: r.startswith("determinism")),
     ("invariants", lambda r: r.startswith("invariants/")),
     ("golden", lambda r: r.startswith("golden/")),
     ("sweep", lambda r: r.startswith("sweep/")),
+    # issue 44's transforms (`transforms.py`), by group
+    *((f"transforms: {group}", lambda r, g=group: _transform_group(r) == g)
+      for group in ("layouts", "dtypes", "batch shapes", "special values")),
 ]
 GRADIENTS = "gradients"
 #: Families a full run must have run at least one case of (gradients: unless forward-only).

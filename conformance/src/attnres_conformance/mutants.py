@@ -78,6 +78,9 @@ class Mutant:
     #: `must_kill` the killing case must be one of them (it proves the category can fail).
     first: Tuple[str, ...] = ()
     must_kill: bool = False
+    #: Attributes set on the port (e.g. forward_in_gradient_call: its forward cells then come from
+    #: the gradient call, and only forward-only cases exercise its forward-only program).
+    port_attrs: Tuple[Tuple[str, Any], ...] = ()
 
 
 HONEST = Mutant("honest", "-", "control", "the reference-based port without a defect")
@@ -99,6 +102,8 @@ class ReferencePort(Adapter):
         self._mode = "forward"
         self._tape = None
         self.ops = _PortOps(self)
+        for key, value in mutant.port_attrs:
+            setattr(self, key, value)
 
     # -- the framework: NumPy ----------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -215,6 +220,7 @@ class _PortOps:
         if op == "depth_attention" and kw.get("return_weights"):
             names.append("weights")
         outs = dict(zip(names, result))
+        port.memo["out_shapes"] = {k: np.shape(v) for k, v in outs.items()}
         if m.outputs is not None:
             outs = m.outputs(ctx, outs, named, kw)
         source = named.get("partial") if op == "merge_partial" else named.get("sources")
@@ -495,6 +501,213 @@ def _wrap_errors(kind):
     return hook
 
 
+
+# -- hooks of the transforms' mutants (issue 44 item 1) ------------------------------------------
+def _owner(x: np.ndarray) -> np.ndarray:
+    while isinstance(x.base, np.ndarray):
+        x = x.base
+    return x
+
+
+def _raw(x, keep_offset: bool = True):
+    """`x` as a kernel that takes its data pointer and assumes C-contiguous rows reads it (from
+    the view's first element, or with `keep_offset=False` from its buffer's start)."""
+    if not isinstance(x, np.ndarray) or x.base is None or x.size == 0:
+        return x
+    owner = _owner(x)
+    flat = np.ascontiguousarray(owner).reshape(-1)
+    start = 0
+    if keep_offset:
+        start = (x.__array_interface__["data"][0] - owner.__array_interface__["data"][0]) // x.itemsize
+    vals = flat[start:start + x.size]
+    if vals.size < x.size:
+        vals = np.concatenate([vals, np.zeros(x.size - vals.size, vals.dtype)])
+    return vals.reshape(x.shape).copy()
+
+
+def _each(named, fn, names=None):
+    out = {}
+    for k, v in named.items():
+        if names is not None and k not in names:
+            out[k] = v
+        elif isinstance(v, (list, tuple)):
+            out[k] = type(v)(fn(a) for a in v)
+        else:
+            out[k] = fn(v)
+    return out
+
+
+def _rows_assumed_contiguous(ctx, named, kw):
+    """`.contiguous()` only when the channel stride is not 1: other strides read as C order."""
+    def fix(x):
+        if isinstance(x, np.ndarray) and x.ndim >= 2 and x.strides[-1] == x.itemsize and not x.flags.c_contiguous \
+                and all(st != 0 for st in x.strides):
+            return _raw(x)
+        return x
+    return _each(named, fix), kw
+
+
+def _offset_ignored(ctx, named, kw):
+    """A contiguous view read from its buffer's start (the storage's pointer, not the view's)."""
+    def fix(x):
+        if isinstance(x, np.ndarray) and x.flags.c_contiguous and x.base is not None and \
+                x.__array_interface__["data"][0] != _owner(x).__array_interface__["data"][0]:
+            return _raw(x, keep_offset=False)
+        return x
+    return _each(named, fix), kw
+
+
+def _strides_ignored(name, op=None, ndim=1):
+    def hook(ctx, named, kw):
+        x = named.get(name)
+        if (op is None or ctx.op == op) and isinstance(x, np.ndarray) and x.ndim >= ndim and not x.flags.c_contiguous:
+            named = dict(named, **{name: _raw(x)})
+        return named, kw
+    return hook
+
+
+def _expanded_as_static(ctx, named, kw):
+    q = named.get("query")
+    if isinstance(q, np.ndarray) and q.ndim > 1 and q.size and all(st == 0 for st in q.strides[:-1]):
+        named = dict(named, query=np.array(q.reshape((-1, q.shape[-1]))[0]))  # the static fast path
+    return named, kw
+
+
+def _mixed_gain_rejected(ctx, named, kw):
+    g = named.get("norm_weights" if ctx.op == "depth_attention_multi" else "norm_weight")
+    src = named.get("partial") if ctx.op == "merge_partial" else _first(named.get("sources"))
+    if isinstance(g, np.ndarray) and src is not None and g.dtype.kind == "f" and np.asarray(src).dtype.kind == "f" \
+            and g.dtype != np.asarray(src).dtype:
+        raise TypeError("norm_weight: dtype must equal the sources' dtype")
+    return named, kw
+
+
+def _decode_first_row(kw):
+    q = kw["q"]
+    if q.ndim >= 4 and q.shape[-3] == 1 and q.size:  # [B, 1, H, Dh]: the batch-1 decode path
+        return np.broadcast_to(q.reshape((-1,) + q.shape[-2:])[0], q.shape)
+    return q
+
+
+def _scalar_lse1_rejected(ctx, named, kw):
+    if ctx.op == "merge_partial" and isinstance(named.get("lse1"), np.ndarray) and named["lse1"].ndim == 0:
+        raise ValueError("lse1: expected at least one token axis")
+    return named, kw
+
+
+def _zero_query_fast_path(ctx, grads, named, kw):
+    q = named.get("queries" if ctx.op == "depth_attention_multi" else "query")
+    if isinstance(q, np.ndarray) and q.size and not np.any(q):  # uniform weights, "nothing to learn"
+        for name in ("query", "queries", "norm_weight", "norm_weights"):
+            if grads.get(name) is not None:
+                grads = dict(grads, **{name: np.zeros_like(np.asarray(grads[name]))})
+    return grads
+
+
+def _negative_scale_max_of_s():
+    """The max subtracted is scale * max(s): the min of z when scale < 0 (overflow at large logits)."""
+    state = {"scale": 1.0}
+
+    def stats(orig):
+        def f(x, q, g, *, eps, scale, key_norm):
+            state["scale"] = scale
+            return orig(x, q, g, eps=eps, scale=scale, key_norm=key_norm)
+        return f
+
+    def weights(orig):
+        def f(z, activation):
+            if activation != "softmax" or state["scale"] >= 0:
+                return orig(z, activation)
+            with np.errstate(all="ignore"):
+                e = np.exp(z - np.min(z, axis=0, keepdims=True))
+                return e / np.sum(e, axis=0, keepdims=True)
+        return f
+
+    def lse(orig):
+        def f(z):
+            if state["scale"] >= 0:
+                return orig(z)
+            m = np.min(z, axis=0)
+            with np.errstate(all="ignore"):
+                return m + np.log(np.sum(np.exp(z - m[None]), axis=0))
+        return f
+
+    return (("_stats_unguarded", stats), ("_weights", weights), ("_lse", lse))
+
+
+def _out_norm_nan_guard(orig):
+    def f(out, eps_o):
+        return orig(np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0), eps_o)  # "guards" the norm
+    return f
+
+
+
+def _broadcast_cotangents(ctx, cots, named, kw):
+    """Cotangents broadcast to their output's shape before the VJP (a silent broadcast)."""
+    shapes = ctx.port.memo.get("out_shapes", {})
+
+    def fit(k, v):
+        if v is None or k not in shapes or v.shape == shapes[k]:
+            return v
+        try:
+            return np.broadcast_to(v, shapes[k]).copy()
+        except ValueError:
+            return v  # not broadcastable: the reference's own check names it
+    return {k: fit(k, v) for k, v in cots.items()}
+
+
+def _unclear_cotangent_error(ctx, cots, named, kw):
+    shapes = ctx.port.memo.get("out_shapes", {})
+    if any(v is not None and k in shapes and v.shape != shapes[k] for k, v in cots.items()):
+        raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+    return cots
+
+
+
+def _signature(ctx, named):
+    x = named.get("partial") if ctx.op == "merge_partial" else named.get("sources")
+    first = x[0] if isinstance(x, (list, tuple)) and len(x) else x
+    return (ctx.op, np.shape(first), _dtype(first) if first is not None else None,
+            len(x) if isinstance(x, (list, tuple)) else None)
+
+
+def _plan_cache_skips_checks(ctx, named, kw):
+    """A per-signature plan cache: after a successful call, a repeat skips the scalar checks."""
+    if _signature(ctx, named) in ctx.port.memo.get("plans", set()):
+        kw = dict(kw)
+        if "eps" in kw and not (isinstance(kw["eps"], float) and kw["eps"] > 0):
+            kw["eps"] = 1e-6
+        if "scale" in kw and not (isinstance(kw["scale"], float) and np.isfinite(kw["scale"])):
+            kw["scale"] = 1.0
+    ctx.port.memo.setdefault("pending", []).append(_signature(ctx, named))
+    return named, kw
+
+
+def _plan_recorded(ctx, outs, named, kw):
+    ctx.port.memo.setdefault("plans", set()).add(_signature(ctx, named))
+    return outs
+
+
+def _scale_baked_in(ctx, named, kw):
+    """The logit scale baked into a per-signature plan by its first call."""
+    plans = ctx.port.memo.setdefault("scales", {})
+    if isinstance(kw.get("scale"), float) and np.isfinite(kw["scale"]):
+        kw = dict(kw, scale=plans.setdefault(_signature(ctx, named), kw["scale"]))
+    return named, kw
+
+
+def _in_forward(hook):
+    """`hook` in the forward-only program only (a call without cotangents)."""
+    return lambda ctx, named, kw: hook(ctx, named, kw) if ctx.mode == "forward" else (named, kw)
+
+
+def _first_token_query_arg(ctx, named, kw):
+    q = named.get("query")
+    if isinstance(q, np.ndarray) and q.ndim > 1 and q.size:
+        named = dict(named, query=np.broadcast_to(q.reshape((-1, q.shape[-1]))[0], q.shape).copy())
+    return named, kw
+
+
 MUTANTS: List[Mutant] = [
     # -- the forward's math (2.1) -----------------------------------------------------------------
     Mutant("eps_outside_sqrt", "2.1", "forward", "r = 1 / (sqrt(mean x^2) + eps)",
@@ -616,17 +829,77 @@ MUTANTS: List[Mutant] = [
            "d_sources differs between calls past 4096 positions (a split reduction)", grads=_noise(_large_t, size=2.0 ** -20)),
     Mutant("nondeterministic_forward_large_t", "C15", "determinism", "out differs between calls past 4096 positions",
            outputs=_noise(_large_t, on="outputs", size=2.0 ** -20)),
-    # -- special values (transforms) --------------------------------------------------------------
+    # -- the transforms' categories (issue 44 item 1): each must be killed by its transform ---------
+    Mutant("rows_assumed_contiguous", "2.2", "layouts", "`.contiguous()` only when the channel stride is not 1",
+           args=_rows_assumed_contiguous, first=("transforms/token_strided", "transforms/source_strided",
+                                                 "transforms/transposed"), must_kill=True),
+    Mutant("storage_offset_ignored", "2.2", "layouts", "a view read from its storage's start, not its offset",
+           args=_offset_ignored, first=("transforms/offset",), must_kill=True),
+    Mutant("out_norm_weight_strides_ignored", "C17, 2.2", "layouts", "a strided out_norm_weight read as contiguous",
+           args=_strides_ignored("out_norm_weight"), first=("transforms/channel_strided",), must_kill=True),
+    Mutant("merge_token_query_strides_ignored", "C4, 2.2", "layouts",
+           "merge_partial reads a strided per-token query as contiguous",
+           args=_strides_ignored("query", "merge_partial", ndim=2),
+           first=("transforms/channel_strided", "transforms/token_strided"), must_kill=True),
+    Mutant("expanded_query_as_static", "C4", "layouts", "a stride-0 per-token query takes the static-query path",
+           args=_expanded_as_static, first=("transforms/expanded",), must_kill=True),
+    Mutant("mixed_gain_rejected", "C10.1", "dtypes", "a gain of another dtype than the sources raises",
+           args=_mixed_gain_rejected, first=("transforms/gain_dtype",), must_kill=True),
+    Mutant("d_norm_weight_in_sources_dtype", "C10.3", "dtypes", "the gain's gradient in the sources' dtype",
+           cast=lambda ctx, name, v, dt: ctx.port.memo.get("source_dtype", dt)
+           if name in ("grad.norm_weight", "grad.norm_weights") else dt,
+           first=("transforms/gain_dtype",), must_kill=True),
+    Mutant("d_lse1_in_partial_dtype", "C10.3, C14", "dtypes", "lse1's gradient in the partial's dtype",
+           cast=lambda ctx, name, v, dt: ctx.port.memo.get("source_dtype", dt) if name == "grad.lse1" else dt,
+           first=("transforms/lse1_dtype",), must_kill=True),
+    Mutant("decode_query_first_row", "C4", "batch shapes", "a [B, 1, D] query read as batch 1 (its first row)",
+           patch=(("_stats_unguarded", _stats_with(q=_decode_first_row)),), first=("transforms/decode_batch",),
+           must_kill=True),
+    Mutant("merge_scalar_lse1_rejected", "C2, C14", "batch shapes", "merge_partial without token axes raises",
+           args=_scalar_lse1_rejected, first=("transforms/no_token_axes",), must_kill=True),
+    Mutant("cotangents_broadcast", "2.3", "cotangents", "a cotangent broadcast silently to its output's shape",
+           cotangents=_broadcast_cotangents, first=("cotangents/",), must_kill=True),
+    Mutant("unclear_cotangent_error", "2.3, 7", "cotangents",
+           "a wrong-shaped cotangent fails deep in the backward with an error that names nothing",
+           cotangents=_unclear_cotangent_error, first=("cotangents/",), must_kill=True),
+    Mutant("plan_cache_skips_checks", "C8, 7", "sequences",
+           "a per-signature plan cache skips the eps / scale checks after a successful call",
+           args=_plan_cache_skips_checks, outputs=_plan_recorded, first=("sequences/",), must_kill=True),
+    Mutant("scale_baked_in_plan", "C8, M10", "sequences", "the first call's scale baked into a per-signature plan",
+           args=_scale_baked_in, first=("sequences/",), must_kill=True),
+    Mutant("forward_only_first_token_query", "C4", "forward-only",
+           "the forward-only program reads a per-token query at its first token",
+           args=_in_forward(_first_token_query_arg), port_attrs=(("forward_in_gradient_call", True),),
+           first=("depth_attention/forward_only", "merge_partial/forward_only"), must_kill=True),
+    Mutant("forward_only_out_norm_eps_ignored", "C17", "forward-only", "the forward-only program ignores out_norm_eps",
+           args=_in_forward(lambda ctx, n, kw: (n, {k: v for k, v in kw.items() if k != "out_norm_eps"
+                                                    or n.get("out_norm_weight") is None})),
+           port_attrs=(("forward_in_gradient_call", True),), first=("depth_attention/forward_only",),
+           must_kill=True),
+    Mutant("forward_only_sigmoid_as_softmax", "C9", "forward-only",
+           "the forward-only program computes a softmax for activation='sigmoid'",
+           args=_in_forward(lambda ctx, n, kw: (n, dict(kw, activation="softmax") if kw.get("activation") == "sigmoid"
+                                                else kw)),
+           port_attrs=(("forward_in_gradient_call", True),), first=("depth_attention/forward_only",),
+           must_kill=True),
     Mutant("scale_or_one", "C8, M10", "special values", "`scale or 1.0`: a scale of 0 computes at scale 1",
-           args=_keywords(lambda ctx, kw: dict(kw, scale=kw["scale"] or 1.0) if "scale" in kw else kw)),
+           args=_keywords(lambda ctx, kw: dict(kw, scale=kw["scale"] or 1.0) if "scale" in kw else kw),
+           first=("transforms/scale_zero",), must_kill=True),
+    Mutant("zero_query_fast_path", "M8, 2.3", "special values",
+           "a zero query's uniform-weights fast path returns zero query / gain gradients",
+           grads=_zero_query_fast_path, first=("transforms/zero_query",), must_kill=True),
+    Mutant("negative_scale_max_of_s", "C10.4", "special values",
+           "the max subtracted is scale * max(s): the min of z for a negative scale",
+           patch=_negative_scale_max_of_s(), first=("transforms/negative_scale_large_logits",), must_kill=True),
+    Mutant("out_norm_nan_guard", "C12, C17", "special values", "the output norm computed from nan_to_num(out)",
+           patch=(("_out_norm", _out_norm_nan_guard),), first=("transforms/nonfinite_every_output",),
+           must_kill=True),
 ]
 
 
 # -- the harness -----------------------------------------------------------------------------------
 #: Survivors we accept, each with the reason (a surviving mutant not named here fails CI).
-ACCEPTED: Dict[str, str] = {
-    "scale_or_one": "no case calls with scale = 0 yet (the special-values transform of item 1 adds it)",
-}
+ACCEPTED: Dict[str, str] = {}
 #: The latest `run_mutants` result in this process (pytest's terminal summary prints it).
 last_score: Optional["Score"] = None
 #: The score CI requires.

@@ -57,10 +57,23 @@ ROW_RULES = {
     "zero_query_uniform": ("M8", "a zero query (every model's initialization) gives uniform weights"),
     "hypothesis": ("2.1", "a derandomized sweep of option combinations"),
 }
+def _transform_rules() -> dict:
+    from .transforms import TRANSFORMS
+
+    return {t.name: (t.rule, f"transform '{t.name}': {t.why}") for t in TRANSFORMS}
+
+
+ROW_RULES.update(_transform_rules())
 #: First id segment -> (rule, why) for whole families.
 FAMILY_RULES = {
     "probe": ("section 6", "the probe network of the named variant, every parameter's gradient"),
     "errors": ("section 7", "the spec's error: its type, the argument named, inputs untouched"),
+    "sequences": ("C8, section 7", "the same signature called again with changed scalars, then with an invalid "
+                                   "one: a per-signature plan cache must neither keep the first call's scale "
+                                   "nor skip the scalar checks on a repeat"),
+    "cotangents": ("2.3, section 7", "a cotangent of the wrong shape, a broadcastable one or another dtype: a "
+                                     "clear error naming the cotangent (or the framework's own autodiff error), "
+                                     "never a silent broadcast; a cast dtype gives the cast cotangent's gradients"),
     "determinism": ("C15", "two identical runs bitwise equal: no atomics or thread-count-dependent "
                            "reduction orders (checked past 4096 positions too)"),
     "golden": ("spec/vectors", "a committed golden vector"),

@@ -116,6 +116,8 @@ class CaseResult:
         if not bad:
             return None
         text = " ".join(bad)
+        if self.kind in ("cotangent", "sequence"):
+            return "error contract"
         if self.kind == "error":
             return "validation gap" if self.status == "gap" or all(m.startswith(NO_ERROR) for m in bad) \
                 and "max_sources" not in self.id \

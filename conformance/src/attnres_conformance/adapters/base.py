@@ -154,23 +154,70 @@ class Adapter:
         """`fn(*leaves)` without gradients (key: as in `vjp`)."""
         return fn(*leaves)
 
+    def broadcast_to(self, x, shape):
+        """A broadcast (stride-0 where the framework has strides) view of native `x` with `shape`
+        (the "expanded" layout).  The default finds the framework's own: torch's `expand`, else the
+        `broadcast_to` of the array's module (NumPy, JAX, MLX); override it for others."""
+        if hasattr(x, "expand") and not isinstance(x, np.ndarray):
+            return x.expand(*shape)
+        if isinstance(x, np.ndarray):
+            return np.broadcast_to(x, shape)
+        import importlib
+
+        module = importlib.import_module(type(x).__module__.split(".")[0])
+        for name in ("numpy", "core"):  # jax.numpy, mlx.core
+            fn = getattr(getattr(module, name, None), "broadcast_to", None)
+            if fn is not None:
+                return fn(x, shape)
+        return module.broadcast_to(x, shape)
+
+    def layout_array(self, values: np.ndarray, dtype: str, device: str, layout: str, axis: int = 0):
+        """`values` as a native array in `layout` (`backend.LAYOUTS`; `axis`: the token / source
+        axis it applies to), built from `array`, basic indexing, `swapaxes` and `broadcast_to`, so
+        a framework base needs nothing more.  Arrays too small for the layout come back plain."""
+        v = np.asarray(values, np.float64)
+        if layout == "channel_strided" or v.ndim == 0:
+            return self.array(v, dtype, device, layout == "channel_strided")
+        if layout == "offset":  # a contiguous view one row (element, for 1-D) into its buffer
+            buf = np.concatenate([np.zeros((1,) + v.shape[1:]), v])
+            return self.array(buf, dtype, device, False)[1:]
+        if layout in ("token_strided", "source_strided") and axis < v.ndim:
+            shape = list(v.shape)
+            shape[axis] *= 2
+            index = tuple(slice(None, None, 2) if i == axis else slice(None) for i in range(v.ndim))
+            buf = np.zeros(shape)
+            buf[index] = v
+            return self.array(buf, dtype, device, False)[index]
+        if layout == "transposed" and v.ndim >= 2:  # stored [A1, A0, ...], read as [A0, A1, ...]
+            return self.array(np.ascontiguousarray(np.swapaxes(v, 0, 1)), dtype, device, False).swapaxes(0, 1)
+        if layout == "expanded" and v.ndim >= 2:  # one row broadcast over every leading axis
+            row = self.array(v.reshape((-1, v.shape[-1]))[0], dtype, device, False)
+            return self.broadcast_to(row, v.shape)
+        return self.array(v, dtype, device, False)
+
     # -- written once --------------------------------------------------------------------------
-    def _native(self, value, dtype, call) -> Any:
+    def _one(self, value, dtype, call, layout):
+        value = np.asarray(value, np.float64) if _floating(value) else np.asarray(value)
+        if layout is not None and _floating(value):
+            return self.layout_array(value, dtype, call.device, *layout)
+        return self.array(value, dtype, call.device, call.strided)
+
+    def _native(self, value, dtype, call, name: Optional[str] = None) -> Any:
         if value is None:
             return None
+        layout = (getattr(call, "layouts", None) or {}).get(name)
         if isinstance(value, (list, tuple)):
             dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(value)
-            return type(value)(self.array(np.asarray(v, np.float64) if _floating(v) else np.asarray(v),
-                                          d, call.device, call.strided) for v, d in zip(value, dtypes))
-        return self.array(np.asarray(value, np.float64) if _floating(value) else np.asarray(value),
-                          dtype, call.device, call.strided)
+            return type(value)(self._one(v, d, call, layout) for v, d in zip(value, dtypes))
+        return self._one(value, dtype, call, layout)
 
     def native_inputs(self, call: OpCall) -> Dict[str, Any]:
         """Native arguments by name, in the op's order (sources keep their list/tuple/stacked form),
-        then the keyword inputs the call gives (`KEYWORD_INPUTS`)."""
+        then the keyword inputs the call gives (`KEYWORD_INPUTS`); each in its layout
+        (`OpCall.strided`, `OpCall.layouts`)."""
         names = ARG_ORDER[call.op] + tuple(k for k in KEYWORD_INPUTS.get(call.op, ())
                                            if call.inputs.get(k) is not None)
-        return {name: self._native(call.inputs.get(name), call.input_dtypes.get(name, call.dtype), call)
+        return {name: self._native(call.inputs.get(name), call.input_dtypes.get(name, call.dtype), call, name)
                 for name in names}
 
     def run_op(self, call: OpCall, args: Dict[str, Any], names: Tuple[str, ...]):
@@ -193,7 +240,8 @@ class Adapter:
 
         def cotangents(outs):
             return [None if name == "weights" or call.cotangents.get(name) is None  # C11
-                    else self.array(np.asarray(call.cotangents[name], np.float64), self.dtype_name(y),
+                    else self.array(np.asarray(call.cotangents[name], np.float64),
+                                    (getattr(call, "cotangent_dtypes", None) or {}).get(name) or self.dtype_name(y),
                                     call.device, False)
                     for name, y in zip(names, outs)]
 

@@ -97,6 +97,9 @@ class JaxAdapter(Adapter):
             return jnp.asarray(padded)[..., ::2]
         return jnp.asarray(a)
 
+    def broadcast_to(self, x, shape):
+        return jnp.broadcast_to(x, shape)
+
     def to_numpy(self, x) -> np.ndarray:
         # Read back in the compute dtype (C10): float64 stays, bf16/fp16 widen exactly to float32.
         x = np.asarray(x)

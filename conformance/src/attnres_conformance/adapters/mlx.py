@@ -54,6 +54,9 @@ class MLXAdapter(Adapter):
             return _native(wide, dtype)[..., ::2]
         return _native(a, dtype)
 
+    def broadcast_to(self, x, shape):
+        return mx.broadcast_to(x, shape)
+
     def to_numpy(self, x) -> np.ndarray:
         if x.dtype == mx.float64:
             return np.array(x)

@@ -47,7 +47,9 @@ class TorchAdapter(Adapter):
 
     def array(self, values, dtype, device, strided):
         dt = torch_dtype(dtype)
-        base = torch.from_numpy(np.ascontiguousarray(values)).to(device=device, dtype=dt)
+        # np.array, not np.ascontiguousarray: the latter makes a 0-d array (a merge's lse1 with no
+        # token axes) shape (1,).
+        base = torch.from_numpy(np.array(values, order="C")).to(device=device, dtype=dt)
         if strided and base.dim() >= 1:
             wide = torch.zeros(base.shape[:-1] + (2 * base.shape[-1],), dtype=dt, device=device)
             wide[..., ::2] = base
@@ -73,6 +75,13 @@ class TorchAdapter(Adapter):
 
         def pullback(cts):
             pairs = [(y, c) for y, c in zip(outs, cts) if c is not None]
+            for i, (y, c) in enumerate(pairs):
+                # torch.autograd.grad's own check, whose message building crashes past the first
+                # output ("Boolean value of Tensor with more than one value is ambiguous": it looks
+                # the cotangent up with list.index, i.e. tensor ==): raised here with its message.
+                if c.shape != y.shape:
+                    raise RuntimeError(f"Mismatch in shape: grad_output[{i}] has a shape of {c.shape} and "
+                                       f"output[{i}] has a shape of {y.shape}.")
             wanted = [t for t in grad_leaves if t.requires_grad]
             got = iter(torch.autograd.grad([y for y, _ in pairs], wanted, [c for _, c in pairs],
                                            allow_unused=True))

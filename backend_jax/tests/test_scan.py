@@ -199,11 +199,40 @@ def test_transformer_scan_layers_equals_unrolled(rng, kind):
     assert models[1].blocks.attention.qkv.kernel.get_metadata()["out_sharding"] == (None, None, "model")
 
 
-def test_transformer_scan_layers_rejects_observer():
-    model = Transformer(ResidualConfig.variant("full"), vocab_size=5, dim=D, num_blocks=1, num_heads=1,
-                        rngs=nnx.Rngs(0), scan_layers=True)
-    with pytest.raises(ValueError, match="schedule/observer: the layer-scanned Transformer"):
-        model(jnp.zeros((1, 2), jnp.int32), observer=ScheduleObserver())
+def test_transformer_scan_layers_with_a_monitor_and_two_phase(rng):
+    """The scanned Transformer takes an observer (`DepthMonitor`) and schedule="two_phase" (issue 43
+    item 4): that call runs the stacked weights unrolled, so inside nnx.jit the monitor records
+    the unrolled model's statistics (same rngs, same weights) and the logits are the scanned
+    call's; two_phase gives the unrolled model's two-phase logits."""
+    from attnres_jax import training as T
+
+    config = ResidualConfig.variant("block", block_size=2)
+    tokens = jnp.asarray(rng.integers(0, 13, (2, 6)))
+    models = [Transformer(config, vocab_size=13, dim=D, num_blocks=2, num_heads=2, rngs=nnx.Rngs(0),
+                          scan_layers=s) for s in (False, True)]
+    router = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in models[0].router.params().items()}
+    history = []
+    for m in models:
+        m.router.load_params(router)
+        monitor = T.DepthMonitor(m.router)
+
+        @nnx.jit
+        def step(m, t):
+            obs = monitor.observer()
+            return m(t, observer=obs), obs.stats()
+
+        logits, stats = step(m, tokens)
+        history.append((logits, monitor.update(0, stats), stats))
+    (l0, e0, s0), (l1, e1, s1) = history
+    np.testing.assert_allclose(l1, nnx.jit(lambda m, t: m(t))(models[1], tokens), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-6)
+    assert sorted(s1["rows"]) == sorted(s0["rows"]) == list(range(2 * 2 + 1))
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert e1.keys() == e0.keys()
+    two = [nnx.jit(lambda m, t: m(t, schedule="two_phase"))(m, tokens) for m in models]
+    np.testing.assert_allclose(two[1], two[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(two[1], l1, rtol=1e-4, atol=1e-5)
 
 
 class _Rows(ScheduleObserver):

@@ -246,10 +246,13 @@ class Transformer(nnx.Module):
     scan_layers: False (`sublayers`, a list of 2 * num_blocks modules, run unrolled by
     `stack_apply`) or True (`blocks`, one `_Block` whose variables are stacked
     `[num_blocks, ...]`, run by one `scan_apply` over the blocks: compile time flat in depth;
-    kinds standard, scalar, gated, full, block, direct schedule).  Both draw the same weights
-    from the same rngs, and give the same logits.  The unrolled form steps faster at small depth
-    and supports every kind, schedule and observer; see docs/benchmarks.md for where the
-    scanned form wins on the CPU.
+    kinds standard, scalar, gated, full, block).  Both draw the same weights from the same rngs,
+    and give the same logits.  The unrolled form steps faster at small depth and supports every
+    kind; see docs/benchmarks.md for where the scanned form wins on the CPU.  A call of the
+    scanned form with an observer (`training.DepthMonitor`) or schedule="two_phase" runs its
+    stacked weights unrolled (`stack_apply` over the blocks' slices: the same values, the
+    observer sees every read and sublayer), so that call compiles as the unrolled model does:
+    monitor in a step of its own (every k steps) to keep the training step scanned.
     remat: None, "recompute" or "offload" (`attnres_jax.stack.remat_policy`) for every call.
     scan_backward: None (`scan_apply`'s default), "fused", "replay" or "scan": the scanned
     form's backward (`scan_apply(backward=)`).
@@ -301,13 +304,10 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, *, schedule: str = "direct", mix=None, scale=None,
                  observer: Optional[ScheduleObserver] = None):
         """tokens `[B, T]` -> logits `[B, T, vocab]`; schedule, mix, scale, observer as in
-        `stack_apply` (mix and scale may be traced arrays).  scan_layers=True: direct schedule,
-        no observer (ValueError).  Under Explicit mesh axes: run with them made Auto, logits
-        typed as `tokens` with the vocab axis unsharded."""
-        if self.scan_layers and (schedule != "direct" or observer is not None):
-            raise ValueError("schedule/observer: the layer-scanned Transformer runs the direct "
-                             "schedule without observers; build it with scan_layers=False for "
-                             f"those (got schedule={schedule!r}, observer={observer!r})")
+        `stack_apply` (mix and scale may be traced arrays).  scan_layers=True with an observer
+        or schedule="two_phase": the stacked weights run unrolled (class docstring).  Under
+        Explicit mesh axes: run with them made Auto, logits typed as `tokens` with the vocab
+        axis unsharded."""
         graphdef, state = nnx.split(self)
         values = {"state": state, "tokens": tokens, "mix": mix, "scale": scale}
         if _mesh.explicit_mesh(*(x for x in jax.tree_util.tree_leaves(values) if hasattr(x, "dtype"))) is None:
@@ -326,6 +326,12 @@ class Transformer(nnx.Module):
                             observer=observer, remat=self.remat)
             return self.head(self.final_norm(h))
         graphdef, state = nnx.split(self.blocks)
+        if observer is not None or schedule != "direct":  # unrolled over the stacked weights
+            blocks = [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+                      for i in range(self.router.num_layers // 2)]
+            h = self.router(x, [m for b in blocks for m in (b.attention, b.mlp)], schedule=schedule,
+                            mix=mix, scale=scale, observer=observer, remat=self.remat)
+            return self.head(self.final_norm(h))
         sublayers = (lambda p, h: nnx.merge(graphdef, p).attention(h),
                      lambda p, h: nnx.merge(graphdef, p).mlp(h))
         h = self.router.scan(x, sublayers, state, mix=mix, scale=scale, remat=self.remat,

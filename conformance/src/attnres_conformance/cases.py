@@ -1168,7 +1168,7 @@ def _sweep_cases(dtypes, quick: bool) -> List[Case]:
 
 
 def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities] = None,
-             vectors_dir=None, sweep: bool = True, transforms: bool = True) -> List[Case]:
+             vectors_dir=None, sweep: bool = True, transforms: bool = True, covering: bool = True) -> List[Case]:
     """Every case for `dtypes` (the `--quick` subset when quick), each `fit` to `caps` (the
     port's declared design choices: see `fit`); `caps` also adds the declared-limit
     edges; vectors_dir: golden vectors (default: `attnres_numpy.vectors.default_vectors_dir()`)."""
@@ -1178,6 +1178,10 @@ def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities]
              + _error_cases(dtypes) + _cotangent_cases(dtypes) + _sequence_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
              + (_limit_cases(caps, dtypes) if caps is not None else [])
              + _golden_cases(vectors_dir, dtypes) + (_sweep_cases(dtypes, quick) if sweep else []))
+    if covering:
+        from .covering import covering_cases
+
+        cases += covering_cases(dtypes, declared=None if caps is None else caps.dtypes)
     if transforms:
         from .transforms import transform_cases
 

@@ -39,6 +39,7 @@ FAMILIES: List[Tuple[str, Callable[[str], bool]]] = [
     ("errors", lambda r: r.startswith("errors/")),
     ("cotangents", lambda r: r.startswith("cotangents/")),
     ("sequences", lambda r: r.startswith("sequences/")),
+    ("covering arrays", lambda r: r.startswith("covering/")),
     ("determinism", lambda r: r.startswith("determinism")),
     ("invariants", lambda r: r.startswith("invariants/")),
     ("golden", lambda r: r.startswith("golden/")),

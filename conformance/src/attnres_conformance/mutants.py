@@ -882,6 +882,15 @@ MUTANTS: List[Mutant] = [
                                                 else kw)),
            port_attrs=(("forward_in_gradient_call", True),), first=("depth_attention/forward_only",),
            must_kill=True),
+    Mutant("out_norm_eps_defaults_1e-6", "C17", "combinations",
+           "without out_norm_eps the output norm uses 1e-6, not the key norm's eps",
+           args=lambda ctx, n, kw: (n, dict(kw, out_norm_eps=1e-6) if n.get("out_norm_weight") is not None
+                                    and "out_norm_eps" not in kw else kw),
+           first=("covering/",), must_kill=True),
+    Mutant("sigmoid_ignores_scale", "2.1, C9", "combinations", "the sigmoid path ignores the logit scale",
+           args=_keywords(lambda ctx, kw: dict(kw, scale=1.0) if kw.get("activation") == "sigmoid"
+                          and isinstance(kw.get("scale"), float) and np.isfinite(kw["scale"]) else kw),
+           first=("covering/",), must_kill=True),
     Mutant("scale_or_one", "C8, M10", "special values", "`scale or 1.0`: a scale of 0 computes at scale 1",
            args=_keywords(lambda ctx, kw: dict(kw, scale=kw["scale"] or 1.0) if "scale" in kw else kw),
            first=("transforms/scale_zero",), must_kill=True),

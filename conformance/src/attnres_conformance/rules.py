@@ -78,6 +78,9 @@ FAMILY_RULES = {
                            "reduction orders (checked past 4096 positions too)"),
     "golden": ("spec/vectors", "a committed golden vector"),
     "sweep": ("2.1", "a derandomized sweep of option combinations"),
+    "covering": ("2.1", "a pairwise covering array of the op's options (heads, activation, key norm, query "
+                        "form, gain, lse, layout, eps, scale, output norm and its eps, dtype): every pair of "
+                        "values meets in some case"),
 }
 
 

@@ -22,7 +22,6 @@ from ..adapters.torch import TorchAdapter
 from ..backend import Capabilities
 
 PACKAGE = "attn-res"
-INSTALL = "pip install attn-res==0.1.0"
 SKIPS = ""
 
 

@@ -42,7 +42,7 @@ class Port:
     title: str
     package: str
     version: str
-    module: str  # attnres_conformance.ports.<module>: `backend`, `SKIPS`, `INSTALL`
+    module: str  # attnres_conformance.ports.<module>: its `backend` and `SKIPS`
     expect_verdict: str
     #: Spec rules (`rules.rule_of(row)[0]`) that must be among the failing cases' rules: the
     #: defects the table documents.  (The whole set, and every count, is pinned by the table.)

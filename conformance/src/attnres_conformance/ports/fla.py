@@ -25,7 +25,6 @@ from ..adapters.torch import TorchAdapter
 from ..backend import Capabilities
 
 PACKAGE = "flash-linear-attention"
-INSTALL = "pip install flash-linear-attention==0.6.0 fla-core==0.6.0 triton"
 #: The port's skips: design choices `Capabilities` has no field for, one rule a line with its reason.
 SKIPS = """\
 depth_attention/out_norm/*out_norm_eps*  # the fused output norm has no eps of its own: rms_eps serves both norms

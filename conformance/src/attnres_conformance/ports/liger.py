@@ -29,7 +29,6 @@ from ..adapters.torch import TorchAdapter
 from ..backend import Capabilities
 
 PACKAGE = "liger-kernel"
-INSTALL = "pip install liger-kernel==0.8.4 triton packaging"
 SKIPS = ""
 
 

@@ -24,7 +24,6 @@ from ..adapters.mlx import MLXAdapter
 from ..backend import Capabilities
 
 PACKAGE = "mlx-lm"
-INSTALL = 'pip install "mlx[cpu]" mlx-lm==0.32.2'
 SKIPS = ""
 
 

@@ -30,6 +30,7 @@ from attnres_jax.checkpoint_hf import (  # noqa: E402
     save_hf,
     write_safetensors,
 )
+from flax import nnx  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "backend_mlx" / "tests" / "data" / "hf_attnres"
 CASES = ("block", "full", "window")
@@ -224,3 +225,59 @@ def test_a_training_step_with_nnx_jit_and_the_optimizer():
 
     first = float(step(model, opt, tokens))
     assert np.isfinite(first) and float(step(model, opt, tokens)) < first
+
+
+# -- the way back, checked by torch ------------------------------------------------------------------
+
+def write_jax_saved(path: Path) -> None:
+    """data/hf_attnres/jax_saved: the block model with new rows set in JAX (so torch can only
+    match by placing them as JAX does), saved by save_hf, with JAX's logits and greedy tokens;
+    backend_torch/tests/test_mlx_fixture.py loads it with attnres_torch.hf.from_pretrained.  The
+    rows' seed is the first from 8 on whose greedy continuation has 3 distinct tokens or more
+    and no top-2 logits (prompt and steps) within 1e-3."""
+    src = _expected(DATA / "block")
+    prompt, n = src["prompt"], len(src["greedy"])
+    model = load_hf(DATA / "block")
+    shapes = {k: v.shape for k, v in model.router.params().items()}
+    fwd = nnx.jit(lambda m, t: m(t)[0])  # one compile: the rows are state, not constants
+    for seed in range(8, 208):
+        rng = np.random.default_rng(seed)
+        model.router.load_params({
+            "queries": (0.7 * rng.standard_normal(shapes["queries"])).astype(np.float32),
+            "norm_weights": (1 + 0.2 * rng.standard_normal(shapes["norm_weights"])).astype(np.float32)})
+        ids = np.zeros(len(prompt) + n, np.int32)
+        ids[:len(prompt)] = prompt
+        for i in range(len(prompt), len(prompt) + n):
+            ids[i] = int(np.argmax(np.asarray(fwd(model, jnp.asarray(ids[None])))[i - 1]))
+        full = np.asarray(fwd(model, jnp.asarray(ids[None])))
+        logits, tokens = full[:len(prompt)], ids[len(prompt):].tolist()
+        top2 = np.sort(full[:-1], axis=-1)[:, -2:]
+        if len(set(tokens)) >= 3 and float((top2[:, 1] - top2[:, 0]).min()) > 1e-3:
+            break
+    else:
+        raise AssertionError("no seed in 8..207 gives a non-degenerate greedy continuation")
+    save_hf(model, path)
+    expected = {"from": "block", "seed": seed, "prompt": prompt, "logits": logits.tolist(), "greedy": tokens,
+                "generator": "backend_jax/tests/test_checkpoint_hf.py"}
+    (path / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+
+
+def test_the_committed_jax_saved_checkpoint_is_what_save_hf_writes(tmp_path):
+    write_jax_saved(tmp_path)
+    committed = DATA / "jax_saved"
+    hint = "data/hf_attnres/jax_saved drifted: run python backend_jax/tests/test_checkpoint_hf.py"
+    assert (tmp_path / "config.json").read_text() == (committed / "config.json").read_text(), hint
+    got, ref = read_safetensors(tmp_path / "model.safetensors"), read_safetensors(committed / "model.safetensors")
+    assert sorted(got) == sorted(ref), hint
+    for key in ref:
+        assert np.array_equal(got[key], ref[key]), (key, hint)
+    new, old = _expected(tmp_path), _expected(committed)
+    assert (new["prompt"], new["greedy"]) == (old["prompt"], old["greedy"]), hint
+    np.testing.assert_allclose(new["logits"], old["logits"], rtol=0, atol=1e-4, err_msg=hint)
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_jax_saved(DATA / "jax_saved")
+    print(f"wrote {DATA / 'jax_saved'}", file=sys.stderr)

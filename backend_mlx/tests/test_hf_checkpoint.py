@@ -63,6 +63,16 @@ def test_load_hf_gives_torchs_logits_and_greedy_tokens(case):
     assert _greedy(model, want["prompt"], len(want["greedy"])) == want["greedy"]
 
 
+def test_load_hf_of_the_checkpoint_jax_saved_gives_jaxs_logits_and_greedy_tokens():
+    """data/hf_attnres/jax_saved: rows set in JAX, saved by attnres_jax.checkpoint_hf.save_hf
+    (backend_jax/tests/test_checkpoint_hf.py writes and drift-checks it): MLX places row r
+    where JAX did."""
+    want = _expected(DATA / "jax_saved")
+    model, _ = load_hf(DATA / "jax_saved")
+    assert np.abs(_logits(model, want["prompt"]) - np.asarray(want["logits"])).max() < 1e-4
+    assert _greedy(model, want["prompt"], len(want["greedy"])) == want["greedy"]
+
+
 def test_plain_mlx_lm_loads_refuse_or_are_wrong_which_is_why_load_hf_exists(tmp_path):
     """What the docs warn about.  The checkpoint as attnres_torch.hf saves it (model_type
     "attnres"): mlx-lm alone refuses it, strict or not (no such model type).  The earlier record

@@ -187,16 +187,18 @@ def test_torch_computes_the_committed_results_from_the_committed_checkpoint(name
     assert np.abs(prenorm - logits).max() > 0.1
 
 
-def test_torch_loads_the_checkpoint_mlx_saved_and_computes_mlxs_results():
+@pytest.mark.parametrize("saved", ["mlx_saved", "jax_saved"])
+def test_torch_loads_the_checkpoint_mlx_or_jax_saved_and_computes_their_results(saved):
     """The way back: data/hf_attnres/mlx_saved was written by `attnres_mlx.mlx_lm.save_hf` (rows
-    set in MLX; backend_mlx/tests/test_hf_checkpoint.py writes and drift-checks it).  torch's
-    `hf.from_pretrained` loads it (its config also names mlx-lm's model_file) and computes MLX's
-    logits within float32 rounding and MLX's greedy tokens."""
+    set in MLX; backend_mlx/tests/test_hf_checkpoint.py writes and drift-checks it), jax_saved by
+    `attnres_jax.checkpoint_hf.save_hf` (rows set in JAX; backend_jax/tests/test_checkpoint_hf.py).
+    torch's `hf.from_pretrained` loads each (mlx_saved's config also names mlx-lm's model_file)
+    and computes that framework's logits within float32 rounding and its greedy tokens."""
     _need_safetensors()
     transformers = pytest.importorskip("transformers", reason="the HF stack is installed by tests-torch")
     from attnres_torch import hf
 
-    path = FIXTURE / "mlx_saved"
+    path = FIXTURE / saved
     expected = json.loads((path / "expected.json").read_text())
     model = hf.from_pretrained(transformers.LlamaForCausalLM, str(path)).eval()
     logits, tokens, _ = torch_results(model)
@@ -206,7 +208,7 @@ def test_torch_loads_the_checkpoint_mlx_saved_and_computes_mlxs_results():
     tol = 3 * float(np.abs(logits.astype(np.float64) - exact).max()) + 1e-6
     np.testing.assert_allclose(logits, np.asarray(expected["logits"], np.float32), rtol=0, atol=tol)
     committed = json.loads((FIXTURE / "block" / "expected.json").read_text())
-    assert np.abs(logits - np.asarray(committed["logits"])).max() > 0.1  # MLX's rows, not torch's
+    assert np.abs(logits - np.asarray(committed["logits"])).max() > 0.1  # their rows, not torch's
 
 
 if __name__ == "__main__":

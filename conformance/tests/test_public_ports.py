@@ -98,11 +98,12 @@ class Unchecked(NumpyAdapter):
 
 
 def test_a_port_without_argument_checks_gets_validation_gaps_not_failures():
-    report = run_conformance(Unchecked(), dtypes=["float64"], select=["errors/depth_attention/"])
+    report = run_conformance(Unchecked(), dtypes=["float64"], select=["errors/depth_attention/", "sequences/depth_attention/"])
     ran = _ran(report)
     assert ran and not report.failed, [r.forward.message for r in report.results if r.failed]
     assert {r.status for r in ran} == {"gap"} and {r.category for r in ran} == {"validation gap"}
     assert any("raised RuntimeError" in r.forward.message for r in ran)  # what it did is still said
+    assert any(r.kind == "sequence" for r in ran)  # invalid scalars after valid calls: gaps too
 
 
 class StandIn(NumpyAdapter):

@@ -116,6 +116,8 @@ class CaseResult:
         if not bad:
             return None
         text = " ".join(bad)
+        if self.status == "gap":  # a spec error a port declaring validates_inputs=False does not raise
+            return "validation gap"
         if self.kind in ("cotangent", "sequence"):
             return "error contract"
         if self.kind == "error":

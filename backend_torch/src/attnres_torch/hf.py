@@ -99,6 +99,8 @@ import importlib.util
 import json
 import os
 import sys
+import types
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -110,7 +112,7 @@ from .modules import DepthRouter
 
 __all__ = ["convert", "decoder_layers", "find_decoder", "from_pretrained", "is_converted",
            "layer_form", "peft_modules_to_save", "residual_inputs", "router", "sublayer_modules",
-           "TESTED_FAMILIES", "AUTO_MODEL_TYPE"]
+           "FrozenRowsWarning", "TESTED_FAMILIES", "AUTO_MODEL_TYPE"]
 
 #: `config.model_type`s whose models are converted and checked in depth in CI (tiny configs,
 #: random weights); docs/hf-families.md lists every family the support walk converts or refuses.
@@ -310,8 +312,10 @@ def _traced_form(layer: nn.Module, trace: _LayerTrace) -> Form:
     for chain in chains:
         fns = [c[0] for c in chain if not _is_norm(getattr(layer, c[0])) and _has_params(getattr(layer, c[0]))]
         if len(fns) > 1:
-            raise _Refusal(f"{cls}: the sublayers {', '.join(fns)} are called one on the other's "
-                           f"output without a residual add (calls: {found})")
+            raise _Refusal(f"{cls}: {', '.join(fns)} are called one on the other's output with "
+                           f"no residual add between them (one sublayer split over several "
+                           f"child modules, or two sublayers chained); one sublayer module per "
+                           f"chain is supported (calls: {found})")
         if fns:
             subs.append((chain, fns[0]))
         elif any(_has_params(getattr(layer, c[0])) for c in chain):
@@ -325,6 +329,13 @@ def _traced_form(layer: nn.Module, trace: _LayerTrace) -> Form:
     in1, v1, in2, v2 = c1[0][1], c1[-1][2], c2[0][1], c2[-1][2]
     if not all(isinstance(t, torch.Tensor) for t in (in1, v1, in2, v2)):
         raise _Refusal(f"{cls}: a sublayer chain does not take or return a tensor (calls: {found})")
+    for f, v in ((f1, v1), (f2, v2)):
+        if v.numel() != x.numel():  # a broadcast add (a bias, a batch-1 probe) is no residual add
+            raise _Refusal(f"{cls}: {f}'s output has shape {tuple(v.shape)}, the layer's input "
+                           f"{tuple(x.shape)} (calls: {found})")
+    # a sublayer may return its tokens flattened (Llama4's MoE: [B*T, D]); the family adds
+    # `v.view(residual.shape)`, and so does the stream (_SublayerExit reshapes alike)
+    v1, v2 = v1.reshape(x.shape), v2.reshape(x.shape)
     if not _same(in1, x):
         raise _Refusal(f"{cls}: the first sublayer ({f1}) does not read the layer's input "
                        f"(calls: {found})")
@@ -332,7 +343,9 @@ def _traced_form(layer: nn.Module, trace: _LayerTrace) -> Form:
         raise _Refusal(f"{cls}: attention and MLP in parallel ({f2} reads the layer's input or "
                        f"{f1}'s norm output, not residual + {f1}'s output; calls: {found})")
     mult = None
-    candidates = [None] + [a for a in _MULTIPLIER_ATTRS if _multiplier_attr(layer) == a]
+    # the layer's multiplier attribute first: at m = 1.0 both read alike (x * 1.0 is exact), and
+    # the form then matches the one read without a probe (verify=False)
+    candidates = [a for a in _MULTIPLIER_ATTRS if _multiplier_attr(layer) == a] + [None]
     for attr in candidates:
         m = None if attr is None else getattr(layer, attr)
         want2 = x + v1 if m is None else x + v1 * m
@@ -404,6 +417,38 @@ class _HFSiteRouter(PerLayerRouter):
         return out
 
 
+class FrozenRowsWarning(UserWarning):
+    """A converted model trains (other parameters require gradients) while all its AttnRes rows
+    are frozen, e.g. after PEFT's `get_peft_model` without `modules_to_save`: depth attention
+    then learns nothing.  Warned once per model; to freeze the rows on purpose, filter it:
+    `warnings.filterwarnings("ignore", category=hf.FrozenRowsWarning)`."""
+
+
+def _check_rows_train(state: "_State") -> None:
+    """At a training forward with gradients on: warn (once) when every AttnRes row is frozen
+    while other parameters train (the rows read are the active ones: PEFT's trainable copies
+    under `modules_to_save`)."""
+    if getattr(state, "rows_warned", False) or not state.base.training or not torch.is_grad_enabled():
+        return
+    if torch.compiler.is_compiling():
+        return
+    router = state.router
+    sites = router.site_list() if isinstance(router, PerLayerRouter) else [router]
+    rows = [p for site in sites for p in site.parameters()]
+    if not rows or any(p.requires_grad for p in rows):
+        return
+    if not any(p.requires_grad for p in state.base.parameters()):
+        return
+    state.rows_warned = True
+    warnings.warn(
+        "attnres_torch.hf: this converted model trains, but all its AttnRes rows are frozen "
+        "(requires_grad=False), so depth attention learns nothing. PEFT's get_peft_model "
+        "freezes every module not in modules_to_save: pass LoraConfig(..., modules_to_save="
+        "hf.peft_modules_to_save(model)) (the rows then train, are saved in the adapter file "
+        "and restored by PeftModel.from_pretrained). To freeze them on purpose, filter "
+        "attnres_torch.hf.FrozenRowsWarning.", FrozenRowsWarning, stacklevel=3)
+
+
 class _State:
     """What the hooks share: the router, the running pass's stream, a checkpoint replay's
     stream, the call-order cursor, and the M10 per-call inputs."""
@@ -416,6 +461,8 @@ class _State:
         self.replay = None
         self.cursor: Optional[Tuple[int, int]] = None  # (layer, step) of the running pass
         self.handles: List[Any] = []
+        self.rows_warned = False
+        self.marked: List[nn.Module] = []  # layers given an instance `forward` (compile guard)
 
     @property
     def router(self) -> DepthRouter:
@@ -432,6 +479,7 @@ class _State:
         return state
 
     def begin(self, embedding: torch.Tensor) -> None:
+        _check_rows_train(self)
         router = self.router
         router.train(self.base.training)  # the schedule follows the model's mode (two-phase in eval)
         self.stream = router.stream(embedding, mix=self.mix, scale=self.scale)
@@ -524,6 +572,13 @@ class _SublayerExit:
         step = 1 if self.which == 1 else 3
         stream = self.state.step(self.index, step, f"sublayer {self.which}")
         v = _first_tensor(output)
+        like = getattr(stream, "_embedding", None)
+        if isinstance(like, torch.Tensor) and v.shape != like.shape:
+            if v.numel() != like.numel():
+                raise RuntimeError(f"attnres_torch.hf: sublayer {self.which} of decoder layer "
+                                   f"{self.index} returned shape {tuple(v.shape)}, the residual "
+                                   f"stream's is {tuple(like.shape)}")
+            v = v.reshape(like.shape)  # flattened tokens (Llama4's MoE), as the family's view
         if self.multiplier:
             v = v * getattr(self.layer, self.multiplier)
         stream.push(v)
@@ -772,6 +827,8 @@ def _find_forms(model, layers, verify) -> Tuple[Form, Optional[Any], Optional[to
 def _undo(model: nn.Module, state: _State, layers, owner, saved_config) -> None:
     for h in state.handles:
         h.remove()
+    for layer in state.marked:
+        layer.__dict__.pop("forward", None)
     for layer in layers:
         if "attnres" in layer._modules:
             del layer._modules["attnres"]
@@ -893,6 +950,15 @@ def _convert(model, config, *, per_layer, dtype, schedule, verify, form) -> nn.M
                 _SublayerEnter(state, i), with_kwargs=True))
             hs.append(getattr(layer, chain2[-1]).register_forward_hook(
                 _SublayerExit(state, i, 2, layer, mult)))
+        # torch.compile: dynamo does not guard on module hooks (skip_nnmodule_hook_guards), so a
+        # graph compiled for an unconverted model of the same class would be reused and compute
+        # PreNorm.  It does guard that "forward" is not in each called module's __dict__: a
+        # converted layer carries its class's forward as an instance attribute (the same
+        # function), so no graph traced without the conversion matches it.
+        for layer in layers:
+            if "forward" not in layer.__dict__:
+                layer.__dict__["forward"] = types.MethodType(type(layer).forward, layer)
+                state.marked.append(layer)
         object.__setattr__(model, _STATE_ATTR, state)
         if owner is not model:
             object.__setattr__(owner, _STATE_ATTR, state)
@@ -909,7 +975,14 @@ def _convert(model, config, *, per_layer, dtype, schedule, verify, form) -> nn.M
                 hf_config.__class__ = _config_class(type(hf_config))
         if run is not None:
             with _probe_mode(model), residual_inputs(model, mix=0.0):
-                got = _probe_value(run())
+                try:
+                    got = _probe_value(run())
+                except RuntimeError as e:  # our hooks: the layers took another path
+                    if not str(e).startswith("attnres_torch.hf:"):
+                        raise
+                    raise _Refusal(f"{type(layers[0]).__name__} ({_form_name(form, layers[0])}: "
+                                   f"{describe_form(form)}): the converted model's probe "
+                                   f"forward failed: {e}") from None
             if not torch.equal(got, reference):
                 raise _Refusal(f"{type(layers[0]).__name__} ({_form_name(form, layers[0])}: "
                                f"{describe_form(form)}): at mix=0 the converted model's output "

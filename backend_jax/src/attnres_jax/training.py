@@ -226,8 +226,8 @@ class DepthMonitor(core.DepthMonitorBase):
     and the collapse responses.
 
     Args:
-      router: the NNX `DepthRouter` (`Transformer.router`), unrolled form (`stack_apply`: the
-        layer-scanned form takes no observer).
+      router: the NNX `DepthRouter` (`Transformer.router`). A layer-scanned `Transformer` called
+        with an observer runs its stacked weights unrolled (same statistics, same logits).
       collapse_threshold: a row whose token-averaged maximum weight exceeds it collapsed.
       on_collapse: a `CollapsePolicy` or its name ("reset" with `optimizer=`: `collapse_policy`).
 

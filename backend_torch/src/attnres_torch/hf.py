@@ -65,7 +65,14 @@ PEFT.  The rows are read through the layers' `attnres` dicts at every pass, so P
 `modules_to_save` wrappers around them are honoured (the active adapter's copy is read, the
 original when adapters are disabled): `LoraConfig(..., modules_to_save=hf.peft_modules_to_save(
 model))` trains the rows, saves them in the adapter file and `PeftModel.from_pretrained`
-restores them.
+restores them.  Plain LoRA (no `modules_to_save`) freezes them: the first training forward
+then warns (`FrozenRowsWarning`, once per model) with the cause and that fix.
+
+torch.compile.  Dynamo does not guard on module hooks, so a graph compiled for an unconverted
+model of the same class could be reused for a converted one (computing PreNorm).  Each
+converted layer therefore carries its class's `forward` as an instance attribute, which dynamo
+guards on: a graph traced without the conversion never matches a converted model (in either
+order of compilation, and for a model compiled before its conversion).
 
 Parameter ownership (`per_layer=True`, the default where the scheme allows it): decoder layer i
 owns, as `layers[i].attnres.row<r>` (`DepthSite`s), the rows of the scheme's parameters that its

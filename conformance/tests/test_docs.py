@@ -23,4 +23,5 @@ def test_documented_adapter_passes(tmp_path):
     spec.loader.exec_module(module)
     report = run_conformance(module.backend, quick=True, dtypes=["float64"])
     assert not report.failed
-    assert report.summary()["pass"] > 100 and report.summary()["skip"] == 0
+    skipped = [r for r in report.results if r.status == "skip" and not r.id.startswith("autocast/")]
+    assert report.summary()["pass"] > 100 and not skipped  # autocast (C3a): a torch region, not NumPy's

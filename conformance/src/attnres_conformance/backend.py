@@ -80,6 +80,10 @@ class Capabilities:
     #: What `depth_attention` with `out_norm_weight` returns: ("out", "out_normed") as the spec,
     #: or ("out_normed",) for a fused norm that returns only the normed output.
     out_norm_outputs: Tuple[str, ...] = ("out", "out_normed")
+    #: The autocast regions the port honours (C3a: torch.autocast's dtypes, e.g. ("bfloat16",
+    #: "float16")): calls inside such a region with sources of mixed dtypes (`OpCall.autocast`).
+    #: Empty: the framework has no autocast, or the port does not declare it (the rows skip).
+    autocast: Tuple[str, ...] = ()
     #: False: the port does not validate its arguments; a spec error it does not raise is
     #: reported as a validation gap (status "gap", not a failure) instead of a failure.
     validates_inputs: bool = True
@@ -133,6 +137,8 @@ class OpCall:
     #: Cotangents given in another dtype than their output's (issue 44's bad-cotangent rows):
     #: output name -> dtype name.
     cotangent_dtypes: Dict[str, str] = field(default_factory=dict)
+    #: The call runs inside the framework's autocast region of this dtype (C3a; None: outside).
+    autocast: Optional[str] = None
 
 
 #: Memory layouts of an input (`OpCall.layouts`): every other element of a buffer twice as wide

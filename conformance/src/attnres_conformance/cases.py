@@ -105,6 +105,10 @@ class Requirements:
     #: Spec arguments whose checks the (error) case exercises beyond its op: "scale" / "eps"
     #: need a port that takes them (not fixed), "norm_weight" a port with a gain.
     arguments: frozenset = frozenset()
+    #: The autocast region the case calls in (C3a; `Capabilities.autocast`), and the other dtypes
+    #: its inputs come in (each must be declared).
+    autocast: Optional[str] = None
+    extra_dtypes: frozenset = frozenset()
 
     def missing(self, caps: Capabilities, dtype: str, device: str) -> Optional[str]:
         """The reason this cannot run on a backend declaring `caps`, or None."""
@@ -140,6 +144,11 @@ class Requirements:
                 return f"{name} = {used:g}: the port's {name} is fixed at {fixed:g} (declared {name}={fixed:g})"
         if self.merge_lse and not caps.merge_lse:
             return "merge_partial returns no lse (declared merge_lse=False)"
+        if self.autocast is not None and self.autocast not in tuple(getattr(caps, "autocast", ())):
+            return f"autocast region {self.autocast} not declared (Capabilities.autocast)"
+        undeclared = sorted(self.extra_dtypes - set(caps.dtypes))
+        if undeclared:
+            return f"dtype {', '.join(undeclared)} (of an input) not declared"
         return None
 
 
@@ -393,7 +402,8 @@ def requirements_of(golden, spec: Optional[dict] = None) -> Requirements:
     return Requirements(ops=frozenset(ops_needed), options=frozenset(opts), num_sources=n, dim=x.shape[-1],
                         deterministic=spec.get("deterministic", False), gain=gain,
                         scale=float(attrs.get("scale", 1.0)), eps=float(attrs.get("eps", 1e-6)),
-                        merge_lse=merge_lse)
+                        merge_lse=merge_lse, autocast=spec.get("autocast"),
+                        extra_dtypes=frozenset(spec.get("extra_dtypes", ())))
 
 
 # -- the grid ------------------------------------------------------------------------------------
@@ -1013,6 +1023,32 @@ def _cotangent_cases(dtypes) -> List[Case]:
     return cases
 
 
+# -- autocast (issue 44 item 6, C3a) ---------------------------------------------------------------
+#: (label, sources' dtypes, region, case dtype = the widest): inside the framework's autocast
+#: region, sources of mixed dtypes are widened to the widest (float16 with bfloat16: float32) and
+#: the op computes by C10 with the region's casts off; each gradient in its own source's dtype.
+AUTOCAST_ROWS = (("N4-T3-D16-f32-f64-region_bf16", ("float32", "float64", "float32", "float64"), "bfloat16",
+                  "float64"),
+                 ("N4-T3-D16-bf16-f32-region_bf16", ("bfloat16", "float32", "bfloat16", "float32"), "bfloat16",
+                  "float32"),
+                 ("N3-T3-D16-f16-bf16-region_f16", ("float16", "bfloat16", "float16"), "float16", "float32"))
+
+
+def _autocast_cases(dtypes) -> List[Case]:
+    """C3a rows, for ports that declare the region (`Capabilities.autocast`; torch's)."""
+    cases = []
+    for label, source_dtypes, region, dtype in AUTOCAST_ROWS:
+        if dtype not in dtypes:
+            continue
+        spec = dict(builder="da", kwargs=dict(n=len(source_dtypes), tokens=(3,), dim=16, lse=True),
+                    strided=False, check="tolerance", override=None, forward_only=False,
+                    input_dtypes={"sources": list(source_dtypes)}, autocast=region,
+                    extra_dtypes=tuple(sorted(set(source_dtypes) - {dtype})),
+                    post=(("round_sources", tuple(source_dtypes)),))
+        cases.append(Case(f"autocast/depth_attention/{label}/{dtype}", "mixed_dtype", dtype, spec, True))
+    return cases
+
+
 # -- calls in sequence (issue 44 item 4) -----------------------------------------------------------
 #: (op, builder knobs, steps): each step's attrs replace the case's; "ok" steps are compared with
 #: the reference at those attrs, the others must raise (exception, argument named).
@@ -1175,7 +1211,7 @@ def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities]
     dtypes = tuple(dtypes)
     cases = (_sentinel_cases(caps, dtypes) + _depth_attention_cases(dtypes) + _multi_merge_cases(dtypes) + _hole_cases(dtypes)
              + _round3_cases(dtypes) + _probe_cases(dtypes)
-             + _error_cases(dtypes) + _cotangent_cases(dtypes) + _sequence_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
+             + _error_cases(dtypes) + _cotangent_cases(dtypes) + _sequence_cases(dtypes) + _autocast_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
              + (_limit_cases(caps, dtypes) if caps is not None else [])
              + _golden_cases(vectors_dir, dtypes) + (_sweep_cases(dtypes, quick) if sweep else []))
     if covering:

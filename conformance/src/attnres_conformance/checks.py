@@ -57,7 +57,8 @@ def _array_dtype(golden, name: str) -> str:
 
 # -- calls ---------------------------------------------------------------------------------------
 def op_call(golden, device: str = "cpu", *, backward: bool, strided: bool = False,
-            input_dtypes: Optional[dict] = None, layouts: Optional[dict] = None) -> OpCall:
+            input_dtypes: Optional[dict] = None, layouts: Optional[dict] = None,
+            autocast: Optional[str] = None) -> OpCall:
     """The backend call of an op golden case (fresh copies of its inputs); sources as a list,
     tuple or stacked array as the case says.  input_dtypes: per-input dtypes other than the
     case's (a query in its own dtype, C10.1)."""
@@ -75,7 +76,7 @@ def op_call(golden, device: str = "cpu", *, backward: bool, strided: bool = Fals
     cot = ({k.split(".", 1)[1]: v.copy() for k, v in a.items() if k.startswith("cotangent.")}
            if backward else None)
     return OpCall(golden.op, inputs, dict(golden.attrs), golden.dtype, input_dtypes, device, strided, cot,
-                  layouts=dict(layouts or {}))
+                  layouts=dict(layouts or {}), autocast=autocast)
 
 
 def probe_call(golden, device: str = "cpu", *, backward: bool) -> ProbeCall:
@@ -147,6 +148,11 @@ def expected_dtypes(call: OpCall) -> dict:
     for list / tuple sources)."""
     source = "partial" if call.op == "merge_partial" else "sources"
     src = call.input_dtypes.get(source, call.dtype)
+    if getattr(call, "autocast", None) is not None:  # C3a: the widest of the sources (merge: out1, partial)
+        given = list(src) if isinstance(src, (list, tuple)) else [src]
+        if call.op == "merge_partial":
+            given.append(call.input_dtypes.get("out1", call.dtype))
+        src = _widest(given)
     src = src[0] if isinstance(src, (list, tuple)) else src
     kappa = compute_dtype_for(src)
     expected = {"out": src, "out_normed": src, "lse": kappa, "weights": kappa}
@@ -157,6 +163,18 @@ def expected_dtypes(call: OpCall) -> dict:
                 dtype = [dtype] * len(value)
             expected[f"grad.{name}"] = dtype
     return expected
+
+
+def _widest(dtypes) -> str:
+    """C3a's widening: the widest dtype; float16 with bfloat16 gives float32."""
+    dtypes = set(dtypes)
+    if {"float16", "bfloat16"} <= dtypes:
+        dtypes.add("float32")
+    return max(dtypes, key=("bfloat16", "float16", "float32", "float64").index)
+
+
+def _narrowest(dtypes) -> str:
+    return min(set(dtypes), key=("bfloat16", "float16", "float32", "float64").index)
 
 
 def _contract(call: OpCall, result, backward: bool, grads_only: bool = False) -> List[str]:
@@ -225,6 +243,8 @@ def _compare_grads(golden, result, override, input_dtypes=None) -> Tuple[List[Co
                                 f"{golden.sources_layout}")
                 continue
             dtype = input_dtypes.get(name) if isinstance(input_dtypes.get(name), str) else None
+            if isinstance(input_dtypes.get(name), (list, tuple)):  # per-source dtypes (C3a): the narrowest's tolerance
+                dtype = _narrowest(input_dtypes[name])
             comps.append(compare(f"d_{name}", _stacked(got), ref, dtype or _array_dtype(golden, name), grad=True,
                                  override=override, floor=condition_floor(golden, name)))
     return comps, failures
@@ -310,7 +330,7 @@ def _finite(name, value) -> List[str]:
 
 
 def check_reference(backend, golden, device, *, strided=False, check="tolerance", override=None,
-                    gradient=True, input_dtypes=None, layouts=None) -> Tuple[Cell, Optional[Cell]]:
+                    gradient=True, input_dtypes=None, layouts=None, autocast=None) -> Tuple[Cell, Optional[Cell]]:
     """Forward (a call without cotangents) and gradient (a call with them) vs the reference;
     for ops also the result dtypes (C10.3) and no aliasing (C7a).
 
@@ -329,7 +349,7 @@ def check_reference(backend, golden, device, *, strided=False, check="tolerance"
 
     def run(backward: bool):
         call = (op_call(golden, device, backward=backward, strided=strided, input_dtypes=input_dtypes,
-                        layouts=layouts)
+                        layouts=layouts, autocast=autocast)
                 if golden.op != "probe" else probe_call(golden, device, backward=backward))
         before = _snapshot(call.inputs) if isinstance(call, OpCall) else _snapshot(call)
         result = backend.call_op(call) if isinstance(call, OpCall) else backend.call_probe(call)
@@ -646,4 +666,4 @@ def check_case(backend, case: Case, device: str = "cpu", caps=None) -> Tuple[Cel
     return check_reference(backend, case.golden(), device, strided=spec.get("strided", False),
                            check=spec.get("check", "tolerance"), override=spec.get("override"),
                            gradient=case.has_gradient and caps.backward, input_dtypes=spec.get("input_dtypes"),
-                           layouts=spec.get("layouts"))
+                           layouts=spec.get("layouts"), autocast=spec.get("autocast"))

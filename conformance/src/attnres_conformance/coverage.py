@@ -40,6 +40,7 @@ FAMILIES: List[Tuple[str, Callable[[str], bool]]] = [
     ("cotangents", lambda r: r.startswith("cotangents/")),
     ("sequences", lambda r: r.startswith("sequences/")),
     ("covering arrays", lambda r: r.startswith("covering/")),
+    ("autocast", lambda r: r.startswith("autocast/")),
     ("determinism", lambda r: r.startswith("determinism")),
     ("invariants", lambda r: r.startswith("invariants/")),
     ("golden", lambda r: r.startswith("golden/")),

@@ -99,6 +99,7 @@ class ReferencePort(Adapter):
         self.mutant = mutant
         self.name = f"reference_port[{mutant.name}]"
         self.memo: Dict[str, Any] = {}
+        self.region: Optional[str] = None
         self._mode = "forward"
         self._tape = None
         self.ops = _PortOps(self)
@@ -108,7 +109,19 @@ class ReferencePort(Adapter):
     # -- the framework: NumPy ----------------------------------------------------------------
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=("float64", "float32"), ops=frozenset(OPS), options=frozenset(OPTIONS),
-                            variants=frozenset(), schedules=frozenset(SCHEDULES), call_inputs=frozenset())
+                            variants=frozenset(), schedules=frozenset(SCHEDULES), call_inputs=frozenset(),
+                            autocast=("bfloat16",))
+
+    def context(self, call):
+        """An "autocast region" (C3a): recorded while the call runs; the ops widen mixed sources."""
+        @contextlib.contextmanager
+        def region():
+            self.region = getattr(call, "autocast", None)
+            try:
+                yield
+            finally:
+                self.region = None
+        return region()
 
     def versions(self) -> Dict[str, str]:
         return {"numpy": np.__version__, "mutant": self.mutant.name}
@@ -189,6 +202,11 @@ class _PortOps:
         named = dict(given)
         if m.args is not None:
             named, kw = m.args(ctx, named, kw)
+        x = named.get("sources")
+        if port.region is not None and isinstance(x, (list, tuple)) and len({a.dtype for a in x}) > 1 \
+                and all(a.dtype.kind == "f" for a in x):  # C3a: widened to the widest source
+            widest = max((a.dtype for a in x), key=lambda d: d.itemsize)
+            named = dict(named, sources=type(x)(a.astype(widest) for a in x))
         wrap = kw.pop("_wrap", None)
         try:
             return self._compute(op, ctx, given, named, kw)
@@ -708,6 +726,15 @@ def _first_token_query_arg(ctx, named, kw):
     return named, kw
 
 
+
+def _autocast_first_dtype(ctx, named, kw):
+    """C3a done wrong: under autocast the sources are cast to the first one's dtype, not the widest."""
+    x = named.get("sources")
+    if ctx.port.region is not None and isinstance(x, (list, tuple)) and x:
+        named = dict(named, sources=type(x)(a.astype(x[0].dtype) for a in x))
+    return named, kw
+
+
 MUTANTS: List[Mutant] = [
     # -- the forward's math (2.1) -----------------------------------------------------------------
     Mutant("eps_outside_sqrt", "2.1", "forward", "r = 1 / (sqrt(mean x^2) + eps)",
@@ -891,6 +918,9 @@ MUTANTS: List[Mutant] = [
            args=_keywords(lambda ctx, kw: dict(kw, scale=1.0) if kw.get("activation") == "sigmoid"
                           and isinstance(kw.get("scale"), float) and np.isfinite(kw["scale"]) else kw),
            first=("covering/",), must_kill=True),
+    Mutant("autocast_first_source_dtype", "C3a", "autocast",
+           "inside autocast, mixed sources cast to the first source's dtype instead of the widest",
+           args=_autocast_first_dtype, first=("autocast/",), must_kill=True),
     Mutant("scale_or_one", "C8, M10", "special values", "`scale or 1.0`: a scale of 0 computes at scale 1",
            args=_keywords(lambda ctx, kw: dict(kw, scale=kw["scale"] or 1.0) if "scale" in kw else kw),
            first=("transforms/scale_zero",), must_kill=True),

@@ -78,6 +78,9 @@ FAMILY_RULES = {
                            "reduction orders (checked past 4096 positions too)"),
     "golden": ("spec/vectors", "a committed golden vector"),
     "sweep": ("2.1", "a derandomized sweep of option combinations"),
+    "autocast": ("C3a", "inside the framework's autocast region, sources of mixed dtypes are widened to the "
+                        "widest (float16 with bfloat16: float32) and the op computes by C10 with the region's "
+                        "casts off; each gradient comes back in its own source's dtype"),
     "covering": ("2.1", "a pairwise covering array of the op's options (heads, activation, key norm, query "
                         "form, gain, lse, layout, eps, scale, output norm and its eps, dtype): every pair of "
                         "values meets in some case"),

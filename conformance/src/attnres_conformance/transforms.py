@@ -319,6 +319,10 @@ def finish(golden, spec: dict):
             if f"input.{name}" in a:
                 a[f"input.{name}"] = round_to(a[f"input.{name}"], dtype)
                 dtypes[name] = dtype
+        elif kind == "round_sources":  # each source exact in its own dtype (C3a rows)
+            from .numerics import round_to
+
+            a["input.sources"] = np.stack([round_to(x, d) for x, d in zip(a["input.sources"], step[1])])
         elif kind == "poison":
             _poison(golden.op, a)
     return recompute(golden, a, dtypes)

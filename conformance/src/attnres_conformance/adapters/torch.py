@@ -63,6 +63,13 @@ class TorchAdapter(Adapter):
     def dtype_name(self, x) -> str:
         return str(x.dtype).replace("torch.", "")
 
+    def context(self, call):
+        """C3a: a call inside `torch.autocast` of `call.autocast`'s dtype (on the call's device type)."""
+        region = getattr(call, "autocast", None)
+        if region is None:
+            return super().context(call)
+        return torch.autocast(torch.device(call.device).type, dtype=torch_dtype(region))
+
     def shares_memory(self, result, argument) -> bool:
         # Tensors are mutable and views share storage: overlapping storage byte ranges count.
         (d1, lo1, hi1), (d2, lo2, hi2) = _span(result), _span(argument)

@@ -35,7 +35,8 @@ class AttnresTorch(TorchAdapter):
         # The backend contract's own answer (attnres_torch.dispatch.capabilities): a fused kernel
         # serves the default op on the default device (the C kernel on the CPU unless
         # ATTNRES_TORCH_CPU_C=0 or it cannot be built, the Triton kernels on CUDA).
-        return contract_capabilities(dispatch.capabilities())
+        # C3a: torch.autocast regions (attnres_torch._args.autocast_promote widens the sources).
+        return contract_capabilities(dispatch.capabilities(), autocast=("bfloat16", "float16"))
 
     def versions(self) -> Dict[str, str]:
         out = {"torch": torch.__version__}

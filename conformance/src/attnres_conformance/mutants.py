@@ -14,6 +14,10 @@ returns the killed fraction and the survivors by name; `ACCEPTED` names the surv
 each with the reason.  CI runs it as `tests/test_mutation_score.py` and prints the score.
 
     python -m attnres_conformance.mutants          # the score, each mutant's killer, survivors
+
+Mutants of issue 44's categories carry `first` (the category's case-id prefixes, run first) and
+`must_kill`: the test checks that their killer is one of those cases, which proves the category
+can fail.  A mutant killed only by crashing the harness's own hook is not counted as killed.
 """
 
 from __future__ import annotations
@@ -84,10 +88,6 @@ class Mutant:
 
 
 HONEST = Mutant("honest", "-", "control", "the reference-based port without a defect")
-
-
-def _ids(seq) -> set:
-    return {id(x) for x in seq}
 
 
 class ReferencePort(Adapter):

@@ -120,7 +120,8 @@ ATTEMPTS = (
 MAX_PARAMS = 20_000_000
 #: Families the walk must convert / refuse (the table pins the rest).
 MUST_CONVERT = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "granite", "olmo2", "gemma2",
-                "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+                "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+                "minicpm3", "llama4_text")
 MUST_REFUSE = ("cohere", "phi", "gpt_neox", "gptj", "codegen")
 
 WALK_FAMILIES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

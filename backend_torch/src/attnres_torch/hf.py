@@ -24,8 +24,9 @@ sublayer module in it: `input_layernorm -> self_attn` (PreNorm), `self_attn ->
 post_attention_layernorm` (OLMo2's branch-output norm), `input_layernorm -> self_attn ->
 post_attention_layernorm` (Gemma2/3's sandwich norms), `post_attention_layernorm -> mlp ->
 dropout` (StableLM).  Each layer must compute `x + m * chain_1(x)` and then the same for chain 2,
-bitwise, with m = 1 or the layer's `residual_multiplier` (Granite); the value pushed to the
-stream is `m * chain_j(.)`, exactly what the family adds to its residual.  Anything else
+bitwise, with m = 1 or the layer's `residual_multiplier` (Granite) or `residual_scale`
+(MiniCPM3); the value pushed to the stream is `m * chain_j(.)`, exactly what the family adds to
+its residual.  Anything else
 (attention and MLP in parallel on one input, three sublayers, a layer output that is not that
 sum) is refused by `convert` with a ValueError that names the form found.  Module hooks then route
 the residual stream through the shared schedule (`attnres_core.schedule.ResidualStream`, the
@@ -133,8 +134,9 @@ AUTO_MODEL_TYPE = "attnres"
 
 _STATE_ATTR = "_attnres_state"
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
-#: Layer attributes that scale a sublayer's output before the residual add (Granite).
-_MULTIPLIER_ATTRS = ("residual_multiplier",)
+#: Layer attributes that scale a sublayer's output before the residual add (Granite's
+#: residual_multiplier, MiniCPM3's residual_scale = scale_depth / sqrt(layers)).
+_MULTIPLIER_ATTRS = ("residual_multiplier", "residual_scale")
 #: Layer / config flags of a parallel attention + MLP block.
 _PARALLEL_FLAGS = ("use_parallel_residual", "parallel_attn", "parallel_block")
 _PROBE_TOKENS = 5

@@ -7,10 +7,13 @@ import subprocess
 import sys
 
 FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "mlx", "triton", "tensorflow")
-#: The suite's per-framework adapters import their framework by design; the registry imports one
-#: only when that backend is chosen (checked below: every other module loads without a framework).
+#: The suite's per-framework adapters, ours and the public ports' (`ports/`), import their framework
+#: by design; the registry imports one only when that backend is chosen (checked below: every other
+#: module, `ports.compliance` included, loads without a framework).
 FRAMEWORK_ADAPTERS = (tuple(f"attnres_conformance.adapters.{name}" for name in ("torch", "jax", "mlx"))
-                      + tuple(f"attnres_conformance.ports.attnres_{name}" for name in ("torch", "jax", "mlx")))
+                      + tuple(f"attnres_conformance.ports.attnres_{name}" for name in ("torch", "jax", "mlx"))
+                      + tuple(f"attnres_conformance.ports.{name}"
+                              for name in ("fla", "attn_res", "liger", "mlx_lm_k3")))
 
 SCRIPT = """
 import importlib, json, pkgutil, sys
@@ -37,5 +40,5 @@ def test_base_packages_load_no_framework():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"attnres_core.schedule", "attnres_numpy.model"} <= set(report["modules"])
     assert {"attnres_conformance.adapters.base", "attnres_conformance.adapters.numpy",
-            "attnres_conformance.registry"} <= set(report["modules"])
+            "attnres_conformance.registry", "attnres_conformance.ports.compliance"} <= set(report["modules"])
     assert report["frameworks"] == [], f"frameworks loaded: {report['frameworks']}"

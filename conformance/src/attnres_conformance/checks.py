@@ -256,9 +256,13 @@ def condition_floor(golden, name: str):
     gradients are sums of terms that cancel (the softmax's dz_i sum to about 0): at N = 2, D = 1,
     or at a logit gap of 120 without a d_lse cotangent, the result is far smaller than its terms,
     and an honest float32 port's error, a rounding of the terms, exceeds the array's own RMS.
+    For d_sources the dz_i terms of each source's own gradient, |dz_i| |s| r_i (|qg| + r_i^2
+    |s_i| |x_i| / Dh), with |dz_i| = p_i (|dp_i| + |<g, out>|): at a dominant weight short of 1
+    (p = 0.9997 at logits of 120) dz_i is a difference far below its terms, and a float32 lse
+    (spec: lse stays in kappa) rounds p_i by an ulp of the logits.
     Measured against this floor, a rounding-level error passes and a wrong term (an O(1) part
     of the terms) still fails.  None elsewhere."""
-    if golden.op != "depth_attention" or name not in ("query", "norm_weight"):
+    if golden.op != "depth_attention" or name not in ("query", "norm_weight", "sources"):
         return None
     a, at = golden.arrays, golden.attrs
     x, q, g = a["input.sources"], a["input.query"], a.get("input.norm_weight")
@@ -278,6 +282,13 @@ def condition_floor(golden, name: str):
         dz = wh * (np.abs(np.sum(dout * xh, -1)) + np.abs(np.sum(dout * outh, -1)))
         if a.get("cotangent.lse") is not None:
             dz = dz + wh * np.abs(a["cotangent.lse"]).reshape(wh.shape[1:])
+        if name == "sources":  # d_x_i's dz_i terms: a_i qg - b_i x_i, a_i = s dz_i r_i, b_i = a_i s_i r_i^2 / Dh
+            qg = q * g if g is not None else q
+            qgh = np.abs(qg.reshape(qg.shape[:-1] + (h, d // h)))
+            norm = (r ** 2 * np.abs(np.sum(xh * qg.reshape(qgh.shape), -1, keepdims=True)) * np.abs(xh) / (d // h)
+                    if kw.get("key_norm", True) else 0.0)
+            terms = dz[..., None] * abs(s) * r * (qgh + norm)
+            return np.nan_to_num(terms.reshape(x.shape), nan=0.0, posinf=0.0)
         terms = (dz[..., None] * abs(s) * np.abs(xh * r)).reshape(x.shape)
         other = np.abs(g) if name == "query" and g is not None else np.abs(q) if name == "norm_weight" else 1.0
         terms = terms * other

@@ -194,16 +194,16 @@ def lint(session: nox.Session) -> None:
 
 
 #: The public ports of the compliance table (docs/ports.md), pinned: each release is checked as
-#: released.  Liger-kernel 0.8.3 (the release that dropped every source past 32) is installed by
-#: the run itself, without dependencies, into a folder of its own beside this 0.8.4
+#: released.  Liger-kernel 0.8.3 (the release that dropped every source past 32) and 0.8.4 (the
+#: fix) are installed by the run itself, without dependencies, into folders of their own beside this 0.8.5
 #: (attnres_conformance.ports.compliance.PORTS holds the pins and the expected verdicts).
 PORTS_INSTALL = (TORCH, TRITON, "packaging", "flash-linear-attention==0.6.0", "fla-core==0.6.0",
-                 "attn-res==0.1.0", "liger-kernel==0.8.4", MLX, MLX_LM)
+                 "attn-res==0.1.0", "liger-kernel==0.8.5", MLX, MLX_LM)
 
 
 @nox.session(name="ports", tags=["tests"])
 def ports(session: nox.Session) -> None:
-    """The public ports (FLA, attn-res, Liger-kernel 0.8.3 and 0.8.4, mlx-lm's Kimi K3) from their pinned releases:
+    """The public ports (FLA, attn-res, Liger-kernel 0.8.3, 0.8.4 and 0.8.5, mlx-lm's Kimi K3) from their pinned releases:
     the suite on each, each verdict against the expected one, and docs/ports.md against this run's
     table (`nox -s ports -- --write` rewrites it).  Reports go to reports/ports/."""
     _install(session, "numpy", extra=PORTS_INSTALL)

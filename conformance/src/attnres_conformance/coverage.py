@@ -78,15 +78,22 @@ def coverage(results: Sequence, caps: dict) -> Dict[str, Dict[str, int]]:
         family = out[family_of(r.row)]
         family["total"] += 1
         family["run"] += r.forward.status != "skip"
+        family["xfail"] = family.get("xfail", 0) + (r.status == "xfail")
         if r.gradient is not None:
             out[GRADIENTS]["total"] += 1
             out[GRADIENTS]["run"] += r.gradient.status != "skip"
+            out[GRADIENTS]["xfail"] = out[GRADIENTS].get("xfail", 0) + (r.gradient.status == "xfail")
     return {k: v for k, v in out.items() if v["total"] or k in CORE}
 
 
+def _checked(result) -> bool:
+    """Whether the case ran and was judged by the spec: not skipped, not a declared xfail."""
+    return result.forward.status not in ("skip", "xfail") and result.status != "xfail"
+
+
 def largest_n(results: Sequence) -> int:
-    """The largest N among the op cases that ran (0 when none)."""
-    ns = [int(m.group(1)) for r in results if r.forward.status != "skip" and r.kind in ("op", "mixed_dtype")
+    """The largest N among the op cases that ran and were judged (0 when none; xfails do not count)."""
+    ns = [int(m.group(1)) for r in results if _checked(r) and r.kind in ("op", "mixed_dtype")
           for m in [_N.search(r.id)] if m]
     return max(ns, default=0)
 
@@ -103,8 +110,11 @@ def gaps(results: Sequence, caps: dict, subset: bool) -> List[str]:
     for name in CORE:
         if name == GRADIENTS and not caps.get("backward", True):
             continue
-        if cov.get(name, {"run": 0})["run"] == 0:
+        family = cov.get(name, {"run": 0})
+        if family["run"] == 0:
             missing.append(f"no {name} case ran")
+        elif family["run"] == family.get("xfail", 0):
+            missing.append(f"every {name} case that ran is a declared expected failure")
     n = largest_n(results)
     for threshold in N_PAST:
         if n < threshold:
@@ -114,5 +124,6 @@ def gaps(results: Sequence, caps: dict, subset: bool) -> List[str]:
 
 def coverage_text(results: Sequence, caps: dict) -> str:
     cov = coverage(results, caps)
-    parts = [f"{name} {v['run']}/{v['total']}" for name, v in cov.items()]
+    parts = [f"{name} {v['run']}/{v['total']}" + (f" ({v['xfail']} xfail)" if v.get("xfail") else "")
+             for name, v in cov.items()]
     return ", ".join(parts) + f"; largest N run {largest_n(results)}"

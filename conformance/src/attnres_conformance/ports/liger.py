@@ -1,7 +1,9 @@
 """Liger-kernel's `liger_kernel.ops.attn_res.LigerAttnResFunction` (Triton) on `adapters.torch.TorchAdapter`.
 
-    pip install liger-kernel==0.8.4 triton packaging
-    TRITON_INTERPRET=1 attnres-conformance --backend attnres_conformance.ports.liger:backend --dtype float32
+    pip install liger-kernel==0.8.5 triton packaging
+    python -m attnres_conformance.ports.liger > liger-skips.txt
+    TRITON_INTERPRET=1 attnres-conformance --backend attnres_conformance.ports.liger:backend \
+        --quick --dtype float32 --dtype float16 --skips liger-skips.txt
 
 On a CUDA device the kernels run as compiled; elsewhere only under Triton's interpreter
 (`TRITON_INTERPRET=1`, set before Triton is imported: `environment()` declares it, so every
@@ -12,6 +14,16 @@ and passes a gain of ones for a gainless case.  Declared: float32 and float16 (t
 in float32, so float64 is not declared; bfloat16 is not testable under the interpreter, whose
 bf16 arithmetic on CPUs is wrong, so it is left out on CPU only), one static query, stacked
 sources, no lse / weights, no argument checks (`validates_inputs=False`).
+
+Two deviations from the spec are declared as expected failures (`SKIPS`, xfail lines: each case
+still runs, and one that passes is an XPASS, so a release that fixes them is noticed; the verdict
+reads "PASS with N declared expected failures", never a plain PASS):
+
+- C10.2: the normalized key is rounded to the gain's dtype before the gain product
+  (`(v * rstd).to(w_norm.dtype) * w_norm`, the convention of transformers' LlamaRMSNorm), so a
+  float16 call carries a float16 key; the spec keeps every intermediate in float32.
+- C10.6: the key norm's backward forms `rstd³`, which underflows float32 once |x| >= ~1e13, and
+  the forward's Σx² overflows float32 at |x| ~ 1e20.
 
 Interpreted calls are slow (seconds at N = 33 and 130): on CPU the compliance table runs the quick
 grid in float32 and float16 (`compliance.PORTS`); on CUDA run the whole suite.
@@ -29,7 +41,13 @@ from ..adapters.torch import TorchAdapter
 from ..backend import Capabilities
 
 PACKAGE = "liger-kernel"
-SKIPS = ""
+#: The port's declared deviations (xfail: run, expected to fail, an XPASS when one passes).
+SKIPS = """\
+xfail depth_attention/base/N5-T3-D16/float16  # C10.2: the normalized key is rounded to float16 (the gain's dtype) before the gain product; this case exceeds the float16 bound (1e-3) by it
+xfail depth_attention/large_magnitude/*-x1e+15/float32  # C10.6: the key norm's backward forms rstd**3, which underflows float32 at |x| >= ~1e13
+xfail depth_attention/large_magnitude/*-x1e+20/float32  # C10.6: sum(x**2) overflows float32 at |x| ~ 1e20 (no rescaled second pass)
+xfail depth_attention/large_magnitude/*-x1e+30/float32  # C10.6: sum(x**2) overflows float32 (no rescaled second pass)
+"""
 
 
 def _interpreted() -> bool:
@@ -75,3 +93,7 @@ class Liger(TorchAdapter):
 
 
 backend = Liger()
+
+
+if __name__ == "__main__":
+    print(SKIPS, end="")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import os
 
 import numpy as np
 import pytest
 import torch
+from attnres_core import checkpoint
 from attnres_core.config import ResidualConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,6 +24,7 @@ transformers = pytest.importorskip("transformers", reason="the HF stack is insta
 
 from attnres_torch import DepthRouter, hf  # noqa: E402
 from attnres_torch.memory import Offload, Recompute, SavedBytes  # noqa: E402
+from huggingface_hub.errors import StrictDataclassFieldValidationError  # noqa: E402
 
 VOCAB, T = 64, 6
 
@@ -242,7 +245,7 @@ def test_hf_gradient_checkpointing_recomputes_the_sublayers_and_keeps_the_gradie
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_save_pretrained_round_trip_is_bitwise_and_the_plain_class_drops_the_rows(family, tmp_path):
+def test_save_pretrained_round_trip_is_bitwise_and_the_plain_class_refuses_it(family, tmp_path):
     model = _model(family)
     cls, _ = _config(family)
     hf.convert(model, SCHEMES["block"])
@@ -253,10 +256,19 @@ def test_save_pretrained_round_trip_is_bitwise_and_the_plain_class_drops_the_row
     with torch.no_grad():
         want = model(ids).logits
         assert torch.equal(loaded(ids).logits, want)
-        plain = cls.from_pretrained(str(tmp_path)).eval()
-        assert not torch.equal(plain(ids).logits, want)
+    # The family's own class reads config.json whatever its model_type: the guard stops it before
+    # any weight is read (it would build the PreNorm model and drop the rows with a warning).
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["use_cache"] == checkpoint.GUARD_TEXT
+    assert saved["attnres"]["guard"] == {"field": "use_cache", "value": True}
+    with pytest.raises(StrictDataclassFieldValidationError, match="use_cache.*Attention Residuals checkpoint"):
+        cls.from_pretrained(str(tmp_path))
+    assert loaded.config.use_cache is True and "guard" not in loaded.config.attnres
+    assert loaded.generation_config.use_cache is True
     assert model.config.attnres["config"]["kind"] == "block"
-    plain.save_pretrained(tmp_path / "plain")  # its config still names the scheme, its rows are gone
+    # a config that names the scheme with the rows gone
+    model.save_pretrained(tmp_path / "plain", state_dict={k: v for k, v in model.state_dict().items()
+                                                          if "attnres" not in k})
     with pytest.raises(ValueError, match="lacks 14 AttnRes tensors"):
         hf.from_pretrained(cls, str(tmp_path / "plain"))
     _model(family).save_pretrained(tmp_path / "prenorm")

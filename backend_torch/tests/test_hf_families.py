@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import re
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -193,6 +195,22 @@ def _cached_step(model, ids) -> float:
     return float((full.double() - step.double()).abs().max())
 
 
+def _plain_class_check(model, family: str) -> str:
+    """Whether the family's own config class refuses the config.json a converted model saves
+    (the guard of attnres_core.checkpoint): `XForCausalLM.from_pretrained(path)` reads it with
+    that class whatever model_type says, and would otherwise build the PreNorm model."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "config.json")
+        model.config.to_json_file(path)
+        with open(path) as f:
+            data = json.load(f)
+    try:
+        CONFIG_MAPPING[family].from_dict(data)
+    except Exception as e:  # noqa: BLE001 - any loud failure will do; the text is checked
+        return "plain class refused" if "Attention Residuals checkpoint" in str(e) else "PLAIN CLASS REFUSAL UNCLEAR"
+    return "PLAIN CLASS LOADS IT"
+
+
 def walk_family(family: str) -> dict:
     """One row of the table: status ('converts', 'refused', 'not walked', 'ERROR'), form or
     reason, the verify=False reading, what was verified, the mix=0 difference class."""
@@ -248,6 +266,7 @@ def walk_family(family: str) -> dict:
             else:
                 checks.append("no cache check (the unconverted model's cached step "
                               f"{'fails' if plain_gap is None else 'differs'})")
+        checks.append(_plain_class_check(model, family))
         row["verified"] = "; ".join(checks)
         if row["diff"] == "DIFFERS" or any(c.isupper() for c in checks):
             row["status"] = "ERROR"
@@ -276,7 +295,9 @@ Every `model_type` of transformers {version}'s causal-LM Auto mapping, walked wi
 (hidden size 32, 2 layers, vocabulary 64) and random weights. `hf.convert(model,
 ResidualConfig(kind="full"))` either **converts** (then, on a fresh batch of 2 x 7 tokens, the
 converted model at `mix=0` equals the unconverted one bitwise; random AttnRes rows change the
-logits; a cached step equals the full forward to 1e-5 wherever the unconverted model's own does)
+logits; a cached step equals the full forward to 1e-5 wherever the unconverted model's own does;
+the config.json it saves is refused by the family's own config class, *plain class refused*, so
+`XForCausalLM.from_pretrained(path)` cannot load it as the PreNorm model)
 or is **refused** at `convert` with a `ValueError` and the model left as it was. No family
 converts to another function: `convert` itself checks `mix=0` on its probe batch before
 returning (see [What converts](hf-fsdp-autocast.md#what-converts)).

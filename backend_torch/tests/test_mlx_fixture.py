@@ -180,11 +180,13 @@ def test_torch_computes_the_committed_results_from_the_committed_checkpoint(name
     assert margin > MIN_MARGIN
     tol = 2 * expected["float32_error"] + 1e-6
     np.testing.assert_allclose(logits, np.asarray(expected["logits"], np.float32), rtol=0, atol=tol)
-    # the rows are really there and not a plain mean: the same weights as PreNorm differ
-    plain = transformers.LlamaForCausalLM.from_pretrained(str(committed)).eval()
-    with torch.no_grad():
-        prenorm = plain(torch.tensor([PROMPT])).logits[0].numpy()
+    # the rows are really there and not a plain mean: the same weights as PreNorm (mix = 0) differ
+    with torch.no_grad(), hf.residual_inputs(model, mix=0.0):
+        prenorm = model(torch.tensor([PROMPT])).logits[0].numpy()
     assert np.abs(prenorm - logits).max() > 0.1
+    # and the family's own class, which would build that PreNorm model, refuses the directory
+    with pytest.raises(Exception, match="Attention Residuals checkpoint"):
+        transformers.LlamaForCausalLM.from_pretrained(str(committed))
 
 
 @pytest.mark.parametrize("saved", ["mlx_saved", "jax_saved"])
@@ -200,6 +202,9 @@ def test_torch_loads_the_checkpoint_mlx_or_jax_saved_and_computes_their_results(
 
     path = FIXTURE / saved
     expected = json.loads((path / "expected.json").read_text())
+    # the family's own class refuses what the other frameworks saved (the guard they write)
+    with pytest.raises(Exception, match="Attention Residuals checkpoint"):
+        transformers.LlamaForCausalLM.from_pretrained(str(path))
     model = hf.from_pretrained(transformers.LlamaForCausalLM, str(path)).eval()
     logits, tokens, _ = torch_results(model)
     assert tokens == expected["greedy"]

@@ -44,16 +44,15 @@ from typing import Dict, Mapping, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from attnres_core.checkpoint import AUTO_MODEL_TYPE, CONFIG_KEY, guard, unguard
 from attnres_core.config import ResidualConfig
 from flax import nnx
 
 from ._math import HIGHEST
 from .modules import DepthRouter, _stacked
 
-#: The key under which config.json records the scheme (`attnres_torch.hf.CONFIG_KEY`).
-CONFIG_KEY = "attnres"
-#: The `model_type` attnres_torch.hf writes for a converted model (the base type in the record).
-AUTO_MODEL_TYPE = "attnres"
+# CONFIG_KEY, AUTO_MODEL_TYPE and the guard (`guard` / `unguard`): the checkpoint contract all
+# three backends share (`attnres_core.checkpoint`).
 #: The decoder layer's traced form (attnres_torch.hf's "form") and earlier "layout" of a
 #: PreNorm Llama layer: the two sublayers this model runs.
 FORM = [[["input_layernorm", "self_attn"], "self_attn", None],
@@ -236,6 +235,7 @@ class _Config:
     """The Llama hyperparameters of an HF config dict (refusing what LlamaAttnRes does not run)."""
 
     def __init__(self, config: dict, where: str = "config"):
+        config = unguard(config)  # the guarded field's own value (attnres_core.checkpoint)
         get = config.get
         self.vocab_size, self.dim = int(config["vocab_size"]), int(config["hidden_size"])
         self.hidden, self.num_layers = int(config["intermediate_size"]), int(config["num_hidden_layers"])
@@ -506,4 +506,5 @@ def save_hf(model: LlamaAttnRes, path, *, config: Optional[dict] = None) -> None
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     write_safetensors(path / "model.safetensors", weights, metadata={"format": "pt"})
+    config = guard(config)  # LlamaForCausalLM.from_pretrained(path) refuses it (attnres_core.checkpoint)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

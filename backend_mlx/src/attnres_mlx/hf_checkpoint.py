@@ -45,11 +45,13 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
+from attnres_core.checkpoint import AUTO_MODEL_TYPE, CONFIG_KEY, guard, guarded_field, unguard
 from attnres_core.config import ResidualConfig
 from mlx.utils import tree_flatten
 
-#: The key under which config.json records the scheme (`attnres_torch.hf.CONFIG_KEY`).
-CONFIG_KEY = "attnres"
+# CONFIG_KEY, AUTO_MODEL_TYPE and the guard: `attnres_core.checkpoint` (the contract all three
+# backends share).
+
 #: The model file that checkpoints written by `save_hf` name in config.json (mlx-lm's
 #: `model_file`): a plain `mlx_lm.load` refuses them, `trust_remote_code=True` loads them right.
 MODEL_FILE = "attnres_mlx_model.py"
@@ -69,9 +71,6 @@ LAYOUT = ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
 #: sublayers, each a (chain of child calls, sublayer module, residual multiplier) triple.
 FORM = [[["input_layernorm", "self_attn"], "self_attn", None],
         [["post_attention_layernorm", "mlp"], "mlp", None]]
-#: The `model_type` newer `attnres_torch.hf` writes for a converted model (the base type moves
-#: into the record); mlx-lm has no such model type, so a plain `mlx_lm.load` fails loudly.
-AUTO_MODEL_TYPE = "attnres"
 #: mlx-lm model types whose parameter names are the HF checkpoint's (the model's `sanitize` only
 #: drops keys), so `save_hf` can write them back under the same names.
 SAVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -122,8 +121,9 @@ def _form(form) -> list:
 
 def base_config(config: dict) -> dict:
     """The config of the base model: `model_type` "attnres" replaced by the record's base type
-    (mlx-lm picks its model class by it); mlx-lm's `model_file` dropped."""
-    out = {k: v for k, v in config.items() if k != "model_file"}
+    (mlx-lm picks its model class by it); mlx-lm's `model_file` dropped; the guarded field's own
+    value restored (`attnres_core.checkpoint`)."""
+    out = {k: v for k, v in unguard(config).items() if k != "model_file"}
     if out.get("model_type") == AUTO_MODEL_TYPE:
         out["model_type"] = _base_type(out[CONFIG_KEY])
     return out
@@ -372,9 +372,11 @@ def save_hf(model, path, *, config: Optional[dict] = None) -> None:
         weights["model.attnres_router.norm_weights"] = gains
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    out = dict(config)
-    out[CONFIG_KEY] = record
+    field = guarded_field(config)
+    out = unguard(config)
+    out[CONFIG_KEY] = {k: v for k, v in record.items() if k != "guard"}
     out["model_file"] = MODEL_FILE
+    out = guard(out, field)  # LlamaForCausalLM.from_pretrained(path) refuses it (attnres_core.checkpoint)
     mx.eval(weights)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     (path / MODEL_FILE).write_text(MODEL_FILE_TEXT)

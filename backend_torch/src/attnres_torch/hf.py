@@ -60,7 +60,11 @@ token classification and question answering Auto classes: `AutoModelForCausalLM.
 builds the converted model (`AttnRes_<Class>`, a subclass of the family's class that converts
 itself in `__init__` with the recorded form) and loads the rows, bitwise equal to
 `hf.from_pretrained`; a missing row raises.  Without this import (vLLM, other tools) the load
-fails loudly (unknown model type "attnres") instead of returning the PreNorm model.
+fails loudly (unknown model type "attnres") instead of returning the PreNorm model, and the
+family's own class (`LlamaForCausalLM.from_pretrained(path)`, which ignores `model_type`) fails
+on config.json's guard (`attnres_core.checkpoint`: `use_cache`, or `tie_word_embeddings` where
+the family's config declares no `use_cache`, holds a sentence naming the fix; the real value is
+in the record, and the loaders above restore it).
 
 PEFT.  The rows are read through the layers' `attnres` dicts at every pass, so PEFT's
 `modules_to_save` wrappers around them are honoured (the active adapter's copy is read, the
@@ -112,6 +116,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from attnres_core.checkpoint import AUTO_MODEL_TYPE, CONFIG_KEY, GUARD_FIELDS, guard, unguard
 from attnres_core.config import ResidualConfig
 from torch import nn
 
@@ -126,11 +131,9 @@ __all__ = ["convert", "decoder_layers", "find_decoder", "from_pretrained", "is_c
 #: random weights); docs/hf-families.md lists every family the support walk converts or refuses.
 TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
-#: The key under which `config.json` records the scheme.
-CONFIG_KEY = "attnres"
-#: The `model_type` that `save_pretrained` writes for a converted model (registered with the
-#: transformers Auto classes when this module is imported).
-AUTO_MODEL_TYPE = "attnres"
+# CONFIG_KEY: the key under which `config.json` records the scheme; AUTO_MODEL_TYPE: the
+# `model_type` that `save_pretrained` writes for a converted model (registered with the
+# transformers Auto classes when this module is imported); the guard: `attnres_core.checkpoint`.
 
 _STATE_ATTR = "_attnres_state"
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
@@ -1088,8 +1091,25 @@ def _config_class(base: type) -> type:
                 out["model_type"] = AUTO_MODEL_TYPE
             return out
 
+        def to_json_file(self, json_file_path, use_diff: bool = True):
+            """config.json with the guard (`attnres_core.checkpoint`): the family's own class
+            refuses the directory instead of loading it as the PreNorm model.  Only the file:
+            `to_dict` (which generation configs read) keeps the real `use_cache`."""
+            data = json.loads(self.to_json_string(use_diff=use_diff))
+            if isinstance(data.get(CONFIG_KEY), dict):
+                declared = getattr(base, "__dataclass_fields__", {})
+                field = next((f for f in GUARD_FIELDS if f in declared), GUARD_FIELDS[0])
+                data = guard(data, field, getattr(self, field, None))
+            with open(json_file_path, "w", encoding="utf-8") as f:
+                f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+        @classmethod
+        def from_dict(cls, config_dict, **kwargs):
+            return base.from_dict.__func__(cls, unguard(config_dict), **kwargs)
+
         _DYNAMIC[key] = type(f"{_PREFIX}{base.__name__}", (base,), {
-            "to_dict": to_dict, "__module__": __name__, "_attnres_base_type": base.model_type,
+            "to_dict": to_dict, "to_json_file": to_json_file, "from_dict": from_dict,
+            "__module__": __name__, "_attnres_base_type": base.model_type,
             "__doc__": f"{base.__name__} of a model converted by attnres_torch.hf."})
     return _DYNAMIC[key]
 
@@ -1248,8 +1268,8 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     from a converted model: the model is built converted (the scheme and the form recorded in
     config.json) and loads its AttnRes rows with the base weights (every one must be there).
     Equal, bitwise, to `AutoModelForCausalLM.from_pretrained(path)` (and the other registered
-    Auto classes).  The class-specific `LlamaForCausalLM.from_pretrained(path)` itself builds the
-    PreNorm model (transformers warns about the model type and the unexpected keys)."""
+    Auto classes).  The class-specific `LlamaForCausalLM.from_pretrained(path)` refuses the
+    directory (the guard of `attnres_core.checkpoint`: a config.json field says what it is)."""
     if not os.path.isdir(path):
         raise ValueError(f"path: expected a local directory written by save_pretrained, got {path!r}")
     with open(os.path.join(path, "config.json")) as f:

@@ -165,3 +165,23 @@ def test_cli_finds_an_adapter_module_in_the_current_directory(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "verdict: PASS" in proc.stdout
+
+
+@pytest.mark.parametrize("options, outputs", [(frozenset(), ("out", "out_normed")),
+                                              (frozenset({"out_norm"}), ("out_normed",))])
+def test_cotangent_rows_run_without_a_fused_norm_the_port_lacks_or_hides_out_behind(options, outputs):
+    """The bad-cotangent rows of 'out' and 'lse' carry the fused norm as an extra: a port without
+    the option, or whose fused norm returns out_normed alone (FLA's), runs them without it
+    (adapted, not skipped); the out_normed row stays the norm's, skipped where it is undeclared."""
+    port = MinimalPort()
+    port.caps = dataclasses.replace(MINIMAL, options=options | {"lse"}, out_norm_outputs=outputs)
+    report = run_conformance(port, select=["cotangents/depth_attention/"], dtypes=F64)
+    by_output = {}
+    for r in report.results:
+        by_output.setdefault(r.id.split("/")[2].split("-")[0], []).append(r)
+    adapted = ("out", "lse") if "out_norm" not in options else ("out",)  # lse exists beside out_normed
+    for output in ("out", "lse"):
+        assert all(r.status == "pass" and any("without out_norm" in a for a in r.adapted) == (output in adapted)
+                   for r in by_output[output]), report.to_text()
+    normed = by_output["out_normed"]
+    assert all(r.status == ("pass" if "out_norm" in options else "skip") for r in normed), report.to_text()

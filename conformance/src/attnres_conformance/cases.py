@@ -294,6 +294,16 @@ def fit(case: Case, caps: Optional[Capabilities]) -> Case:
             if kw.get(knob) and knob not in caps.options and knob not in point:
                 kw[knob] = False
                 notes.append(f"without {knob} (option not declared)")
+        if case.kind == "cotangent" and kw.get("out_norm") and "out_norm" not in point:
+            # the fused norm is an extra of the 'out' / 'lse' rows: dropped where the port has
+            # none, or where its norm returns out_normed alone (then no 'out' takes a cotangent)
+            if "out_norm" not in caps.options:
+                kw["out_norm"] = False
+                notes.append("without out_norm (option not declared)")
+            elif tuple(caps.out_norm_outputs) == ("out_normed",) and case.spec.get("output") == "out":
+                kw["out_norm"] = False
+                notes.append("without out_norm (declared out_norm_outputs: out_normed only, so 'out' "
+                             "takes a cotangent only without the norm)")
     if builder == "merge" and kw.get("lse", True) and not caps.merge_lse and "lse" not in point:
         kw["lse"] = False
         notes.append("merge without lse (declared merge_lse=False)")
@@ -1016,8 +1026,9 @@ def _cotangent_cases(dtypes) -> List[Case]:
         for op, builder, kwargs, outputs in COTANGENT_BASES:
             for output in outputs:
                 for variant in COTANGENT_VARIANTS:
+                    point = {"lse": ("lse",), "out_normed": ("out_norm",)}.get(output, ())
                     spec = dict(builder=builder, kwargs=dict(kwargs), output=output, variant=variant,
-                                point=("lse",) if output == "lse" else (), strided=False)
+                                point=point, strided=False)
                     cases.append(Case(f"cotangents/{op}/{output}-{variant}/{dtype}", "cotangent", dtype, spec,
                                       True))
     return cases

@@ -30,7 +30,6 @@ SKIPS = """\
 depth_attention/out_norm/*out_norm_eps*  # the fused output norm has no eps of its own: rms_eps serves both norms
 *outnorm_eps*  # (the same, in the covering arrays and the forward-only rows)
 *outnormeps*  # (the same, in the golden vectors)
-cotangents/depth_attention/out-*  # with the fused norm it returns out_normed only: no 'out' takes a cotangent
 """
 
 

@@ -176,6 +176,7 @@ def test_jobs_runs_backends_in_separate_processes_and_merges(tmp_path):
     assert run.returncode == 1, run.stdout + run.stderr
     assert "attnres-conformance: numpy: done in" in run.stderr
     assert "attnres-conformance: adapters:broken_norm_weight_grad: done in" in run.stderr
+    assert "attnres-conformance: 2/2 runs done (" in run.stderr  # the overall progress
     assert f"FAILED {case}" in run.stdout and "attnres conformance summary (2 backends, " in run.stdout
     data = json.loads((tmp_path / "r.json").read_text())
     assert [r["spec"] for r in data["reports"]] == ["numpy", "adapters:broken_norm_weight_grad"]

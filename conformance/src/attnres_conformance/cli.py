@@ -271,10 +271,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _parallel(specs, argv, args)
     reports: List[Report] = []
     start = time.monotonic()
-    for spec in specs:
+    for number, spec in enumerate(specs, 1):
         try:
             backend = load_backend(spec)
             part = "" if args.shard is None else f" [shard {args.shard[0]}/{args.shard[1]}]"
+            part += f" (backend {number}/{len(specs)})" if len(specs) > 1 else ""
             meter = None if args.no_progress else Progress(spec + part)
             report = run_conformance(backend, dtypes=dtypes, devices=args.device, quick=args.quick,
                                      skips=args.skips, case_ids=args.case, select=args.select, spec=spec,

@@ -2,9 +2,10 @@
 each in its own process.
 
 Each backend runs as `python -m attnres_conformance --backend NAME --json FILE <the other
-options>`, with `--shard i/K` for its i-th part when it is split; its progress lines (stderr) pass straight through, each prefixed with its backend's
-name, and its stdout is kept for when it fails to produce a report.  The CLI then merges the JSON
-reports into one (`--merge`).  Processes, not threads: the frameworks keep global state (JAX's
+options>`, with `--shard i/K` for its i-th part when it is split; its progress lines (stderr)
+pass straight through, each prefixed with its backend's name, and its stdout is kept for when it
+fails to produce a report; a line says each time a run ends ("3/8 runs done").  The CLI then
+merges the JSON reports into one (`--merge`).  Processes, not threads: the frameworks keep global state (JAX's
 compilation cache, torch's thread pool) and a crash in one must not take the others down.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +61,14 @@ def run_children(specs: Sequence[str], argv: Sequence[str], jobs: int, workdir: 
         split = ["--shard", f"{part}/{shards}"] if shards > 1 else []
         run = subprocess.run([sys.executable, "-m", "attnres_conformance", "--backend", spec, "--json", str(report),
                               *split, *rest], stdout=subprocess.PIPE, text=True)
+        with lock:
+            finished.append(spec)
+            part_text = f" shard {part + 1}/{shards}" if shards > 1 else ""
+            print(f"attnres-conformance: {len(finished)}/{len(work)} runs done ({spec}{part_text}, "
+                  f"exit {run.returncode}) after {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
         return ChildRun(spec, part, run.returncode, report, run.stdout)
 
+    finished: List[str] = []
+    lock, start = threading.Lock(), time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(one, enumerate(work)))

@@ -406,3 +406,21 @@ def test_converters_round_trip_and_equal_the_reference(init):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match=r"params\['queries'\]: expected shape"):
         T.load_into(router, {"queries": np.zeros((3, D)), "norm_weights": np.zeros((2 * n + 1, D))})
+
+
+def test_a_compiled_step_is_refused_with_the_fix_not_recorded_empty():
+    """mx.compile traces the observer once (placeholder arrays) and then replays the graph
+    without calling it: the record refuses both, naming the fix, instead of a cryptic eval error
+    or an entry with no rows; the eager step still records."""
+    cfg, params, w, emb = _probe("full")
+    model = _Model(cfg, params, w)
+    monitor = T.DepthMonitor(model.router)
+    step = mx.compile(lambda e: model(e, monitor.observer))
+    for n in range(3):  # the trace, then the replays
+        with pytest.raises(RuntimeError, match=r"mx\.compile.*run the steps you record eagerly"):
+            with monitor.record(n):
+                mx.eval(step(mx.array(emb)))
+    assert monitor.history == [] and not monitor.recording
+    with monitor.record(3):
+        model(mx.array(emb), monitor.observer)
+    assert len(monitor.history) == 1 and len(monitor.history[0]["rows"]) == L + 1

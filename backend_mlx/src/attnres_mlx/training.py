@@ -10,7 +10,8 @@ same code torch and JAX call); this module evaluates it on `mlx.core` and adds t
   array, so they compose with `mlx.optimizers.join_schedules` and trace.  Pass the value as the
   router's `mix=` / `scale=`.
 * `DepthMonitor(router, on_collapse=...)`: pass `monitor.observer` as the router's `observer=`
-  and run the step inside `with monitor.record(step):` (eagerly, not under `mx.compile`).  While
+  and run the step inside `with monitor.record(step):` (eagerly: a step under `mx.compile` is
+  refused with that fix, never recorded empty).  While
   it records, the observer asks the router's ops for each row's depth weights with its output
   (`MlxOps.depth_attention(..., return_weights=True)`, fused reads included) and takes them
   outside the gradient: the pass's own query (static or input-dependent, M6), keys (low-rank
@@ -161,6 +162,13 @@ def _rms(x: mx.array) -> mx.array:
     return mx.sqrt(mx.mean(x * x))
 
 
+#: What to do when a recorded step is compiled: the observer is a Python side effect, which
+#: `mx.compile` traces once (its arrays are placeholders) and then replays without calling it.
+_COMPILED_FIX = ("A step compiled with mx.compile cannot be monitored: run the steps you record "
+                 "eagerly (e.g. every 100th: `with monitor.record(step): loss = step_fn(...)` with the "
+                 "uncompiled function) and the others compiled.")
+
+
 class _MonitorObserver(ScheduleObserver):
     """The monitor's `ScheduleObserver`: while its monitor records, each row's weight statistics
     from the weights the router's ops returned with the row's output, and each sublayer's input /
@@ -234,7 +242,16 @@ class DepthMonitor(core.DepthMonitorBase):
         try:
             yield
             rows, subs = self._pending_rows, self._pending_sublayers
-            mx.eval([s for _, _, s in rows], [(h, v) for _, h, v in subs])
+            if not rows and not subs:
+                raise RuntimeError(f"DepthMonitor.record({step}): no pass ran with observer=monitor.observer "
+                                   f"inside the record. {_COMPILED_FIX}")
+            try:
+                mx.eval([s for _, _, s in rows], [(h, v) for _, h, v in subs])
+            except RuntimeError as exc:
+                if "without a primitive" not in str(exc):
+                    raise
+                raise RuntimeError(f"DepthMonitor.record({step}): the pass ran under mx.compile, whose "
+                                   f"traced arrays the observer cannot keep. {_COMPILED_FIX}") from None
             for row, labels, (mean, entropy, max_weight) in rows:
                 self.add_row(row, labels, {"mean_weights": mean.tolist(), "entropy": entropy.item(),
                                            "max_weight": max_weight.item()})

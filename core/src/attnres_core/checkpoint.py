@@ -54,16 +54,16 @@ def unguard(config: Dict[str, Any]) -> Dict[str, Any]:
     """A copy of config.json's dict with the guarded field's own value back in place (the same
     dict's copy when it carries no guard: a checkpoint saved before the guard).  A field whose
     value is `None` in the record (the family's default) is dropped."""
-    record = config.get(CONFIG_KEY)
-    entry = record.get("guard") if isinstance(record, dict) else None
-    if not isinstance(entry, dict) or config.get(entry.get("field")) != GUARD_TEXT:
+    field = guarded_field(config)
+    if field is None:
         return dict(config)
-    record = {k: v for k, v in record.items() if k != "guard"}
+    record = {k: v for k, v in config[CONFIG_KEY].items() if k != "guard"}
+    value = config[CONFIG_KEY]["guard"].get("value")
     out = dict(config, **{CONFIG_KEY: record})
-    if entry.get("value") is None:
-        del out[entry["field"]]
+    if value is None:
+        del out[field]
     else:
-        out[entry["field"]] = entry["value"]
+        out[field] = value
     return out
 
 

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..coverage import coverage_text
 from ..rules import hint, rule_of
-from ..runner import Report
+from ..runner import Report, parse_skips
 
 
 @dataclass(frozen=True)
@@ -281,13 +281,9 @@ def design_choices(port: Port, report: Report) -> List[str]:
         out.append("no argument checks")
     if report.environment:
         out.append("env " + " ".join(f"{k}={v}" for k, v in sorted(report.environment.items())))
-    for line in skips_of(port).splitlines():
-        rule, _, why = line.partition("#")
-        words = rule.split()
-        if words and words[0] == "xfail":
-            out.append(f"expected failure `{words[1]}` ({why.strip()})")
-        elif words:
-            out.append(f"skips `{words[-1]}` ({why.strip()})")
+    for rule in parse_skips(skips_of(port), f"{port.module}.SKIPS"):
+        label = "expected failure" if rule.mode == "xfail" else "skips"
+        out.append(f"{label} `{rule.prefix}` ({rule.reason})")
     return out
 
 
@@ -324,7 +320,7 @@ def render(reports: Dict[str, Report]) -> str:
             "pass, within " + _e(max((c.err for r in every for c in r.cells if c.err is not None), default=None))
         failed = "; ".join([f"{rule} ({len(rs)}, {_e(worst(rs))})" for rule, rs in rules.items()]
                            + [f"{rule} (unstable)" for rule, _ in port.unstable]) or "none"
-        declared = sum(1 for r in report.results if r.status == "xfail")
+        declared = report.case_summary()["xfail"]
         failed += f"; declared expected failures: {declared}" if declared else ""
         gaps = sum(1 for r in report.results if r.status == "gap")
         lines.append(f"| [{port.title}]({port.home}) | {port.package} {port.version} | `{port.module}` | "

@@ -177,6 +177,10 @@ def docs(session: nox.Session) -> None:
     site = Path(session.virtualenv.location, "site")
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site), *session.posargs,
                 env={"NO_MKDOCS_2_WARNING": "1"})
+    if "--site-dir" not in session.posargs:
+        session.log(f"site built in {site}: open {site / 'index.html'}, or serve it with "
+                    f"`python -m http.server -d {site}` and browse http://localhost:8000 "
+                    "(`mkdocs serve` rebuilds it as you edit)")
 
 
 @nox.session(name="vectors")

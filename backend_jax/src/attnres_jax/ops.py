@@ -135,10 +135,16 @@ def depth_attention_multi(sources: Sources, queries, norm_weights=None, *, eps: 
                           scale: float = 1.0, impl: Optional[str] = None):
     """Phase 1 of the two-phase schedule (spec 3.1): S pseudo-queries over N sources.
 
-    Args: sources `N x [..., D]` or `[N, ..., D]`; queries `[S, D]`; norm_weights `[S, D]` or None;
-      impl as in `depth_attention`.
-    Returns: (out `[S, ..., D]` in the sources' dtype, lse `[S, ...]` in the compute dtype);
-      row s equals `depth_attention(sources, queries[s], norm_weights[s], return_lse=True)`.
+    Args:
+      sources: `N x [..., D]` or `[N, ..., D]`.
+      queries: `[S, D]`.
+      norm_weights: `[S, D]` or None.
+      eps, scale: spec options.
+      impl: as in `depth_attention`.
+
+    Returns:
+      (out `[S, ..., D]` in the sources' dtype, lse `[S, ...]` in the compute dtype); row s
+      equals `depth_attention(sources, queries[s], norm_weights[s], return_lse=True)`.
     """
     sources, shapes, dtypes, stacked = canonical_sources(sources)
     queries, norm_weights = as_array(queries, "queries"), optional(norm_weights)
@@ -155,10 +161,19 @@ def merge_partial(out1, lse1, partial, query, norm_weight=None, *, eps: float = 
                   scale: float = 1.0, return_lse: bool = False, impl: Optional[str] = None):
     """Phase 2 (spec 3.2): online-softmax merge of phase 1 with the intra-block partial sum.
 
-    Args: out1 `[..., D]` and lse1 `[...]` from phase 1 for this query; partial `[..., D]`;
-      query `[D]` or `[..., D]`; norm_weight `[D]` or None; impl as in `depth_attention`.
-    Returns: out `[..., D]` in partial's dtype (and lse `[...]` in the compute dtype if
-      return_lse), equal to `depth_attention(phase1_sources + [partial], query, norm_weight)`.
+    Args:
+      out1: phase 1's output `[..., D]` for this query.
+      lse1: phase 1's lse `[...]`.
+      partial: the intra-block partial sum `[..., D]`.
+      query: `[D]` or `[..., D]`.
+      norm_weight: the key norm's gain `[D]` or None.
+      eps, scale: spec options.
+      return_lse: also return the merged lse.
+      impl: as in `depth_attention`.
+
+    Returns:
+      out `[..., D]` in partial's dtype (and lse `[...]` in the compute dtype if return_lse),
+      equal to `depth_attention(phase1_sources + [partial], query, norm_weight)`.
     """
     out1, lse1, partial, query = (as_array(a, name) for a, name in zip((out1, lse1, partial, query),
                                                                        ("out1", "lse1", "partial", "query")))

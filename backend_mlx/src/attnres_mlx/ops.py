@@ -189,7 +189,8 @@ def depth_attention(sources: Sources, query: mx.array, norm_weight: Optional[mx.
       inv_rms: optional list with one entry per source, None or that source's inverse RMS
         `[..., H]` (from `inverse_rms`) to reuse instead of recomputing it (key_norm only); for
         stacked sources also one stacked array `[N, ..., H]`, every source's inverse RMS.
-    Returns out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)`.
+    Returns:
+      out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)`.
     """
     shapes, dtypes, stacked = _source_meta(sources)
     q_shape, q_dtype = _meta("query", query)
@@ -230,9 +231,15 @@ def depth_attention_multi(sources: Sources, queries: mx.array,
                           scale: float = 1.0, inv_rms=None):
     """Phase 1 of the two-phase schedule (spec 3.1): S pseudo-queries over N sources.
 
-    Args: sources `N x [..., D]` or `[N, ..., D]`; queries `[S, D]`; norm_weights `[S, D]` or
-      None; inv_rms: as in `depth_attention` (entries `[..., 1]`).
-    Returns (out `[S, ..., D]` in the sources' dtype, lse `[S, ...]` in the compute dtype).
+    Args:
+      sources: `N x [..., D]` or `[N, ..., D]`.
+      queries: `[S, D]`.
+      norm_weights: `[S, D]` or None.
+      eps, scale: spec options.
+      inv_rms: as in `depth_attention` (entries `[..., 1]`).
+
+    Returns:
+      (out `[S, ..., D]` in the sources' dtype, lse `[S, ...]` in the compute dtype).
     """
     shapes, dtypes, stacked = _source_meta(sources)
     q_shape, q_dtype = _meta("queries", queries)
@@ -271,10 +278,20 @@ def _merge_fn(eps: float, scale: float, impl: Implementation):
 def merge_partial(out1: mx.array, lse1: mx.array, partial: mx.array, query: mx.array,
                   norm_weight: Optional[mx.array] = None, *, eps: float = 1e-6,
                   scale: float = 1.0, return_lse: bool = False):
-    """Phase 2 (spec 3.2): merge phase-1 `(out1 [..., D], lse1 [...])` with `partial [..., D]`.
+    """Phase 2 (spec 3.2): merge phase 1 with the intra-block partial sum.
 
-    query `[D]` or `[..., D]`; norm_weight `[D]` or None.  Returns out `[..., D]` (partial's
-    dtype) and, with return_lse, the merged lse `[...]` (compute dtype).
+    Args:
+      out1: phase 1's output `[..., D]` for this query.
+      lse1: phase 1's lse `[...]`.
+      partial: the intra-block partial sum `[..., D]`.
+      query: `[D]` or `[..., D]`.
+      norm_weight: the key norm's gain `[D]` or None.
+      eps, scale: spec options.
+      return_lse: also return the merged lse.
+
+    Returns:
+      out `[..., D]` in partial's dtype and, with return_lse, the merged lse `[...]` (compute
+      dtype).
     """
     for name, a in (("out1", out1), ("lse1", lse1), ("partial", partial), ("query", query)):
         _require_array(name, a)  # None included: a TypeError naming it (norm_weight may be None)

@@ -74,7 +74,8 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
         forward).  Values and gradients are the same, bitwise; the composition (float64, heads,
         sigmoid, no key norm) saves what torch autograd saves.
 
-    Returns out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)`.
+    Returns:
+      out `[..., D]` in the sources' dtype, or `(out, out_normed?, lse?, weights?)`.
     """
     options = (eps, type(eps), scale, type(scale), num_heads, type(num_heads), activation,
                type(activation), key_norm, type(key_norm), return_lse, return_weights,
@@ -162,9 +163,15 @@ def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=
     """Phase 1 of the two-phase schedule (spec 3.1): S pseudo-queries over N sources, every
     source read once for all S (softmax, key norm, one head).
 
-    Args: sources N x `[..., D]` or `[N, ..., D]`; queries `[S, D]`; norm_weights `[S, D]` or None;
-    save: as `depth_attention`'s (`out` is `[S, ..., D]` here).
-    Returns (out `[S, ..., D]` in the sources' dtype, lse `[S, ...]` in the compute dtype).
+    Args:
+      sources: N x `[..., D]` or `[N, ..., D]`.
+      queries: `[S, D]`.
+      norm_weights: `[S, D]` or None.
+      eps, scale: spec options.
+      save: as `depth_attention`'s (`out` is `[S, ..., D]` here).
+
+    Returns:
+      (out `[S, ..., D]` in the sources' dtype, lse `[S, ...]` in the compute dtype).
     """
     key = _key("depth_attention_multi", sources, (queries, norm_weights),
                (eps, type(eps), scale, type(scale), save, type(save)))
@@ -216,13 +223,23 @@ def _multi(impl, xs, queries, norm_weights, eps, scale, save):
 def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
                   norm_weight=None, *, eps: float = 1e-6, scale: float = 1.0,
                   return_lse: bool = False):
-    """Phase 2 (spec 3.2): merge phase 1's (out1 `[..., D]`, lse1 `[...]`) with the intra-block
-    partial sum `[..., D]` for query `[D]` | `[..., D]` and gain `[D]` | None.
+    """Phase 2 (spec 3.2): merge phase 1 with the intra-block partial sum.
 
-    Returns out `[..., D]` in partial's dtype (and lse `[...]` in the compute dtype), equal to
-    `depth_attention(phase1_sources + [partial], query, norm_weight)`.  When no gradient is
-    needed a fused kernel serves it (Triton on CUDA, the C kernel on the CPU: one pass over
-    out1 and partial); otherwise, and for float64, the differentiable composition.
+    Args:
+      out1: phase 1's output `[..., D]` for this query.
+      lse1: phase 1's lse `[...]`.
+      partial: the intra-block partial sum `[..., D]`.
+      query: `[D]` or `[..., D]`.
+      norm_weight: the key norm's gain `[D]` or None.
+      eps, scale: spec options.
+      return_lse: also return the merged lse.
+
+    Returns:
+      out `[..., D]` in partial's dtype (and lse `[...]` in the compute dtype), equal to
+      `depth_attention(phase1_sources + [partial], query, norm_weight)`.
+
+    When no gradient is needed a fused kernel serves it (Triton on CUDA, the C kernel on the CPU:
+    one pass over out1 and partial); otherwise, and for float64, the differentiable composition.
     """
     given = (out1, lse1, partial, query, norm_weight)
     key = _key("merge_partial", (out1, lse1, partial), (query, norm_weight),

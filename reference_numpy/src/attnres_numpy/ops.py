@@ -307,8 +307,14 @@ def depth_attention_multi(sources: Sources, queries, norm_weights=None, *, eps: 
                           scale: float = 1.0):
     """Phase 1 of the two-phase schedule (spec section 3.1): S pseudo-queries over N sources.
 
-    Args: sources `N x [..., D]` or `[N, ..., D]`; queries `[S, D]`; norm_weights `[S, D]` or None.
-    Returns: (out `[S, ..., D]`, lse `[S, ...]`), each row equal to
+    Args:
+      sources: `N x [..., D]` or `[N, ..., D]`.
+      queries: `[S, D]`.
+      norm_weights: `[S, D]` or None.
+      eps, scale: spec options.
+
+    Returns:
+      (out `[S, ..., D]`, lse `[S, ...]`), each row equal to
       `depth_attention(sources, queries[s], norm_weights[s], return_lse=True)`.
     """
     queries, nw = _check_multi(sources, queries, norm_weights, eps, scale)
@@ -377,9 +383,17 @@ def merge_partial(out1, lse1, partial, query, norm_weight=None, *, eps: float = 
                   scale: float = 1.0, return_lse: bool = False):
     """Phase 2 (spec section 3.2): online-softmax merge of phase 1 with the intra-block partial sum.
 
-    Args: out1 `[..., D]` and lse1 `[...]` from phase 1 for this query; partial `[..., D]`;
-      query `[D]` or `[..., D]`; norm_weight `[D]` or None.
-    Returns: out `[..., D]` (and lse `[...]` if return_lse), equal to
+    Args:
+      out1: phase 1's output `[..., D]` for this query.
+      lse1: phase 1's lse `[...]`.
+      partial: the intra-block partial sum `[..., D]`.
+      query: `[D]` or `[..., D]`.
+      norm_weight: the key norm's gain `[D]` or None.
+      eps, scale: spec options.
+      return_lse: also return the merged lse.
+
+    Returns:
+      out `[..., D]` (and lse `[...]` if return_lse), equal to
       `depth_attention(phase1_sources + [partial], query, norm_weight)`.
     """
     geo, o1, x, q, g, r, qg, s, z2, l1, w1, w2 = _merge_prepare(out1, lse1, partial, query, norm_weight,

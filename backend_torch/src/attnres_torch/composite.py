@@ -108,13 +108,41 @@ class _LogisticPair(torch.autograd.Function):
         return (g1 - g2) * (w1 * w2)
 
 
+class _MergeLogit(torch.autograd.Function):
+    """z2 = scale r <qg, x> `[...]` for x, qg `[..., D]` (the merge's key-normed logit, spec 3.2),
+    evaluated on x / a like `logits`; backward in the spec's factored form
+    d_x = dz2 (scale (r qg - s r^3 x / D)), d_qg = dz2 (scale r x): the bracket is finite for every
+    finite x, so an infinite dz2 (+Inf in out1, C12) gives +-Inf per element, not the NaN of
+    autograd's two separate paths (Inf - Inf)."""
+
+    @staticmethod
+    def forward(ctx, x, qg, eps, scale):
+        a = _pow2_scale(x)
+        y = x / a
+        rho = torch.rsqrt(y.square().mean(-1) + eps / a[..., 0].square())  # = a r
+        sy = (y * qg).sum(-1)  # = s / a
+        ctx.save_for_backward(y, qg, a, rho, sy)
+        ctx.scale = scale
+        return scale * rho * sy
+
+    @staticmethod
+    def backward(ctx, dz2):
+        y, qg, a, rho, sy = ctx.saved_tensors
+        r = rho.unsqueeze(-1) / a  # r = rho / a; r x = rho y; s r^3 x / D = r (sy rho^2 y / D)
+        f_x = ctx.scale * r * (qg - (sy * rho * rho / y.shape[-1]).unsqueeze(-1) * y)
+        f_q = ctx.scale * rho.unsqueeze(-1) * y
+        d = dz2.unsqueeze(-1)
+        return d * f_x, d * f_q, None, None
+
+
 def merge_partial(out1, lse1, partial, query, norm_weight, *, eps: float, scale: float):
     """Phase 2 (spec 3.2): out = w1 * out1 + w2 * partial, w1 = sigmoid(lse1 - z2),
     w2 = sigmoid(z2 - lse1) (not 1 - w1: a small w2 would lose its bits), lse = logaddexp(lse1,
     z2); out in partial's dtype, lse in the compute dtype."""
     cdtype = torch.float64 if partial.dtype == torch.float64 else torch.float32
-    z2 = logits([partial], query, norm_weight, eps=eps, scale=scale, num_heads=1, key_norm=True,
-                cdtype=cdtype)[0, ..., 0]
+    x = partial.to(cdtype)
+    qg = query.to(cdtype) if norm_weight is None else query.to(cdtype) * norm_weight.to(cdtype)
+    z2 = _MergeLogit.apply(x, qg.expand_as(x), eps, scale)  # C12: the factored backward
     l1 = lse1.to(cdtype)
     w1, w2 = _LogisticPair.apply(l1 - z2)
     out = w1.unsqueeze(-1) * out1.to(cdtype) + w2.unsqueeze(-1) * partial.to(cdtype)

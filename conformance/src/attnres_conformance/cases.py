@@ -564,6 +564,10 @@ def _hole_cases(dtypes) -> List[Case]:
                      dim=16, nonfinite=(("sources", (2, 1, 7), float("nan")),)),
             _op_case(f"{me}/nonfinite", "T3-D16-nan", dtype, "merge", True, tokens=(3,), dim=16,
                      nonfinite=(("partial", (0, 4), float("nan")), ("out1", (2, 9), float("nan")))),
+            # C12: +Inf in out1 makes dz2 infinite with a finite partial: d_partial, d_query are
+            # +-Inf per element (the spec's factored backward), not autograd's Inf - Inf = NaN.
+            _op_case(f"{me}/nonfinite", "T3-D16-out1-inf", dtype, "merge", True, tokens=(3,), dim=16,
+                     lse=True, nonfinite=(("out1", (1, 5), float("inf")),)),
             # C10.4: |z| ~ 50-150 (an fp32 exp overflows past 88 without max subtraction).
             _op_case(f"{da}/large_logits", f"N5-T3-D64-z{z:g}", dtype, "da", True, n=5, tokens=(3,), dim=64,
                      lse=True, weights=True, logit_max=z, override="large_logits"),

@@ -2,13 +2,16 @@
 local gloo world of 2 CPU processes against one process.
 
 The own-model route calls `block.attention` and `block.mlp` through the router's stream and never
-`block.forward`, so `fully_shard(block)` installs its unshard hook where nothing calls it: the
-first forward fails inside the sublayer ("got mixed torch.Tensor and DTensor"). The recipe that
+`block.forward`, so `fully_shard(block)` installs its unshard hook where nothing calls it: torch
+would fail inside the sublayer ("got mixed torch.Tensor and DTensor"); the router's stream refuses
+it first with a ValueError that names the fix. The recipe that
 works shards what the router calls, both sublayers of a block as one FSDP2 group,
 `fully_shard([block.attention, block.mlp])` (one all-gather per block, as `fully_shard(block)`),
 then the root. Its loss, every gradient and a second step after AdamW equal the one-process run."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -55,16 +58,15 @@ def _rank(rank, world, kind):
     from torch.distributed.tensor import DTensor
 
     tokens = _tokens()[2 * rank: 2 * rank + 2]
-    # the plain per-block recipe: the block's hook never runs, the sublayer meets sharded weights
+    # the plain per-block recipe: the block's hook never runs, so the first sublayer would meet
+    # sharded weights; the router's guard refuses it before torch's "mixed torch.Tensor and DTensor"
     naive = _model(kind)
     for block in naive.blocks:
         fully_shard(block)
     fully_shard(naive)
-    try:
+    with pytest.raises(ValueError, match=re.escape("fully_shard([block.attention, block.mlp])")) as e:
         naive(tokens)
-        naive_error = None
-    except RuntimeError as e:
-        naive_error = str(e)
+    naive_error = str(e.value)
     # the recipe that works: one FSDP2 group per block over the sublayers the router calls
     model = _model(kind)
     for block in model.blocks:
@@ -92,7 +94,8 @@ def test_fsdp2_per_block_on_own_model_equals_one_process(kind):
     opt.step()
     seconds = [_loss(model, tokens[2 * r: 2 * r + 2]).item() for r in range(2)]
     for r, (naive_error, sharded, loss, got, second) in enumerate(results):
-        assert naive_error is not None and "mixed torch.Tensor and DTensor" in naive_error
+        assert naive_error.startswith("FSDP2: blocks.0.attention ran outside the forward of its "
+                                      "FSDP2 module 'blocks.0' (DecoderBlock)"), naive_error
         assert sharded
         assert loss == pytest.approx(losses[r], rel=1e-6)
         assert second == pytest.approx(seconds[r], rel=1e-6)

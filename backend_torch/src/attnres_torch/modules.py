@@ -28,7 +28,7 @@ from attnres_core.config import ResidualConfig
 from attnres_core.schedule import ResidualStream, ScheduleObserver
 from torch import nn
 
-from . import library
+from . import _fsdp, library
 from .ops import depth_attention
 from .residual_ops import TorchOps
 
@@ -117,7 +117,13 @@ class DepthRouter(nn.Module):
         mix: M10 progressive introduction, alpha in [0, 1] (None = 1): every input is
           `(1 - alpha) * standard + alpha * attnres`; 0 is exactly the PreNorm baseline.
         scale: M10 logit scale for this pass (a temperature schedule; None = config.scale).
+
+        Under FSDP2 (a process group up), a sublayer called outside the forward of an FSDP2 module
+        whose parameters are still sharded (`fully_shard(block)` on this route) raises a
+        ValueError naming the fix, `fully_shard([block.attention, block.mlp])`.
         """
+        if _fsdp.active():
+            _fsdp.guard(self)
         observer = self.observer
         schedule = self.active_schedule()
         if observer is not None and observer.wants_weights:

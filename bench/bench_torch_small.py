@@ -4,8 +4,8 @@ Per call, in microseconds, for N sources `[1, 1, D]` fp32 with a pseudo-query an
 (`nn.Parameter`s, as a router holds them), under `torch.no_grad()` unless the row says grad:
 
   default             attnres_torch.depth_attention as dispatched (repeated calls take the plan
-                      kept for their signature: `ops.MEMO`, the C kernel's host code directly)
-  previous            the same with `ops.MEMO = False`: every call validates, chooses and runs
+                      kept for their signature: `plans.MEMO`, the C kernel's host code directly)
+  previous            the same with `plans.MEMO = False`: every call validates, chooses and runs
                       through the custom op, the path of every call before plans were kept
   composite           the same call under `dispatch.use_impl("composite")`
   forward_into        `cpu_c.forward_into` on prepared `[T, D]` views, qg and outputs: the C
@@ -13,10 +13,10 @@ Per call, in microseconds, for N sources `[1, 1, D]` fp32 with a pseudo-query an
   C call              the ctypes call of the kernel alone on prepared pointers (the floor)
   grad default        default with grad enabled and the query requiring grad (forward only: the
                       custom op, its autograd node; the plan skips the checks and the choice)
-  grad previous       the same with `ops.MEMO = False`
+  grad previous       the same with `plans.MEMO = False`
   multi / merge       the two-phase decode's calls as dispatched: `depth_attention_multi` with
                       S = 4 queries over the N sources, `merge_partial` of one phase-1 result
-                      with a partial sum (no grad); "... previous" with `ops.MEMO = False`
+                      with a partial sum (no grad); "... previous" with `plans.MEMO = False`
 
 Rows are interleaved: each round times a block of calls of every row in turn, and each ratio
 (previous / default, default / C call) is taken per round and its median reported beside the
@@ -36,7 +36,7 @@ import statistics
 import time
 
 import torch
-from attnres_torch import _rows, cpu_c, dispatch, ops
+from attnres_torch import _rows, cpu_c, dispatch, ops, plans
 
 ROWS = ("default", "previous", "composite", "forward_into", "C call", "grad default",
         "grad previous", "multi", "multi previous", "merge", "merge previous")
@@ -99,7 +99,7 @@ def calls(n: int, d: int) -> dict:
 
 def block(fn, memo: bool, k: int) -> float:
     """Microseconds per call over k calls (after one untimed call)."""
-    ops.MEMO = memo
+    plans.MEMO = memo
     try:
         fn()
         t0 = time.perf_counter()
@@ -107,18 +107,18 @@ def block(fn, memo: bool, k: int) -> float:
             fn()
         return (time.perf_counter() - t0) / k * 1e6
     finally:
-        ops.MEMO = True
+        plans.MEMO = True
 
 
 def check_same_bits(rows: dict) -> None:
     """The default and the previous path give the same bits (and the same impl)."""
     for name in ("default", "multi", "merge"):
         fn = rows[name][0]
-        ops.MEMO = False
+        plans.MEMO = False
         try:
             before, impl = fn(), dispatch.last_impl()
         finally:
-            ops.MEMO = True
+            plans.MEMO = True
         fn()
         after = fn()
         before, after = ((before,), (after,)) if torch.is_tensor(before) else (before, after)

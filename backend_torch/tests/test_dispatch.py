@@ -176,10 +176,10 @@ def _trace(fn, kernels) -> tuple:
 
 @pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
 def test_public_call_reaches_the_kernel_through_at_most_three_files(impl):
-    """ops.py -> (dispatch.py returns the module) -> the implementation module: on the stack at
-    the kernel, ops.py and the implementation only; dispatch.py is entered on the way; no file
-    appears twice on any stack (nothing calls back into a file it came from).  The backward:
-    library.py's autograd formula -> the implementation's backward op."""
+    """ops.py (the checks) -> dispatch.py (the choice, then the run) -> the implementation
+    module: on the stack at the kernel, those three files; no file appears twice on any stack
+    (nothing calls back into a file it came from).  The backward: library.py's autograd formula
+    -> the implementation's backward op."""
     if impl == "cpu_c" and not cpu_c.available():
         pytest.skip(f"no C kernel: {cpu_c.unavailable_reason()}")
     module = {"cpu_c": cpu_c, "chunked": chunked}[impl]
@@ -189,8 +189,7 @@ def test_public_call_reaches_the_kernel_through_at_most_three_files(impl):
         stacks, seen = _trace(lambda: at.depth_attention(xs, q), [module.forward_into])
         out = at.depth_attention(xs, q)
     root = f"attnres_torch/{impl}.py"
-    assert stacks == [["attnres_torch/ops.py", root]], stacks
-    assert ["attnres_torch/ops.py", "attnres_torch/dispatch.py"] in seen
+    assert stacks == [["attnres_torch/ops.py", "attnres_torch/dispatch.py", root]], stacks
     assert all(len(s) == len(set(s)) for s in seen), [s for s in seen if len(s) != len(set(s))]
     d_out = torch.randn_like(out)
     stacks, seen = _trace(lambda: out.backward(d_out), [module.backward_into])
@@ -224,3 +223,18 @@ def test_no_implementation_imports_another_or_the_registry():
         imported = _imports(root / rel)
         bad = {i for i in imported for o in others - {own} if i.rstrip(".").split(".")[-1] == o}
         assert not bad, (rel, bad)
+
+
+def test_the_front_door_names_no_implementation_and_no_private_torch_api():
+    """ops.py checks arguments and dispatches: no implementation module (the kernels, the
+    composition), no kernel function and no `torch._C` symbol appear in it; the repeated-call
+    plans and the eager hook live in plans.py, the runs in dispatch.py (issue 41)."""
+    import re
+
+    source = Path(at.ops.__file__).read_text()
+    code = re.sub(r'""".*?"""|#[^\n]*', "", source, flags=re.S)  # docstrings and comments aside
+    assert "def depth_attention(" in code and "def merge_partial(" in code
+    names = set(at.dispatch.IMPLEMENTATIONS) | {"composite", "triton_depth", "kernels"}
+    found = sorted(n for n in names if re.search(rf"\b{n}\b", code))
+    assert found == [], found
+    assert "torch._C" not in code and "_eager" not in code and "forward_ad" not in code

@@ -1,4 +1,4 @@
-"""Repeated calls of one signature (`ops._key` / `_keep` / `_planned`): the checks and the dispatch
+"""Repeated calls of one signature (`attnres_torch.plans`): the checks and the dispatch
 Choice kept per signature, and the C kernel's host code called without the custom op
 (`cpu_c.forward_eager`) for eager calls that need no gradient -- the batch-1 decode read.
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 from _helpers import assert_close, compute_dtype, f64, leaves, rand
 from attnres_numpy import ops as ref
-from attnres_torch import cpu_c, ops
+from attnres_torch import cpu_c, plans
 
 needs_c = pytest.mark.skipif(not cpu_c.available(), reason="the C kernel could not be built")
 pytestmark = needs_c
@@ -94,11 +94,11 @@ def test_repeated_call_takes_the_host_code_writes_everything_and_matches(monkeyp
     w = w if fused else None
     src = torch.stack(xs) if stacked else xs
     with torch.no_grad():
-        ops.MEMO = False
+        plans.MEMO = False
         try:
             before = _call(src, q, g, w)  # the custom-op path, every call
         finally:
-            ops.MEMO = True
+            plans.MEMO = True
         _call(src, q, g, w)  # the first call of the signature: full path, plan kept
         spy = _Spy(monkeypatch)
         made = _poison(monkeypatch)
@@ -145,11 +145,11 @@ def test_repeated_phase_calls_take_the_host_code_write_everything_and_match(monk
                 + at.merge_partial(out1, lse1, partial, q, g, scale=SCALE, return_lse=True))
 
     with torch.no_grad():
-        ops.MEMO = False
+        plans.MEMO = False
         try:
             before = calls()
         finally:
-            ops.MEMO = True
+            plans.MEMO = True
         calls()
         spy = _Spy(monkeypatch, eager="multi_eager", body="multi_forward_into",
                    merge="merge_eager", merge_into="merge_forward_into")
@@ -185,14 +185,14 @@ def test_bits_equal_the_gradient_path_and_gradients_are_unchanged(monkeypatch):
     cots = [rand(gen, t.shape, t.dtype) for t in fast[:3]]
     grads = []
     for memo in (False, True, True):
-        ops.MEMO = memo
+        plans.MEMO = memo
         try:
             spy = _Spy(monkeypatch)
             lx, lq, lg, lw = leaves(xs), leaves(q), leaves(g), leaves(w)
             res = _call(lx, lq, lg, lw)
             monkeypatch.undo()
         finally:
-            ops.MEMO = True
+            plans.MEMO = True
         assert (spy.eager, spy.body) == (0, 1)
         for a, b in zip(res, fast):
             assert torch.equal(a.detach(), b)
@@ -273,10 +273,10 @@ def test_bad_inputs_raise_the_checks_messages_after_a_kept_plan(grad):
                 at.depth_attention_multi([x, x], torch.stack([q, q]), eps=kw.get("eps", 1e-6))
                 at.merge_partial(x, torch.zeros(1, 1), x, q, q, eps=kw.get("eps", 1e-6))
         for i, (call, err, match) in enumerate(_bad_calls(x, q) + _bad_phase_calls(x, q)):
-            kept = set(ops._PLANS)
+            kept = set(plans._PLANS)
             outcomes = []
             for memo in (True, False):
-                ops.MEMO = memo
+                plans.MEMO = memo
                 try:
                     try:
                         call()
@@ -284,14 +284,14 @@ def test_bad_inputs_raise_the_checks_messages_after_a_kept_plan(grad):
                     except (TypeError, ValueError) as exc:
                         outcomes.append((type(exc), str(exc)))
                 finally:
-                    ops.MEMO = True
+                    plans.MEMO = True
             assert outcomes[0] == outcomes[1], i
             if err is None:
                 assert outcomes[0] is None, (i, outcomes[0])
             else:
                 assert outcomes[0] is not None and outcomes[0][0] is err, (i, outcomes[0])
                 assert pytest.raises(err, call).match(match)
-                assert set(ops._PLANS) == kept, i  # no plan for a bad call
+                assert set(plans._PLANS) == kept, i  # no plan for a bad call
 
 
 def test_the_record_counts_every_kept_call_and_follows_use_impl(monkeypatch):
@@ -308,12 +308,12 @@ def test_the_record_counts_every_kept_call_and_follows_use_impl(monkeypatch):
         assert spy.eager == 5
         for name in ("cpu_c", "chunked", "composite"):
             with at.use_impl(name):
-                ops.MEMO = False
+                plans.MEMO = False
                 try:
                     full = at.depth_attention(xs, q, g)
                     choice = at.dispatch.last_choice()
                 finally:
-                    ops.MEMO = True
+                    plans.MEMO = True
                 at.depth_attention(xs, q, g)  # the forcing is part of the signature: a new plan
                 counts, eager = at.impl_counts(), spy.eager
                 for _ in range(3):
@@ -384,10 +384,10 @@ def test_autocast_promotion_keeps_no_plan_and_one_dtype_keeps_its_bits(monkeypat
         at.depth_attention([x32, x16.float()], q)
         spy = _Spy(monkeypatch)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            kept = set(ops._PLANS)
+            kept = set(plans._PLANS)
             for _ in range(2):
                 assert torch.equal(at.depth_attention([x32, x16], q), plain)
-            assert set(ops._PLANS) == kept and spy.eager == 0
+            assert set(plans._PLANS) == kept and spy.eager == 0
             assert torch.equal(at.depth_attention([x32, x16.float()], q), plain)
             assert spy.eager == 1
 
@@ -407,9 +407,9 @@ def test_view_bits_and_rows_that_are_no_view():
         want = at.depth_attention([x.contiguous() for x in xs], q[:8])
         for _ in range(2):
             assert torch.equal(at.depth_attention(xs, q[:8]), want)
-        key = next(k for k in reversed(ops._PLANS)
+        key = next(k for k in reversed(plans._PLANS)
                    if k[0] == "depth_attention" and k[2][0][1] == xs[0].stride())
-        assert ops._PLANS[key].layout is None
+        assert plans._PLANS[key].layout is None
 
 
 def test_a_tensor_subclass_gets_no_plan_and_sees_what_it_saw():
@@ -424,33 +424,33 @@ def test_a_tensor_subclass_gets_no_plan_and_sees_what_it_saw():
     gen = torch.Generator().manual_seed(8)
     xs = [rand(gen, (1, 1, 16), torch.float32) for _ in range(3)]
     q = rand(gen, (16,), torch.float32).as_subclass(Logged)
-    seen, kept = [], set(ops._PLANS)
+    seen, kept = [], set(plans._PLANS)
     with torch.no_grad():
         for memo in (False, True, True):
-            ops.MEMO = memo
+            plans.MEMO = memo
             try:
                 Logged.calls.clear()
                 out = at.depth_attention(xs, q)
             finally:
-                ops.MEMO = True
+                plans.MEMO = True
             seen.append(list(Logged.calls))
             assert torch.equal(out.as_subclass(torch.Tensor), at.depth_attention(xs, q.as_subclass(
                 torch.Tensor)))
     assert seen[0] == seen[1] == seen[2] and seen[0]
-    assert ops._key("depth_attention", xs, (q, None, None), ()) is None
-    assert ops._key("depth_attention", xs, (q.as_subclass(torch.Tensor), None, None), ())
-    assert len(set(ops._PLANS) - kept) <= 1  # the plain query's plan only
+    assert plans.key("depth_attention", xs, (q, None, None), ()) is None
+    assert plans.key("depth_attention", xs, (q.as_subclass(torch.Tensor), None, None), ())
+    assert len(set(plans._PLANS) - kept) <= 1  # the plain query's plan only
 
 
 def test_the_plans_are_bounded(monkeypatch):
-    monkeypatch.setattr(ops, "_MAX_PLANS", 3)
-    ops._PLANS.clear()
+    monkeypatch.setattr(plans, "_MAX_PLANS", 3)
+    plans._PLANS.clear()
     q = torch.randn(8)
     with torch.no_grad():
         for t in range(1, 6):
             at.depth_attention([torch.randn(t, 8)], q)
-            assert len(ops._PLANS) <= 3
-    assert len(ops._PLANS) == 2
+            assert len(plans._PLANS) <= 3
+    assert len(plans._PLANS) == 2
 
 
 def test_merge_of_a_negative_view_is_the_reference():

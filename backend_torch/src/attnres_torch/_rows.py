@@ -2,7 +2,8 @@
 
 Their kernels take 2-D `[T, D]` views, query * gain in fp32 and caller-provided outputs; these
 helpers flatten the token axes, allocate the outputs and turn a kernel's d(query * gain) into
-d_query and d_norm_weight.  Each returns before the kernel runs or after it: none calls one.
+d_query and d_norm_weight.  Each returns before the kernel runs or after it; `multi`, the phase-1
+op body both implementations share, calls the `multi_forward_into` it is given.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from ._args import autocast_off
 
 
 def flat(t: Tensor) -> Tensor:
@@ -59,6 +62,18 @@ def multi_outputs(sources: List[Tensor], num_queries: int) -> Tuple[Tensor, Tens
     x0 = sources[0]
     out = torch.empty((num_queries,) + tuple(x0.shape), dtype=x0.dtype, device=x0.device)
     lse = torch.empty((num_queries,) + tuple(x0.shape[:-1]), dtype=torch.float32, device=x0.device)
+    return out, lse
+
+
+def multi(multi_forward_into, sources: List[Tensor], queries: Tensor,
+          norm_weights: Optional[Tensor], eps: float, scale: float) -> Tuple[Tensor, Tensor]:
+    """Phase 1 (spec 3.1) on an implementation's `multi_forward_into(rows, qg, eps, scale, out,
+    lse)`: queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
+    num_q, dim = queries.shape
+    out, lse = multi_outputs(sources, num_q)
+    with autocast_off(queries.device):
+        multi_forward_into([flat(s) for s in sources], qg(queries, norm_weights), eps, scale,
+                           out.view(num_q, -1, dim), lse.view(num_q, -1))
     return out, lse
 
 

@@ -489,12 +489,7 @@ def depth_attention_backward(sources: List[Tensor], query: Tensor, norm_weight: 
 def depth_attention_multi(sources: List[Tensor], queries: Tensor, norm_weights: Optional[Tensor],
                           eps: float, scale: float, save: str) -> tuple[Tensor, Tensor]:
     """Phase 1 (spec 3.1): queries `[S, D]` -> out `[S, ..., D]`, lse `[S, ...]` fp32."""
-    num_q, dim = queries.shape
-    out, lse = _rows.multi_outputs(sources, num_q)
-    with autocast_off(queries.device):
-        multi_forward_into([_rows.flat(s) for s in sources], _rows.qg(queries, norm_weights), eps,
-                           scale, out.view(num_q, -1, dim), lse.view(num_q, -1))
-    return out, lse
+    return _rows.multi(multi_forward_into, sources, queries, norm_weights, eps, scale)
 
 
 def depth_attention_out_norm(sources: List[Tensor], query: Tensor, norm_weight: Optional[Tensor],

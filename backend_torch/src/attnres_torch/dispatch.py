@@ -307,3 +307,62 @@ def record(choice: Choice) -> None:
     for a call whose Choice `ops` kept from an earlier call of the same signature."""
     _record(choice)
 
+
+# -- running a validated call on the implementation that serves it ---------------------------------
+#
+# `ops` checks a call and `decide`s; these run it: a kernel through its custom ops (`impl.OPS`,
+# see `library.py`) or its merge, the composition through `composite`'s functions.
+
+
+def run_depth_attention(impl, xs, query, norm_weight, out_norm_weight, geo, eps, scale, activation,
+                     key_norm, return_weights, save):
+    """The validated call on its implementation `impl`: (out, out_normed or None, lse, weights
+    `[N, ..., H]` or None)."""
+    fused = out_norm_weight is not None  # C17
+    normed = None
+    if impl is composite:
+        if fused:
+            out, normed, lse, weights = composite.depth_attention_out_norm(
+                xs, query, norm_weight, out_norm_weight, eps=eps, scale=scale,
+                num_heads=geo.num_heads, activation=activation, key_norm=key_norm,
+                out_norm_eps=geo.out_norm_eps)
+        else:
+            out, lse, weights = composite.depth_attention(
+                xs, query, norm_weight, eps=eps, scale=scale, num_heads=geo.num_heads,
+                activation=activation, key_norm=key_norm)
+        if lse is not None and geo.num_heads == 1:
+            lse = lse[..., 0]
+    elif fused:  # the kernel writes out_normed in its forward pass (C17)
+        out, normed, lse, weights = impl.OPS.depth_attention_out_norm(
+            xs, query, norm_weight, out_norm_weight, eps, scale, geo.out_norm_eps, return_weights,
+            save)
+        weights = weights.unsqueeze(-1) if return_weights else None
+    elif return_weights:  # the kernel's own weights: the p of its lse (same logits, max, sum)
+        out, lse, weights = impl.OPS.depth_attention_weights(xs, query, norm_weight, eps, scale,
+                                                             save)
+        weights = weights.unsqueeze(-1)
+    else:
+        out, lse = impl.OPS.depth_attention(xs, query, norm_weight, eps, scale, save)
+        weights = None
+    return out, normed, lse, weights
+
+
+def run_multi(impl, xs, queries, norm_weights, eps, scale, save):
+    """The validated phase 1 on its implementation `impl`: (out, lse)."""
+    if impl is not composite:
+        return impl.OPS.depth_attention_multi(xs, queries, norm_weights, eps, scale, save)
+    outs, lses = [], []
+    for s in range(queries.shape[0]):
+        out, lse, _ = composite.depth_attention(
+            xs, queries[s], None if norm_weights is None else norm_weights[s], eps=eps,
+            scale=scale, num_heads=1, activation="softmax", key_norm=True)
+        outs.append(out)
+        lses.append(lse[..., 0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+def run_merge(impl, out1, lse1, partial, query, norm_weight, eps, scale):
+    """The validated merge_partial on its implementation `impl`: (out, lse)."""
+    if impl is composite:
+        return composite.merge_partial(out1, lse1, partial, query, norm_weight, eps=eps, scale=scale)
+    return impl.merge(out1, lse1, partial, query, norm_weight, eps, scale)

@@ -9,11 +9,13 @@
   `SCHEDULES` ("gpipe", "1f1b", "interleaved_1f1b").
 - `split_stack` / `split_transformer` / `pipeline_stages`: an AttnRes stack cut into stock
   `torch.distributed.pipelining` stages (GPipe, 1F1B, interleaved 1F1B), the blocks and the
-  open partial sum (Full: every output) carried as extra stage outputs.
+  open partial sum (Full: every output) carried as extra stage outputs; `split_hf`: the same
+  for a Hugging Face model converted by `attnres_torch.hf.convert` (Llama family).
 - `run_local`: a local gloo world of CPU processes (tests); `CommCounter`: elements on the wire.
 """
 
 from .comm import CommCounter
+from .hf_stages import HFChunk, split_hf
 from .launch import run_local
 from .pipeline import run_pipeline
 from .pipeline_plan import CACHE_POLICIES, PipelinePlan, eq7_naive, eq8_cached
@@ -32,5 +34,5 @@ __all__ = [
     "CACHE_POLICIES", "PipelinePlan", "SCHEDULES", "eq7_naive", "eq8_cached", "run_pipeline",
     "CommCounter", "HiddenShard", "all_reduce_grads", "depth_attention_tp", "gather_sequence",
     "run_local", "scatter_sequence", "sequence_sharded_prefill", "shard_sequence",
-    "StackChunk", "pipeline_stages", "split_stack", "split_transformer",
+    "HFChunk", "StackChunk", "pipeline_stages", "split_hf", "split_stack", "split_transformer",
 ]

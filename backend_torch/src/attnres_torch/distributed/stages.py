@@ -28,6 +28,8 @@ ranks its two partial gradients are never summed.
 Supported: `kind="block"` and `"full"` with per-sublayer rows (`query_sharing="none"`, no
 `key_rank`), static or input-dependent queries, any activation, heads and `fuse_out_norm`.  The
 chunks run the direct schedule (training and evaluation give the same function, spec M9).
+`resume_stream` / `carried_tensors` are the cut's two sides; `split_hf` (hf_stages.py) cuts a
+converted Hugging Face model with them.
 """
 
 from __future__ import annotations
@@ -109,17 +111,7 @@ class StackChunk(nn.Module):
         if len(inputs) != want:
             raise ValueError(f"inputs: the chunk of sublayers {self.first}..{self.last} resumes "
                              f"from {want} carried tensors, got {len(inputs)}")
-        if cfg.kind == "block":
-            sealed = (self.first - 1) % cfg.block_size == 0
-            blocks, partial = (inputs, None) if sealed else (inputs[:-1], inputs[-1])
-            return ResidualStream.resume(cfg, ops, num_layers=L, layer=self.first,
-                                         blocks=list(blocks), partial=partial)
-        stream = ResidualStream(cfg, ops, inputs[0], num_layers=L, schedule="direct")
-        stream.layer = self.first  # Full AttnRes: the outputs v_0..v_{first-1} so far
-        stream.values = list(inputs)
-        stream.value_stats = [stream._stats(v) for v in inputs]
-        stream.value_labels = [f"v{j}" for j in range(len(inputs))]
-        return stream
+        return resume_stream(cfg, ops, L, self.first, inputs)
 
     def forward(self, *inputs):
         stream = self._stream(inputs)
@@ -128,9 +120,32 @@ class StackChunk(nn.Module):
         if self.is_last:
             h = stream.output()
             return self.post(h) if self.post is not None else h
-        if self.config.kind == "block":
-            return tuple(stream.blocks) + (() if stream.partial is None else (stream.partial,))
-        return tuple(stream.values)
+        return carried_tensors(stream)
+
+
+def resume_stream(config, ops, num_layers: int, layer: int, carried: Sequence[torch.Tensor]) -> ResidualStream:
+    """The direct-schedule stream before sublayer `layer` (1-based), from the `carried_count(config,
+    layer)` tensors a cut there carries (`carried_tensors` of the stream that ran sublayers
+    1..layer - 1)."""
+    if config.kind == "block":
+        sealed = (layer - 1) % config.block_size == 0
+        blocks, partial = (carried, None) if sealed else (carried[:-1], carried[-1])
+        return ResidualStream.resume(config, ops, num_layers=num_layers, layer=layer,
+                                     blocks=list(blocks), partial=partial)
+    stream = ResidualStream(config, ops, carried[0], num_layers=num_layers, schedule="direct")
+    stream.layer = layer  # Full AttnRes: the outputs v_0..v_{layer-1} so far
+    stream.values = list(carried)
+    stream.value_stats = [stream._stats(v) for v in carried]
+    stream.value_labels = [f"v{j}" for j in range(len(carried))]
+    return stream
+
+
+def carried_tensors(stream: ResidualStream) -> tuple:
+    """What a cut after the stream's last pushed sublayer carries: Block the completed blocks and
+    the open partial sum (if any), Full every output v_0..v_{l-1}."""
+    if stream.config.kind == "block":
+        return tuple(stream.blocks) + (() if stream.partial is None else (stream.partial,))
+    return tuple(stream.values)
 
 
 def _one(inputs):

@@ -82,6 +82,7 @@ class Rounding:
     def call_probe(self, call):
         r = self.inner.call_probe(dataclasses.replace(call, dtype="float64"))
         r.out = round_to(r.out, call.dtype)
+        r.out_dtype = call.dtype  # M1a: the stream (so out) in the embedding's dtype
         r.grads = {k: round_to(v, call.dtype) for k, v in r.grads.items()}
         return r
 

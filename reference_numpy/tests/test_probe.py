@@ -120,3 +120,31 @@ def test_check_sublayer_weights(weights, err, message):
         probe.check_sublayer_weights(weights, D, lambda a: a.dtype.name)
     ok = np.zeros((3, D, D))
     assert probe.check_sublayer_weights(ok, D, lambda a: a.dtype.name) == 3
+
+
+@pytest.mark.parametrize("schedule", ["direct", "two_phase"])
+def test_sublayer_dtype_rounds_each_v_and_its_cotangent(rng, schedule):
+    """M1a's probe rows (`sublayer_dtype`): each v_l rounded to that dtype, as the plain-ops probe
+    with rounded sublayers; float64 sublayers change nothing; the VJP rounds each v_l's cotangent."""
+    from attnres_core.numerics import round_to_dtype
+    from attnres_core.schedule import run_schedule
+    from attnres_numpy import model
+
+    config = ResidualConfig.variant("block", block_size=2)
+    params, emb, weights = _problem(rng, config)
+    plain = probe.probe_sublayers(config, PlainOps(params), weights)
+    rounded = [lambda h, f=f: round_to_dtype(f(h), "bfloat16") for f in plain]
+    expect = run_schedule(config, PlainOps(params), emb, rounded, schedule=schedule)
+    got = probe_forward(config, params, emb, weights, schedule=schedule, sublayer_dtype="bfloat16")
+    np.testing.assert_allclose(got, expect, rtol=1e-12, atol=1e-12)
+    same = probe_forward(config, params, emb, weights, schedule=schedule, sublayer_dtype="float64")
+    np.testing.assert_array_equal(same, probe_forward(config, params, emb, weights, schedule=schedule))
+    assert np.max(np.abs(got - same)) > 1e-4  # bf16-sized: the rounding happened
+    if schedule == "direct":
+        cot = rng.standard_normal(emb.shape)
+        g = model.probe_vjp(config, params, emb, weights, cot, sublayer_dtype="bfloat16")
+        g64 = model.probe_vjp(config, params, emb, weights, cot)
+        rel = np.max(np.abs(g["embedding"] - g64["embedding"])) / np.max(np.abs(g64["embedding"]))
+        assert 1e-5 < rel < 5e-2
+    with pytest.raises(TypeError, match="sublayer_dtype"):
+        probe_forward(config, params, emb, weights, sublayer_dtype="int32")

@@ -84,6 +84,9 @@ class Capabilities:
     #: "float16")): calls inside such a region with sources of mixed dtypes (`OpCall.autocast`).
     #: Empty: the framework has no autocast, or the port does not declare it (the rows skip).
     autocast: Tuple[str, ...] = ()
+    #: True: the port's probe honours `ProbeCall.sublayer_dtype` (M1a: sublayers returning another
+    #: dtype than the stream's; the rows need that dtype declared too).  False: the rows skip.
+    sublayer_dtype: bool = False
     #: False: the port does not validate its arguments; a spec error it does not raise is
     #: reported as a validation gap (status "gap", not a failure) instead of a failure.
     validates_inputs: bool = True
@@ -181,6 +184,10 @@ class ProbeCall:
       "embedding", "sublayer_weights" and every parameter name.
     mix, scale: the M10 call inputs (None: not given): alpha in [0, 1] blending the standard
       state and the scheme, and a logit scale replacing the config's for this call.
+    sublayer_dtype: None (the sublayers return the call's dtype), or the dtype every sublayer
+      returns (M1a): v_l = f_l(h_l) computed as usual, then cast to this dtype, as a bfloat16
+      sublayer under autocast returns into a float32 stream; the stream, and so `out`, stays in
+      the embedding's dtype (`dtype`).  Every array is still given in `dtype`.
     """
 
     config: Dict[str, Any]
@@ -193,12 +200,18 @@ class ProbeCall:
     cotangent: Optional[np.ndarray] = None
     mix: Optional[float] = None
     scale: Optional[float] = None
+    sublayer_dtype: Optional[str] = None
 
 
 @dataclass
 class ProbeResult:
+    """out: the probe's output read back; grads: by name (see `ProbeCall.cotangent`);
+    out_dtype: the dtype name of the native `out` before read-back (M1a: the embedding's dtype,
+      whatever its sublayers return; None: not reported, which the sublayer_dtype rows fail)."""
+
     out: np.ndarray
     grads: Dict[str, np.ndarray] = field(default_factory=dict)
+    out_dtype: Optional[str] = None
 
 
 @runtime_checkable

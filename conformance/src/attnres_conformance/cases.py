@@ -109,6 +109,8 @@ class Requirements:
     #: its inputs come in (each must be declared).
     autocast: Optional[str] = None
     extra_dtypes: frozenset = frozenset()
+    #: The dtype the probe's sublayers return (M1a; `Capabilities.sublayer_dtype`), or None.
+    sublayer_dtype: Optional[str] = None
 
     def missing(self, caps: Capabilities, dtype: str, device: str) -> Optional[str]:
         """The reason this cannot run on a backend declaring `caps`, or None."""
@@ -146,6 +148,8 @@ class Requirements:
             return "merge_partial returns no lse (declared merge_lse=False)"
         if self.autocast is not None and self.autocast not in tuple(getattr(caps, "autocast", ())):
             return f"autocast region {self.autocast} not declared (Capabilities.autocast)"
+        if self.sublayer_dtype is not None and not getattr(caps, "sublayer_dtype", False):
+            return "probe sublayers returning another dtype not declared (Capabilities.sublayer_dtype)"
         undeclared = sorted(self.extra_dtypes - set(caps.dtypes))
         if undeclared:
             return f"dtype {', '.join(undeclared)} (of an input) not declared"
@@ -221,9 +225,9 @@ def _merge(case_id, dtype, *, tokens, dim, **options):
 
 
 def _probe(case_id, dtype, *, variant, num_layers=5, dim=8, tokens=(2, 3), schedule="direct",
-           overrides=(), call=()):
+           overrides=(), call=(), sublayer_dtype=None):
     return _vectors().probe_case(variant, num_layers, dim, tokens, dtype, schedule=schedule,
-                                 case_id=case_id, **dict(call), **dict(overrides))
+                                 case_id=case_id, sublayer_dtype=sublayer_dtype, **dict(call), **dict(overrides))
 
 
 BUILDERS: Dict[str, Callable] = {"da": _da, "multi": _multi, "merge": _merge, "probe": _probe}
@@ -382,9 +386,11 @@ def requirements_of(golden, spec: Optional[dict] = None) -> Requirements:
     a = golden.arrays
     if golden.op == "probe":
         dim = a["input.embedding"].shape[-1]
+        sub = golden.attrs.get("sublayer_dtype")  # M1a: that dtype declared too
         return Requirements(variant=variant_of(golden.attrs["config"]), schedule=golden.attrs["schedule"],
                             call_inputs=frozenset(k for k in ("mix", "scale") if k in golden.attrs),
-                            dim=dim, deterministic=spec.get("deterministic", False))
+                            dim=dim, deterministic=spec.get("deterministic", False), sublayer_dtype=sub,
+                            extra_dtypes=frozenset(() if sub is None else (sub,)))
     x = a.get("input.sources", a.get("input.partial"))
     opts = set()
     q = a.get("input.query")
@@ -842,6 +848,32 @@ def _probe_cases(dtypes) -> List[Case]:
     return cases
 
 
+# -- the stream's dtype (issue 44 item 6, M1a) -----------------------------------------------------
+#: (label, variant, overrides, schedule, call dtype, sublayer dtype): probes whose sublayers return
+#: another dtype than the embedding's (`ProbeCall.sublayer_dtype`): each v_l is cast to the
+#: embedding's dtype as it enters the stream, so `out` keeps that dtype (checked on
+#: `ProbeResult.out_dtype`) and every value and gradient matches the reference with the v_l rounded
+#: to the sublayers' dtype, held to the narrower dtype's tolerance.  Float32 sublayers in a
+#: bfloat16 model (autocast's opposite) and bfloat16 ones in a float32 model (PreNorm under
+#: autocast), Full and Block, direct and two-phase; float64 / float32 pairs so that a port of
+#: float32 and float64 only (the mutation harness's) runs them too.
+SUBLAYER_DTYPE_PROBES = [
+    ("full-sub_f64-L5-D8-T2x3", "full", (), "direct", "float32", "float64"),
+    ("full-sub_f32-L5-D8-T2x3", "full", (), "direct", "float64", "float32"),
+    ("full-sub_f32-L5-D8-T2x3", "full", (), "direct", "bfloat16", "float32"),
+    ("full-sub_bf16-L5-D8-T2x3", "full", (), "direct", "float32", "bfloat16"),
+    ("block-S2-sub_f32-L5-D8-T2x3", "block", (("block_size", 2),), "direct", "bfloat16", "float32"),
+    ("block-S2-two_phase-sub_bf16-L5-D8-T2x3", "block", (("block_size", 2),), "two_phase", "float32", "bfloat16"),
+]
+
+
+def _sublayer_dtype_cases(dtypes) -> List[Case]:
+    """M1a rows (`probe/sublayer_dtype`), for ports that declare `Capabilities.sublayer_dtype`."""
+    return [_op_case("probe/sublayer_dtype", label, dtype, "probe", True, override="probe", variant=variant,
+                     overrides=overrides, schedule=schedule, sublayer_dtype=sub)
+            for label, variant, overrides, schedule, dtype, sub in SUBLAYER_DTYPE_PROBES if dtype in dtypes]
+
+
 # -- spec errors -----------------------------------------------------------------------------------
 def _error_specs(dtype: str) -> List[Tuple[str, str, dict, dict, dict, str, str]]:
     """(label, op, inputs, attrs, input_dtypes, exception, argument name in the message)."""
@@ -1225,7 +1257,7 @@ def generate(*, dtypes=DTYPES, quick: bool = False, caps: Optional[Capabilities]
     edges; vectors_dir: golden vectors (default: `attnres_numpy.vectors.default_vectors_dir()`)."""
     dtypes = tuple(dtypes)
     cases = (_sentinel_cases(caps, dtypes) + _depth_attention_cases(dtypes) + _multi_merge_cases(dtypes) + _hole_cases(dtypes)
-             + _round3_cases(dtypes) + _probe_cases(dtypes)
+             + _round3_cases(dtypes) + _probe_cases(dtypes) + _sublayer_dtype_cases(dtypes)
              + _error_cases(dtypes) + _cotangent_cases(dtypes) + _sequence_cases(dtypes) + _autocast_cases(dtypes) + _determinism_cases(dtypes) + _invariant_cases(dtypes)
              + (_limit_cases(caps, dtypes) if caps is not None else [])
              + _golden_cases(vectors_dir, dtypes) + (_sweep_cases(dtypes, quick) if sweep else []))

@@ -87,7 +87,8 @@ def probe_call(golden, device: str = "cpu", *, backward: bool) -> ProbeCall:
     return ProbeCall(dict(golden.attrs["config"]), params, a["input.embedding"].copy(),
                      a["input.sublayer_weights"].copy(), golden.dtype, device, golden.attrs["schedule"],
                      a["cotangent.out"].copy() if backward else None,
-                     mix=golden.attrs.get("mix"), scale=golden.attrs.get("scale"))
+                     mix=golden.attrs.get("mix"), scale=golden.attrs.get("scale"),
+                     sublayer_dtype=golden.attrs.get("sublayer_dtype"))
 
 
 def _call(backend, golden, device, *, backward, strided=False, input_dtypes=None):
@@ -163,6 +164,21 @@ def expected_dtypes(call: OpCall) -> dict:
                 dtype = [dtype] * len(value)
             expected[f"grad.{name}"] = dtype
     return expected
+
+
+def _probe_contract(call: ProbeCall, result) -> List[str]:
+    """M1a: the probe's `out` is in the embedding's dtype (the call's), whatever dtype its
+    sublayers return; a port that does not report it (`ProbeResult.out_dtype` None) fails only
+    the rows whose point it is (`ProbeCall.sublayer_dtype`)."""
+    got = getattr(result, "out_dtype", None)
+    if got is None:
+        return ([] if getattr(call, "sublayer_dtype", None) is None else
+                ["ProbeResult.out_dtype not reported: the stream's dtype (M1a) cannot be checked"])
+    if got != call.dtype:
+        return [f"out is {got}, expected the embedding's dtype {call.dtype} (M1a: the stream keeps it"
+                + (f"; the sublayers returned {call.sublayer_dtype})" if getattr(call, "sublayer_dtype", None)
+                   else ")")]
+    return []
 
 
 def _widest(dtypes) -> str:
@@ -372,6 +388,8 @@ def check_reference(backend, golden, device, *, strided=False, check="tolerance"
         failures = _untouched(call, before, result)
         if isinstance(call, OpCall):
             failures += _contract(call, result, backward, grads_only=backward)
+        elif not backward:
+            failures += _probe_contract(call, result)
         if backward:
             comps, missing = _compare_grads(golden, result, override, input_dtypes)
         else:

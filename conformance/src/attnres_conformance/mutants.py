@@ -31,12 +31,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from unittest import mock
 
 import numpy as np
+from attnres_core.numerics import round_to_dtype
 from attnres_core.validation import compute_dtype_for
 from attnres_numpy import ops
 
 from .adapters.base import Adapter
 from .adapters.numpy import native
-from .backend import OPS, OPTIONS, SCHEDULES, Capabilities
+from .backend import OPS, OPTIONS, SCHEDULES, Capabilities, ProbeCall, ProbeResult
+
+#: The probe variants the reference port runs (`ReferencePort.call_probe`): enough for the M1a
+#: rows (`probe/sublayer_dtype`), whose mutants change the stream's dtype, not the scheme.
+PROBE_VARIANTS = frozenset({"full", "block"})
 
 #: Keyword arguments of the reference VJPs (the forward's return_* flags are not among them).
 _VJP_ATTRS = ("eps", "scale", "num_heads", "activation", "key_norm", "out_norm_eps")
@@ -65,7 +70,9 @@ class Mutant:
       `patch_in`: "both", "forward" or "backward";
     outputs(ctx, outs, named, kw) -> outs (float64 by name, before the final rounding);
     cotangents(ctx, cots, named, kw) -> cots; grads(ctx, grads, named, kw) -> grads (float64);
-    cast(ctx, name, value, dtype) -> dtype: the dtype a result is rounded to."""
+    cast(ctx, name, value, dtype) -> dtype: the dtype a result is rounded to;
+    stream(call) -> dtype: the dtype the probe keeps its stream (and so `out`) in (M1a; the
+      honest port: the embedding's, `call.dtype`)."""
 
     name: str
     rule: str
@@ -78,6 +85,7 @@ class Mutant:
     cotangents: Optional[Callable] = None
     grads: Optional[Callable] = None
     cast: Optional[Callable] = None
+    stream: Optional[Callable] = None
     #: Case-id prefixes run first for this mutant (the category meant to kill it); with
     #: `must_kill` the killing case must be one of them (it proves the category can fail).
     first: Tuple[str, ...] = ()
@@ -109,8 +117,27 @@ class ReferencePort(Adapter):
     # -- the framework: NumPy ----------------------------------------------------------------
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=("float64", "float32"), ops=frozenset(OPS), options=frozenset(OPTIONS),
-                            variants=frozenset(), schedules=frozenset(SCHEDULES), call_inputs=frozenset(),
-                            autocast=("bfloat16",))
+                            variants=PROBE_VARIANTS, schedules=frozenset(SCHEDULES), call_inputs=frozenset(),
+                            autocast=("bfloat16",), sublayer_dtype=True)
+
+    def call_probe(self, call: ProbeCall) -> ProbeResult:
+        """The probe network (Full and Block only) as the float64 reference computes it
+        (`attnres_numpy.model`, sublayers rounded to `call.sublayer_dtype`), `out` rounded once to
+        the dtype the port keeps its stream in (M1a: the embedding's; `Mutant.stream`), each
+        gradient to its input's dtype."""
+        from attnres_core.config import ResidualConfig
+        from attnres_numpy import model
+
+        config = ResidualConfig.from_dict(dict(call.config))
+        kw = dict(schedule=call.schedule, mix=call.mix, scale=call.scale,
+                  sublayer_dtype=getattr(call, "sublayer_dtype", None))
+        stream = call.dtype if self.mutant.stream is None else self.mutant.stream(call)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            out = model.probe_forward(config, call.params, call.embedding, call.sublayer_weights, **kw)
+            grads = {} if call.cotangent is None else model.probe_vjp(
+                config, call.params, call.embedding, call.sublayer_weights, call.cotangent, **kw)
+        return ProbeResult(round_to_dtype(out, stream), {k: round_to_dtype(g, call.dtype) for k, g in grads.items()},
+                           out_dtype=stream)
 
     def context(self, call):
         """An "autocast region" (C3a): recorded while the call runs; the ops widen mixed sources."""
@@ -727,6 +754,10 @@ def _first_token_query_arg(ctx, named, kw):
 
 
 
+def _widest_of(*dtypes) -> str:
+    return max((d for d in dtypes if d is not None), key=("bfloat16", "float16", "float32", "float64").index)
+
+
 def _autocast_first_dtype(ctx, named, kw):
     """C3a done wrong: under autocast the sources are cast to the first one's dtype, not the widest."""
     x = named.get("sources")
@@ -921,6 +952,14 @@ MUTANTS: List[Mutant] = [
     Mutant("autocast_first_source_dtype", "C3a", "autocast",
            "inside autocast, mixed sources cast to the first source's dtype instead of the widest",
            args=_autocast_first_dtype, first=("autocast/",), must_kill=True),
+    Mutant("stream_in_sublayer_dtype", "M1a", "stream dtype",
+           "the residual stream (and out) takes the dtype its sublayers return, not the embedding's",
+           stream=lambda call: getattr(call, "sublayer_dtype", None) or call.dtype,
+           first=("probe/sublayer_dtype",), must_kill=True),
+    Mutant("stream_widest_dtype", "M1a", "stream dtype",
+           "the stream promotes to the widest dtype seen (the embedding's or a sublayer's)",
+           stream=lambda call: _widest_of(call.dtype, getattr(call, "sublayer_dtype", None)),
+           first=("probe/sublayer_dtype",), must_kill=True),
     Mutant("scale_or_one", "C8, M10", "special values", "`scale or 1.0`: a scale of 0 computes at scale 1",
            args=_keywords(lambda ctx, kw: dict(kw, scale=kw["scale"] or 1.0) if "scale" in kw else kw),
            first=("transforms/scale_zero",), must_kill=True),
@@ -1007,6 +1046,8 @@ def _cost(case) -> float:
         cost *= 4
     if case.kind == "golden":
         cost = 2000.0
+    if case.kind == "probe":  # a whole network: after the op rows (the M1a mutants run theirs first)
+        cost = 1000.0
     return cost
 
 

@@ -123,7 +123,9 @@ def probe(golden, *, backward: bool) -> dict:
     (`attnres_core.schedule`) on a float64 tape whose every step rounds.  Returns {"out", and
     with `backward` one entry per gradient name of the golden case}."""
     from attnres_core.config import ResidualConfig
-    from attnres_core.probe import run_probe
+    from attnres_core.probe import probe_sublayers
+    from attnres_core.schedule import run_schedule
+    from attnres_numpy.model import sublayers_in
     from attnres_numpy.tape import Tape
 
     dtype = golden.dtype
@@ -135,8 +137,10 @@ def probe(golden, *, backward: bool) -> dict:
     emb, w = tape.var(a["input.embedding"]), tape.var(a["input.sublayer_weights"])
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        out = run_probe(config, tape, emb, w, schedule=golden.attrs["schedule"],
-                        mix=golden.attrs.get("mix"), scale=golden.attrs.get("scale"))
+        # M1a: sublayers returning another dtype (their v_l rounded to it) on the same tape.
+        sublayers = sublayers_in(tape, probe_sublayers(config, tape, w), golden.attrs.get("sublayer_dtype"))
+        out = run_schedule(config, tape, emb, sublayers, schedule=golden.attrs["schedule"],
+                           mix=golden.attrs.get("mix"), scale=golden.attrs.get("scale"))
         result = {"out": out.value}
         if backward:
             wrt = [emb, w, *tape.leaves.values()]

@@ -56,6 +56,10 @@ ROW_RULES = {
     "weights_sum": ("C11", "softmax weights sum to 1 per token and head"),
     "zero_query_uniform": ("M8", "a zero query (every model's initialization) gives uniform weights"),
     "hypothesis": ("2.1", "a derandomized sweep of option combinations"),
+    "sublayer_dtype": ("M1a", "probe sublayers returning another dtype than the embedding's: each v_l is cast "
+                              "to the embedding's dtype as it enters the stream, so out keeps that dtype "
+                              "(not the sublayers', not the widest seen) and the cotangent reaching v_l "
+                              "comes back in v_l's dtype"),
 }
 def _transform_rules() -> dict:
     from .transforms import TRANSFORMS

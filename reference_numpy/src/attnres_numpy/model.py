@@ -156,28 +156,41 @@ def _check_probe(config, params, embedding, sublayer_weights, schedule: str) -> 
     return emb, w
 
 
-def _probe_on_tape(config, params, emb, w, *, record: bool, schedule: str, mix, scale) -> tuple:
+def sublayers_in(tape: Tape, sublayers: Sequence[Callable], dtype) -> List[Callable]:
+    """`sublayers` each returning its v rounded to `dtype` (a cast, cotangent rounded back:
+    `Tape.round_to`); None: unchanged.  The probe's `sublayer_dtype` (M1a)."""
+    if dtype is None:
+        return list(sublayers)
+    validation.check_floating("sublayer_dtype", dtype)
+    return [lambda h, f=f: tape.round_to(f(h), dtype) for f in sublayers]
+
+
+def _probe_on_tape(config, params, emb, w, *, record: bool, schedule: str, mix, scale,
+                   sublayer_dtype=None) -> tuple:
     """(tape, out, embedding Var, weights Var): the probe network (checked arguments) on a Tape."""
     tape = Tape(params, record=record)
     emb_var, w_var = tape.var(emb), tape.var(w)
-    out = probe.run_probe(config, tape, emb_var, w_var, schedule=schedule, mix=mix, scale=scale)
+    sublayers = sublayers_in(tape, probe.probe_sublayers(config, tape, w_var), sublayer_dtype)
+    out = run_schedule(config, tape, emb_var, sublayers, schedule=schedule, mix=mix, scale=scale)
     return tape, out, emb_var, w_var
 
 
 def probe_forward(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, *,
-                  schedule: str = "direct", mix=None, scale=None) -> np.ndarray:
+                  schedule: str = "direct", mix=None, scale=None, sublayer_dtype=None) -> np.ndarray:
     """The spec's probe network (`attnres_core.probe.run_probe` on a float64 tape).
 
     embedding `[..., D]`; sublayer_weights `[L, D, D]`; schedule, mix, scale as in
-    `stack_forward`.  Returns out `[..., D]` float64.
+    `stack_forward`; sublayer_dtype: None, or the dtype every sublayer returns (its v_l rounded
+    to it; M1a: the stream's dtype is the embedding's, which float64 does not model).  Returns
+    out `[..., D]` float64.
     """
     emb, w = _check_probe(config, params, embedding, sublayer_weights, schedule)
     return _probe_on_tape(config, params, emb, w, record=False, schedule=schedule, mix=mix,
-                          scale=scale)[1].value
+                          scale=scale, sublayer_dtype=sublayer_dtype)[1].value
 
 
 def probe_vjp(config: ResidualConfig, params: Mapping, embedding, sublayer_weights, cotangent, *,
-              schedule: str = "direct", mix=None, scale=None) -> Dict[str, np.ndarray]:
+              schedule: str = "direct", mix=None, scale=None, sublayer_dtype=None) -> Dict[str, np.ndarray]:
     """Hand-written reverse mode of `probe_forward` for a cotangent `[..., D]` of its output.
 
     Returns float64 gradients: "embedding" `[..., D]`, "sublayer_weights" `[L, D, D]`, and one
@@ -191,7 +204,8 @@ def probe_vjp(config: ResidualConfig, params: Mapping, embedding, sublayer_weigh
     if cot.shape != emb.shape:
         raise ValueError(f"cotangent: expected the output's shape {emb.shape}, got shape {cot.shape}")
     tape, out, emb_var, w_var = _probe_on_tape(config, params, emb, w, record=True,
-                                               schedule=schedule, mix=mix, scale=scale)
+                                               schedule=schedule, mix=mix, scale=scale,
+                                               sublayer_dtype=sublayer_dtype)
     wrt = [emb_var, w_var, *tape.leaves.values()]
     grads = tape.gradients(out, cot.astype(np.float64), wrt)
     return dict(zip(["embedding", "sublayer_weights", *tape.leaves], grads))

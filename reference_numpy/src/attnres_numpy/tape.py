@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 from attnres_core.config import ResidualConfig
-from attnres_core.numerics import sum_to_axes
+from attnres_core.numerics import round_to_dtype, sum_to_axes
 from attnres_core.schedule import ResidualOps
 
 from . import ops
@@ -111,6 +111,11 @@ class Tape(ResidualOps):
     def cast_like(self, x: Var, like: Var) -> Var:
         """x itself: every value on the tape is float64 (M1a holds trivially)."""
         return x
+
+    def round_to(self, x: Var, dtype: str) -> Var:
+        """x rounded to `dtype` (a cast to it, M1a), and its cotangent rounded to `dtype` on the way
+        back: a value of that dtype receives a cotangent of that dtype."""
+        return self._op([x], [round_to_dtype(x.value, dtype)], lambda g: (round_to_dtype(g, dtype),))[0]
 
     def add(self, a: Var, b: Var) -> Var:
         sa, sb = a.value.shape, b.value.shape

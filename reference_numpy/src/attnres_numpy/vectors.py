@@ -336,9 +336,12 @@ def _draw_params(rng, config: ResidualConfig, num_layers: int, dim: int, dtype: 
 
 
 def probe_case(variant: str, num_layers=5, dim=8, tokens=(3,), dtype="float32", *,
-               schedule="direct", case_id=None, mix=None, call_scale=None, **overrides) -> GoldenCase:
+               schedule="direct", case_id=None, mix=None, call_scale=None, sublayer_dtype=None,
+               **overrides) -> GoldenCase:
     """A probe-network case (spec section 6) of a named variant; two_phase is forward only.
-    mix / call_scale: the M10 call inputs (attrs "mix" / "scale" when given)."""
+    mix / call_scale: the M10 call inputs (attrs "mix" / "scale" when given).  sublayer_dtype:
+    the dtype every sublayer returns (M1a; attr "sublayer_dtype" when given): the reference
+    rounds each v_l to it, and the case's tolerance class is the narrower of it and `dtype`."""
     config = ResidualConfig.variant(variant, **overrides)
     tokens = tuple(tokens)
     knobs = (f"_W{config.window}" * (config.kind == "window") + f"_S{config.block_size}" * (config.block_size is not None)
@@ -346,8 +349,10 @@ def probe_case(variant: str, num_layers=5, dim=8, tokens=(3,), dtype="float32", 
              + "_outnorm" * (config.fuse_out_norm and variant != "fused_out_norm"))
     case_id = case_id or (f"probe_{variant}{knobs}_L{num_layers}_D{dim}_T{_tokens_tag(tokens)}_{SHORT_DTYPE[dtype]}"
                + "_two_phase" * (schedule == "two_phase")
-               + (f"_mix{mix:g}" if mix is not None else "") + (f"_cs{call_scale:g}" if call_scale is not None else ""))
+               + (f"_mix{mix:g}" if mix is not None else "") + (f"_cs{call_scale:g}" if call_scale is not None else "")
+               + (f"_sub{SHORT_DTYPE[sublayer_dtype]}" if sublayer_dtype is not None else ""))
     call = {k: v for k, v in (("mix", mix), ("scale", call_scale)) if v is not None}
+    ref = dict(call, **({} if sublayer_dtype is None else {"sublayer_dtype": sublayer_dtype}))
     seed = _seed(case_id)
     rng = np.random.default_rng(seed)
     params = _draw_params(rng, config, num_layers, dim, dtype)
@@ -355,13 +360,15 @@ def probe_case(variant: str, num_layers=5, dim=8, tokens=(3,), dtype="float32", 
     weights = round_to_dtype(rng.standard_normal((num_layers, dim, dim)) * 1.5 / np.sqrt(dim), dtype)
     arrays = {"input.embedding": emb, "input.sublayer_weights": weights}
     arrays.update({f"input.{k}": v for k, v in params.items()})
-    arrays["output.out"] = model.probe_forward(config, params, emb, weights, schedule=schedule, **call)
+    arrays["output.out"] = model.probe_forward(config, params, emb, weights, schedule=schedule, **ref)
     if schedule == "direct":
         arrays["cotangent.out"] = _draw_cotangent(rng, arrays["output.out"].shape, dtype)
-        grads = model.probe_vjp(config, params, emb, weights, arrays["cotangent.out"], **call)
+        grads = model.probe_vjp(config, params, emb, weights, arrays["cotangent.out"], **ref)
         arrays.update({f"grad.{k}": v for k, v in grads.items()})
-    attrs = {"config": config.to_dict(), "schedule": schedule, "variant": variant, **call}
-    return GoldenCase(case_id, "probe", attrs, dtype, None, seed, dtype, arrays)
+    attrs = {"config": config.to_dict(), "schedule": schedule, "variant": variant, **ref}
+    order = ("bfloat16", "float16", "float32", "float64")
+    tolerance_class = dtype if sublayer_dtype is None else min(dtype, sublayer_dtype, key=order.index)
+    return GoldenCase(case_id, "probe", attrs, dtype, None, seed, tolerance_class, arrays)
 
 
 def golden_cases() -> List[GoldenCase]:

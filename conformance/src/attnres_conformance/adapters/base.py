@@ -138,8 +138,23 @@ class Adapter:
 
     def probe(self, config, params: Dict[str, Any], embedding, sublayer_weights, *, schedule: str,
               mix, scale):
-        """The spec's probe network (section 6) on native arrays -> `out` `[..., D]`."""
+        """The spec's probe network (section 6) on native arrays -> `out` `[..., D]`.  A port that
+        declares `Capabilities(sublayer_dtype=True)` also takes `sublayer_dtype` (a dtype name,
+        passed only when the call has one): its sublayers then return `cast(f_l(h), dtype)`
+        (`sublayers_in`; M1a: the stream casts them back to the embedding's dtype)."""
         raise NotImplementedError
+
+    def cast(self, x, dtype: str):
+        """Native `x` cast to the dtype named `dtype` (differentiable; the default is the
+        `astype` of NumPy, JAX and MLX arrays; torch's adapter uses `.to`)."""
+        return x.astype(dtype)
+
+    def sublayers_in(self, sublayers: list, dtype: Optional[str]) -> list:
+        """`sublayers` (callables h -> v) returning `cast(v, dtype)` (None: unchanged): the
+        probe's sublayers of `ProbeCall.sublayer_dtype` (M1a)."""
+        if dtype is None:
+            return list(sublayers)
+        return [lambda h, f=f: self.cast(f(h), dtype) for f in sublayers]
 
     def shares_memory(self, result, argument) -> bool:
         """Whether a write into `result` could change `argument` (C7a).  The default, object
@@ -317,19 +332,23 @@ class Adapter:
             leaves = [self.array(np.asarray(a, np.float64), call.dtype, call.device, False)
                       for a in [call.embedding, call.sublayer_weights, *(call.params[n] for n in names)]]
 
+            sublayer_dtype = getattr(call, "sublayer_dtype", None)
+            extra = {} if sublayer_dtype is None else {"sublayer_dtype": sublayer_dtype}  # M1a
+
             def fn(emb, w, *values):
                 return (self.probe(config, dict(zip(names, values)), emb, w, schedule=call.schedule,
-                                   mix=call.mix, scale=call.scale),)
+                                   mix=call.mix, scale=call.scale, **extra),)
 
             key = ("probe", repr(sorted(call.config.items())), tuple(names), call.schedule, call.mix,
-                   call.scale)
+                   call.scale, sublayer_dtype)
             if call.cotangent is None:
-                return ProbeResult(out=self.to_numpy(self.forward(fn, leaves, key)[0]))
+                out = self.forward(fn, leaves, key)[0]
+                return ProbeResult(out=self.to_numpy(out), out_dtype=self.dtype_name(out))
             (out,), grads = self.value_and_grads(
                 fn, leaves, lambda outs: [self.array(np.asarray(call.cotangent, np.float64),
                                                      self.dtype_name(outs[0]), call.device, False)], key)
             keys = ["embedding", "sublayer_weights", *names]
-            return ProbeResult(out=self.to_numpy(out), grads={
+            return ProbeResult(out=self.to_numpy(out), out_dtype=self.dtype_name(out), grads={
                 k: np.zeros(np.shape(self.to_numpy(a))) if g is None else self.to_numpy(g)
                 for k, g, a in zip(keys, grads, leaves)})
 

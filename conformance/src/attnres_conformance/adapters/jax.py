@@ -55,7 +55,7 @@ def compiler_options():
 
 
 def _x64_needed(call) -> bool:
-    names = [call.dtype]
+    names = [call.dtype, getattr(call, "sublayer_dtype", None)]  # a probe's float64 sublayers (M1a)
     for value in getattr(call, "input_dtypes", {}).values():
         names.extend(value if isinstance(value, (list, tuple)) else [value])
     return any(n in ("float64", "int64") for n in names)
@@ -99,6 +99,9 @@ class JaxAdapter(Adapter):
 
     def broadcast_to(self, x, shape):
         return jnp.broadcast_to(x, shape)
+
+    def cast(self, x, dtype: str):
+        return x.astype(jnp.dtype(dtype))
 
     def to_numpy(self, x) -> np.ndarray:
         # Read back in the compute dtype (C10): float64 stays, bf16/fp16 widen exactly to float32.

@@ -57,6 +57,9 @@ class MLXAdapter(Adapter):
     def broadcast_to(self, x, shape):
         return mx.broadcast_to(x, shape)
 
+    def cast(self, x, dtype: str):
+        return x.astype(native_dtype(dtype))
+
     def to_numpy(self, x) -> np.ndarray:
         if x.dtype == mx.float64:
             return np.array(x)

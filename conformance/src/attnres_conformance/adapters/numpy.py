@@ -60,7 +60,7 @@ class NumpyAdapter(Adapter):
         self._calls = 0
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(dtypes=("float64",), variants=frozenset(VARIANT_KINDS))
+        return Capabilities(dtypes=("float64",), variants=frozenset(VARIANT_KINDS), sublayer_dtype=True)
 
     def versions(self) -> Dict[str, str]:
         return {"numpy": np.__version__, "attnres_numpy": attnres_numpy.__version__}
@@ -99,13 +99,14 @@ class NumpyAdapter(Adapter):
     def call_probe(self, call: ProbeCall) -> ProbeResult:
         self._calls += 1
         config = ResidualConfig.from_dict(call.config)
-        kw = dict(schedule=call.schedule, mix=call.mix, scale=call.scale)
+        kw = dict(schedule=call.schedule, mix=call.mix, scale=call.scale,
+                  sublayer_dtype=getattr(call, "sublayer_dtype", None))  # M1a: v_l rounded to it
         out = model.probe_forward(config, call.params, call.embedding, call.sublayer_weights, **kw)
         grads = {}
         if call.cotangent is not None:
             grads = model.probe_vjp(config, call.params, call.embedding, call.sublayer_weights,
                                     call.cotangent, **kw)
-        return ProbeResult(out, grads)
+        return ProbeResult(out, grads, out_dtype=call.dtype)  # the stream's dtype: the embedding's
 
 
 backend = NumpyAdapter()

@@ -63,6 +63,9 @@ class TorchAdapter(Adapter):
     def dtype_name(self, x) -> str:
         return str(x.dtype).replace("torch.", "")
 
+    def cast(self, x, dtype: str):
+        return x.to(torch_dtype(dtype))
+
     def context(self, call):
         """C3a: a call inside `torch.autocast` of `call.autocast`'s dtype (on the call's device type)."""
         region = getattr(call, "autocast", None)

@@ -1,6 +1,7 @@
 """attnres_jax on `adapters.jax.JaxAdapter` (registry name "jax").
 
-Only public names of attnres_jax are used: the ops, `stack.probe_forward` and the backend
+Only public names of attnres_jax are used: the ops, `stack.probe_forward` (with
+`probe_sublayers` and `stack_apply` for sublayers of another dtype, M1a) and the backend
 contract of `attnres_jax.dispatch` (capabilities, and `impl_counts()` for which implementation
 served each call).  Calls run on the contract's first device.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Dict
 
-from attnres_jax import dispatch, ops
+from attnres_jax import dispatch, ops, probe_sublayers, stack_apply
 from attnres_jax.stack import probe_forward
 
 from ..adapters.jax import DTYPES, JaxAdapter
@@ -32,7 +33,7 @@ class AttnresJax(JaxAdapter):
     def capabilities(self) -> Capabilities:
         caps = dispatch.capabilities()
         return contract_capabilities(caps, dtypes=tuple(d for d in DTYPES if d in caps["dtypes"]),
-                                     devices=caps["devices"][:1])
+                                     devices=caps["devices"][:1], sublayer_dtype=True)
 
     def versions(self) -> Dict[str, str]:
         from attnres_jax import __version__
@@ -60,9 +61,15 @@ class AttnresJax(JaxAdapter):
         self._counts[impl] = self._counts.get(impl, 0) + 1
         return out
 
-    def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale):
-        return probe_forward(config, params, embedding, sublayer_weights, schedule=schedule, mix=mix,
-                             scale=scale)
+    def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale,
+              sublayer_dtype=None):
+        if sublayer_dtype is None:
+            return probe_forward(config, params, embedding, sublayer_weights, schedule=schedule, mix=mix,
+                                 scale=scale)
+        # M1a: `probe_forward`'s sublayers, each returning sublayer_dtype, on the same stack.
+        sublayers = self.sublayers_in(probe_sublayers(sublayer_weights, config.eps, prenorm=not config.fuse_out_norm),
+                                      sublayer_dtype)
+        return stack_apply(config, params, embedding, sublayers, schedule=schedule, mix=mix, scale=scale)
 
 
 backend = AttnresJax()

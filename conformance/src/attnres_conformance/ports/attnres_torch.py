@@ -36,7 +36,9 @@ class AttnresTorch(TorchAdapter):
         # serves the default op on the default device (the C kernel on the CPU unless
         # ATTNRES_TORCH_CPU_C=0 or it cannot be built, the Triton kernels on CUDA).
         # C3a: torch.autocast regions (attnres_torch._args.autocast_promote widens the sources).
-        return contract_capabilities(dispatch.capabilities(), autocast=("bfloat16", "float16"))
+        # M1a: the probe's sublayers may return another dtype (`ProbeCall.sublayer_dtype`).
+        return contract_capabilities(dispatch.capabilities(), autocast=("bfloat16", "float16"),
+                                     sublayer_dtype=True)
 
     def versions(self) -> Dict[str, str]:
         out = {"torch": torch.__version__}
@@ -51,11 +53,13 @@ class AttnresTorch(TorchAdapter):
         """Calls per implementation (`attnres_torch.dispatch.impl_counts`) since creation."""
         return implementation_counts(dict(dispatch.impl_counts()), self._since)
 
-    def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale):
+    def probe(self, config, params, embedding, sublayer_weights, *, schedule, mix, scale,
+              sublayer_dtype=None):
         num_layers, dim = sublayer_weights.shape[0], embedding.shape[-1]
         router = DepthRouter(config, num_layers, dim, schedule=schedule).to(
             device=embedding.device, dtype=embedding.dtype)
-        sublayers = probe_sublayers(config, TorchOps(), sublayer_weights)  # attnres_core.probe
+        sublayers = self.sublayers_in(probe_sublayers(config, TorchOps(), sublayer_weights),  # attnres_core.probe
+                                      sublayer_dtype)
         return torch.func.functional_call(router, params, (embedding, sublayers),
                                           dict(mix=mix, scale=scale))
 

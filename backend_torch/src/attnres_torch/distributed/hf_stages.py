@@ -1,29 +1,43 @@
 """A Hugging Face model converted by `attnres_torch.hf.convert` cut into stock
 `torch.distributed.pipelining` stages (`split_hf`; `pipeline_stages` builds them).
 
-    hf.convert(model, ResidualConfig(kind="block", block_size=4))     # a LlamaForCausalLM
-    chunks = split_hf(model, [2, 2])             # decoder layers per chunk
+    hf.convert(model, ResidualConfig(kind="block", block_size=4))   # Llama, Mistral, Qwen2, Qwen3
+    chunks = split_hf(model, [2, 2])             # decoder layers per chunk; checked on a probe
     stages = pipeline_stages(chunks, device)     # this rank's PipelineStage(s)
 
-A chunk runs its decoder layers through their own `__call__`, so the conversion's hooks compute
-exactly what they compute in the unsplit model; it only supplies what the model's decoder loop
-would: chunk 0 embeds `input_ids [B, T]`, every chunk recomputes the positions `0..T-1`, the
-rotary embeddings and the causal mask from the hidden state's shape (as `LlamaModel.forward`
-does without a cache or padding), and the last chunk applies the final norm and `lm_head` and
-returns the logits.  A cut hands on what `split_stack`'s does (the completed blocks and the open
-partial sum; Full AttnRes every output) plus the hidden state the next layer takes: decoder layer
-i owns the router rows its call reads (`layers[i].attnres`, `per_layer=True`), and the depth
-read that forms layer i + 1's input is row 2i + 2, layer i's, so the chunk holding layer i makes
-that read and sends its result.
+Supported classes (`_FAMILIES`, an explicit table): `LlamaForCausalLM`, `MistralForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`.  A chunk runs its decoder layers through their own
+`__call__`, so the conversion's hooks compute exactly what they compute in the unsplit model; it
+only supplies what the family's decoder loop would: chunk 0 embeds `input_ids [B, T]`, every
+chunk recomputes the positions `0..T-1`, the rotary embeddings and each layer's mask from the
+hidden state's shape, as the family's `*Model.forward` does without a cache or padding (Llama:
+`create_causal_mask`; Mistral: `create_sliding_window_causal_mask` when `config.sliding_window`
+is set; Qwen2 / Qwen3: layer i's `config.layer_types[i]`, "full_attention" or
+"sliding_attention"), calls the layers with the same keywords, and the last chunk applies the
+final norm and `lm_head` and returns the logits.  A cut hands on what `split_stack`'s does (the
+completed blocks and the open partial sum; Full AttnRes every output) plus the hidden state the
+next layer takes: decoder layer i owns the router rows its call reads (`layers[i].attnres`,
+`per_layer=True`), and the depth read that forms layer i + 1's input is row 2i + 2, layer i's,
+so the chunk holding layer i makes that read and sends its result.
 
-Refused (ValueError naming the cause): a model that is not a converted `LlamaForCausalLM`
-(other families' decoder loops differ: sliding-window masks, per-layer mask types); tied
-embeddings across chunks (`tie_word_embeddings=True`: the embedding and `lm_head` would be one
-parameter in two stages); a stacked router (`per_layer=False`, shared queries, low-rank keys)
-or a kind other than Block and Full (`stages.check_router`); and, at the forward, an attention
-mask with padding, an M10 `residual_inputs` block (mix / scale) and a depth observer.  HF
-gradient checkpointing works in the chunks (the conversion's replay; bitwise).  The chunks run the direct schedule (as `split_stack`'s; the unsplit model in
-eval mode runs Block's two-phase schedule, equal within rounding), and no KV cache.
+Verification (as `hf.convert`'s at mix=0): `split_hf(..., verify=True)`, the default, runs the
+chunks in sequence on a probe batch (1 x 8 token ids, or one past a sliding window shorter than
+64) and compares with the unsplit model's logits, both in eval mode under no_grad with the direct
+schedule (the unsplit Block model would run two-phase in eval, equal only within rounding), the
+M10 inputs and a depth observer set aside for the probe; the model's modes are restored.  A
+difference beyond 4 float32 eps x max(1, max |logit|) is refused (ValueError naming the class and
+the difference); on the tested families it is 0.  `verify=False` skips the two probe forwards
+(parameters on the meta device, or a model where even that is too costly).
+
+Refused (ValueError naming the cause): a model that is not a converted model of a supported class
+(other families' decoder loops differ); tied embeddings across chunks (`tie_word_embeddings=True`:
+the embedding and `lm_head` would be one parameter in two stages); a stacked router
+(`per_layer=False`, shared queries, low-rank keys) or a kind other than Block and Full
+(`stages.check_router`); and, at the forward, an attention mask with padding, an M10
+`residual_inputs` block (mix / scale) and a depth observer.  HF gradient checkpointing works in
+the chunks (the conversion's replay; bitwise).  The chunks run the direct schedule (as
+`split_stack`'s; the unsplit model in eval mode runs Block's two-phase schedule, equal within
+rounding), and no KV cache.
 """
 
 from __future__ import annotations
@@ -38,20 +52,57 @@ from ..convert import PerLayerRouter
 from ..residual_ops import TorchOps
 from .stages import carried_count, carried_tensors, check_router, resume_stream
 
+# The supported classes (an explicit table, not a guess from the modules' shapes): the name in
+# `transformers` -> how that family's `*Model.forward` (transformers 5.24) gives decoder layer i
+# its mask, which a chunk reproduces:
+#   "causal"          LlamaModel: `create_causal_mask` for every layer;
+#   "sliding_window"  MistralModel: `create_sliding_window_causal_mask` for every layer when
+#                     `config.sliding_window` is set, else `create_causal_mask`;
+#   "layer_types"     Qwen2Model / Qwen3Model: `{"full_attention": create_causal_mask,
+#                     "sliding_attention": create_sliding_window_causal_mask}[config.layer_types[i]]`.
+# Each calls its layers with the same keywords (hidden state, attention_mask, position_embeddings,
+# position_ids; no cache) and rotary embeddings of the positions 0..T-1.
+_FAMILIES = {
+    "LlamaForCausalLM": "causal",
+    "MistralForCausalLM": "sliding_window",
+    "Qwen2ForCausalLM": "layer_types",
+    "Qwen3ForCausalLM": "layer_types",
+}
+_MASK_BUILDERS = {"full_attention": "create_causal_mask",
+                  "sliding_attention": "create_sliding_window_causal_mask"}
+_VERIFY_TOLERANCE = 4 * torch.finfo(torch.float32).eps  # times max(1, max |logit|)
 
-def _llama_causal_lm():
+
+def _family(model: nn.Module):
+    """The `_FAMILIES` entry of `model`'s class (its name, its mask rule), or None."""
     try:
-        from transformers import LlamaForCausalLM
+        import transformers
     except ImportError:  # pragma: no cover - transformers is installed with the hf extra
         return None
-    return LlamaForCausalLM
+    for name, rule in _FAMILIES.items():
+        cls = getattr(transformers, name, None)
+        if cls is not None and isinstance(model, cls):
+            return name, rule
+    return None
 
 
-def _causal_mask(config, h: torch.Tensor, position_ids: torch.Tensor):
-    """`LlamaModel.forward`'s mask for a full causal sequence (no padding, no cache)."""
-    from transformers.masking_utils import create_causal_mask
+def _mask_types(rule: str, config, n: int) -> List[str]:
+    """Each decoder layer's mask type ("full_attention" / "sliding_attention"), as the family's
+    model forward picks it."""
+    if rule == "layer_types":
+        return [config.layer_types[i] for i in range(n)]
+    if rule == "sliding_window" and getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * n
+    return ["full_attention"] * n
 
-    names = inspect.signature(create_causal_mask).parameters
+
+def _causal_mask(config, h: torch.Tensor, position_ids: torch.Tensor, kind: str = "full_attention"):
+    """The family's mask of type `kind` for a full causal sequence (no padding, no cache), built
+    by the `transformers.masking_utils` function its model forward calls."""
+    from transformers import masking_utils
+
+    build = getattr(masking_utils, _MASK_BUILDERS[kind])
+    names = inspect.signature(build).parameters
     kw = {"config": config, "attention_mask": None, "position_ids": position_ids}
     kw["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = h
     for name in ("cache", "past_key_values"):
@@ -59,7 +110,7 @@ def _causal_mask(config, h: torch.Tensor, position_ids: torch.Tensor):
             kw[name] = None
     if "cache_position" in names:
         kw["cache_position"] = position_ids[0]
-    return create_causal_mask(**kw)
+    return build(**kw)
 
 
 class HFChunk(nn.Module):
@@ -70,7 +121,7 @@ class HFChunk(nn.Module):
     a later chunk the tensors its predecessor returned.  A chunk returns the carried tensors and
     the hidden state `[B, T, D]` (a tuple), the last chunk the logits `[B, T, vocab]`."""
 
-    def __init__(self, model: nn.Module, first: int, last: int):
+    def __init__(self, model: nn.Module, first: int, last: int, rule: str = "causal"):
         super().__init__()
         from .. import hf  # imported here: importing attnres_torch.hf registers with transformers
 
@@ -80,6 +131,7 @@ class HFChunk(nn.Module):
         self.first, self.last, self.num_decoder_layers = first, last, len(layers)
         self.is_first, self.is_last = first == 0, last == len(layers) - 1
         self.hf_config = model.config
+        self.mask_types = _mask_types(rule, model.config, len(layers))[first:last + 1]
         self.embed = owner.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(layers[first:last + 1])
         self.rotary_emb = owner.rotary_emb  # buffers only: every chunk recomputes the positions
@@ -124,15 +176,16 @@ class HFChunk(nn.Module):
             stream = resume_stream(cfg, TorchOps(params, save=router.save), L, layer, inputs[:-1])
             h = inputs[-1]
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = _causal_mask(self.hf_config, h, position_ids)
+        masks = {kind: _causal_mask(self.hf_config, h, position_ids, kind)
+                 for kind in dict.fromkeys(self.mask_types)}
         position_embeddings = self.rotary_emb(h, position_ids)
         saved = router.schedule
         try:
             router.schedule = "direct"  # as the resumed streams (layer 0's hook starts chunk 0's)
             if stream is not None:
                 state.stream, state.cursor = stream, (self.first - 1, 4)
-            for layer in self.layers:
-                out = layer(h, attention_mask=mask, position_embeddings=position_embeddings,
+            for layer, kind in zip(self.layers, self.mask_types):
+                out = layer(h, attention_mask=masks[kind], position_embeddings=position_embeddings,
                             position_ids=position_ids)
                 h = out[0] if isinstance(out, tuple) else out
             if self.is_last:
@@ -143,22 +196,34 @@ class HFChunk(nn.Module):
             state.stream, state.cursor = None, None
 
 
-def split_hf(model: nn.Module, sizes: Sequence[int]) -> List[HFChunk]:
-    """A converted HF causal LM (`hf.convert`; Llama family), Block or Full AttnRes, cut into
-    len(sizes) chunks of sizes[k] consecutive decoder layers (summing to the model's layers) for
+def split_hf(model: nn.Module, sizes: Sequence[int], *, verify: bool = True) -> List[HFChunk]:
+    """A converted HF causal LM (`hf.convert`; `LlamaForCausalLM`, `MistralForCausalLM`,
+    `Qwen2ForCausalLM` or `Qwen3ForCausalLM`), Block or Full AttnRes, cut into len(sizes) chunks
+    of sizes[k] consecutive decoder layers (summing to the model's layers) for
     `torch.distributed.pipelining`: chunk 0 embeds `input_ids [B, T]`, the last returns the
     logits.  Returns one `HFChunk` per chunk, chunk k for `PipelineStage(chunks[k], k,
     len(sizes), ...)` (`pipeline_stages` builds this rank's).  The chunks own the model's modules
-    (not copies), each decoder layer with its AttnRes rows."""
+    (not copies), each decoder layer with its AttnRes rows.
+
+    verify: True (default): before returning, run the chunks in sequence on a probe batch (1 x 8
+      token ids; more where a sliding window is shorter, up to 64) and compare with the unsplit
+      model's logits, both in eval mode, no grad, the direct schedule; a difference beyond float32
+      rounding (4 eps x max(1, max |logit|); in practice they are equal bitwise) is refused with
+      the class and the difference.  Costs two forwards of the probe: pass False for a model that
+      cannot run one here (parameters on the meta device) or where even that is too costly."""
     from .. import hf
 
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify: expected True or False, got {verify!r}")
     if not hf.is_converted(model):
         raise ValueError("model: not converted (call attnres_torch.hf.convert first)")
-    llama = _llama_causal_lm()
-    if llama is None or not isinstance(model, llama):
-        raise ValueError(f"model: split_hf cuts a converted LlamaForCausalLM, got a "
-                         f"{type(model).__name__}; other families' decoder loops (sliding-window "
-                         f"or per-layer masks, other position schemes) are not reproduced")
+    family = _family(model)
+    if family is None:
+        raise ValueError(f"model: split_hf cuts a converted model of the supported classes "
+                         f"({', '.join(_FAMILIES)}), got a {type(model).__name__}; other families' "
+                         f"decoder loops (their masks, position schemes and layer calls) are not "
+                         f"reproduced")
+    name, rule = family
     router = hf.router(model)
     check_router(router)
     if not isinstance(router, PerLayerRouter):
@@ -169,6 +234,11 @@ def split_hf(model: nn.Module, sizes: Sequence[int]) -> List[HFChunk]:
     if (not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes)
             or sum(sizes) != n):
         raise ValueError(f"sizes: expected ints >= 1 summing to the {n} decoder layers, got {list(sizes)!r}")
+    if rule == "layer_types":
+        types = list(getattr(model.config, "layer_types", None) or [])
+        if len(types) < n or any(t not in _MASK_BUILDERS for t in types[:n]):
+            raise ValueError(f"model: config.layer_types {types!r} does not give each of the {n} "
+                             f"decoder layers one of {list(_MASK_BUILDERS)}")
     embed = model.get_input_embeddings().weight
     if len(sizes) > 1 and model.lm_head.weight is embed:
         raise ValueError("model: tie_word_embeddings=True makes lm_head.weight the embedding's "
@@ -178,6 +248,61 @@ def split_hf(model: nn.Module, sizes: Sequence[int]) -> List[HFChunk]:
                          ".detach().clone()); model.config.tie_word_embeddings = False")
     chunks, first = [], 0
     for s in sizes:
-        chunks.append(HFChunk(model, first, first + s - 1))
+        chunks.append(HFChunk(model, first, first + s - 1, rule))
         first += s
+    if verify:
+        _verify(model, chunks, name)
     return chunks
+
+
+def _probe_tokens(config) -> int:
+    """The probe's length: 8 tokens, or one past the shortest sliding window up to 64 (so the
+    window cuts the probe), at most the model's positions."""
+    T = 8
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window > 0:
+        T = max(T, min(window + 1, 64))
+    limit = getattr(config, "max_position_embeddings", None)
+    return min(T, limit) if isinstance(limit, int) and limit > 0 else T
+
+
+def _verify(model: nn.Module, chunks: Sequence[HFChunk], name: str) -> None:
+    """`split_hf(verify=True)`: the chunks in sequence against the unsplit model on a probe batch,
+    both in eval mode under no_grad with the direct schedule (the chunks' own; the unsplit model
+    would run Block's two-phase schedule in eval, equal only within rounding), without M10
+    per-call inputs or a depth observer (restored after)."""
+    from .. import hf
+
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("verify: the model's parameters are on the meta device, so split_hf cannot "
+                         "run its probe forward; load the weights first, or pass verify=False")
+    state = hf._state(model)
+    router = state.router
+    emb = model.get_input_embeddings()
+    T = _probe_tokens(model.config)
+    ids = ((torch.arange(T) * 7 + 3) % emb.num_embeddings).unsqueeze(0).to(emb.weight.device)
+    has_observer = hasattr(router, "observer")
+    saved = (router.schedule, state.mix, state.scale, getattr(router, "observer", None))
+    try:
+        router.schedule = "direct"
+        state.mix = state.scale = None
+        if has_observer:
+            router.observer = None
+        with hf._probe_mode(model):
+            want = hf._probe_value(model(input_ids=ids, use_cache=False))
+            x = (ids,)
+            for chunk in chunks:
+                x = chunk(*x)
+                x = x if isinstance(x, tuple) else (x,)
+            got = x[0]
+    finally:
+        router.schedule, state.mix, state.scale = saved[:3]
+        if has_observer:
+            router.observer = saved[3]
+    diff = hf._maxdiff(got, want)  # inf for another shape
+    scale = max(1.0, float(want.abs().max()))
+    if not diff <= _VERIFY_TOLERANCE * scale:
+        raise ValueError(f"model: the chunks of the converted {name} do not reproduce the unsplit "
+                         f"model: their logits differ by {diff:.3g} (max abs; allowed "
+                         f"{_VERIFY_TOLERANCE * scale:.3g}) on a probe batch of 1 x {T} tokens. "
+                         f"Report the model; verify=False skips this check")

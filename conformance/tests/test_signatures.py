@@ -198,3 +198,57 @@ def test_unknown_backend():
 def test_cli_prints_mismatches(capsys):
     assert sig.main(["numpy"]) == 0
     assert "numpy: 0 mismatch(es) with signatures.json" in capsys.readouterr().out
+
+
+# -- the dispatch contract (signatures.json "dispatch"; issue 41) -----------------------------------
+
+
+def _dispatch_module(**changes):
+    """A fake `attnres_jax.dispatch` that keeps the contract, with `changes` applied."""
+    from attnres_core import dispatch as core
+
+    def use_impl(name, **options):
+        pass
+
+    module = types.SimpleNamespace(
+        IMPLEMENTATIONS=("pallas", "xla"), Choice=core.Choice, use_impl=use_impl,
+        availability=lambda: {"pallas": "no GPU or TPU here", "xla": None},
+        capabilities=lambda: {"dtypes": (), "devices": (), "fused_kernel": False,
+                              "deterministic": True},
+        last_choice=lambda: None, impl_counts=lambda: {})
+    for name, value in changes.items():
+        if value is None:
+            delattr(module, name)
+        else:
+            setattr(module, name, value)
+    return module
+
+
+def test_dispatch_contract_is_well_formed():
+    contract = sig.load()["dispatch"]
+    assert set(contract["backends"]) == set(contract["implementations"]) <= set(sig.SURFACES)
+    for text in contract["signatures"].values():
+        assert sig.render(sig.parse(text)) == text
+    assert sig.dispatch_mismatches("numpy") == []  # the reference has no dispatch module
+
+
+def _renamed_use_impl(impl, **options):
+    pass
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"use_impl": _renamed_use_impl}, "attnres_jax.dispatch.use_impl: signature"),
+    ({"last_choice": None}, "attnres_jax.dispatch.last_choice: missing"),
+    ({"Choice": __import__("collections").namedtuple("Choice", "op impl refused")},
+     "attnres_jax.dispatch.Choice: must be attnres_core.dispatch.Choice itself"),
+    ({"IMPLEMENTATIONS": ("xla", "pallas")}, "attnres_jax.dispatch.IMPLEMENTATIONS: ('xla', 'pallas')"),
+    ({"IMPLEMENTATIONS": ["pallas", "xla"]}, "attnres_jax.dispatch.IMPLEMENTATIONS: ['pallas', 'xla']"),
+    ({"availability": lambda: {"xla": None}}, "attnres_jax.dispatch.availability(): keys ['xla']"),
+    ({"availability": lambda: {"pallas": "", "xla": None}},
+     "attnres_jax.dispatch.availability()['pallas']: ''"),
+    ({"capabilities": lambda: {"dtypes": ()}}, "attnres_jax.dispatch.capabilities(): keys ['dtypes']"),
+])
+def test_dispatch_contract_reports_each_departure(changes, expected):
+    assert sig.dispatch_mismatches("jax", _dispatch_module()) == []
+    problems = sig.dispatch_mismatches("jax", _dispatch_module(**changes))
+    assert len(problems) == 1 and problems[0].startswith(expected), problems

@@ -15,7 +15,11 @@ defaults.  `signatures.json` (package data beside this module) holds:
   comparison; one must still exist (a stale entry is reported), and a positional extra must come
   after every canonical positional parameter (so positional calls of the canonical signature
   bind the same way);
-* `missing`: per backend, `Name.method` entries a backend does not offer, with why.
+* `missing`: per backend, `Name.method` entries a backend does not offer, with why;
+* `dispatch`: the public backend contract of each framework backend's `<package>.dispatch`
+  module (`attnres_core.dispatch`): its functions' signatures, `Choice` re-exported from the
+  core, `IMPLEMENTATIONS` per backend, the keys of `capabilities()`; `availability()` must name
+  every implementation, each with None or a reason (`dispatch_mismatches`, part of `mismatches`).
 
 Annotations are not compared (each framework names its own array type); defaults are compared by
 `repr`.  A backend's public names are its package's `__all__` plus the public functions and
@@ -240,6 +244,7 @@ def mismatches(backend: str, modules: Optional[Sequence] = None, table: Optional
                  if k not in used_extras]
     problems += [f"{backend}: 'missing' entry {k!r} names no shared method" for k in missing
                  if k not in used_missing]
+    problems += dispatch_mismatches(backend, table=table)
     if backend != "numpy":
         problems += [f"{backend}.{n}: public, but neither a shared name in signatures.json nor in "
                      f"its backend_only list" for n in sorted(names)
@@ -249,6 +254,48 @@ def mismatches(backend: str, modules: Optional[Sequence] = None, table: Optional
                      if n in table["signatures"]]
     return problems
 
+
+
+def dispatch_mismatches(backend: str, module=None, table: Optional[dict] = None) -> List[str]:
+    """Every way `backend`'s dispatch module departs from the contract in signatures.json's
+    `dispatch` entry (empty: it agrees; a backend the entry does not list has no contract).
+
+    module: the dispatch module object (default: import `<package>.dispatch`)."""
+    table = load() if table is None else table
+    contract = table.get("dispatch")
+    if contract is None or backend not in contract["backends"]:
+        return []
+    name = f"{SURFACES[backend][0]}.dispatch"
+    module = importlib.import_module(name) if module is None else module
+    problems: List[str] = []
+    for fn_name, text in contract["signatures"].items():
+        fn = getattr(module, fn_name, None)
+        if not callable(fn):
+            problems.append(f"{name}.{fn_name}: missing (the backend contract)")
+            continue
+        problems += _compare(f"{name}.{fn_name}", describe(fn), parse(text), {})
+    for attr, target in contract["same_as"].items():
+        mod, _, obj = target.rpartition(".")
+        if getattr(module, attr, None) is not getattr(importlib.import_module(mod), obj):
+            problems.append(f"{name}.{attr}: must be {target} itself (a re-export)")
+    want = tuple(contract["implementations"][backend])
+    got = getattr(module, "IMPLEMENTATIONS", None)
+    if tuple(got or ()) != want or not isinstance(got, tuple):
+        problems.append(f"{name}.IMPLEMENTATIONS: {got!r}, expected the tuple {want!r}")
+    if callable(getattr(module, "availability", None)):
+        avail = module.availability()
+        if not isinstance(avail, dict) or tuple(avail) != want:
+            problems.append(f"{name}.availability(): keys {list(avail) if isinstance(avail, dict) else avail!r}, "
+                            f"expected every implementation in order {list(want)}")
+        else:
+            problems += [f"{name}.availability()[{k!r}]: {v!r}, expected None or a non-empty reason"
+                         for k, v in avail.items() if not (v is None or (isinstance(v, str) and v))]
+    if callable(getattr(module, "capabilities", None)):
+        caps = module.capabilities()
+        keys = sorted(caps) if isinstance(caps, dict) else caps
+        if keys != sorted(contract["capabilities"]):
+            problems.append(f"{name}.capabilities(): keys {keys!r}, expected {sorted(contract['capabilities'])}")
+    return problems
 
 
 def renamed(fn, old: str, new: str):

@@ -63,8 +63,8 @@ def test_depth_attention_module(rng):
     np.testing.assert_allclose(layer(xs), want, rtol=1e-5, atol=1e-6)
 
 
-def _model(config, eps=1e-12):
-    return Transformer(config, vocab_size=32, dim=16, num_blocks=2, num_heads=2, rngs=nnx.Rngs(0), eps=eps)
+def _model(config, eps=1e-12, **kw):
+    return Transformer(config, vocab_size=32, dim=16, num_blocks=2, num_heads=2, rngs=nnx.Rngs(0), eps=eps, **kw)
 
 
 def test_zero_init_equals_prenorm_after_final_norm():
@@ -97,8 +97,9 @@ def test_fused_output_norm_model_equals_prenorm_model(rng):
     """M15: with fuse_out_norm the router's gains replace the sublayers' and the final norm's
     (the model creates none of its own); copying those gains in gives the PreNorm-gain model's
     logits."""
-    plain = _model(ResidualConfig.variant("block", block_size=2), eps=1e-6)
-    fused = _model(ResidualConfig.variant("block", block_size=2, fuse_out_norm=True), eps=1e-6)
+    plain = _model(ResidualConfig.variant("block", block_size=2), eps=1e-6, scan_layers=False)
+    fused = _model(ResidualConfig.variant("block", block_size=2, fuse_out_norm=True), eps=1e-6,
+                   scan_layers=False)
     assert all(s.norm is not None and not isinstance(s.norm, nnx.RMSNorm) for s in fused.sublayers)
     for name in ("queries", "norm_weights"):
         value = jnp.asarray(rng.standard_normal(getattr(plain.router, name)[...].shape), jnp.float32)

@@ -199,17 +199,40 @@ def test_transformer_scan_layers_equals_unrolled(rng, kind):
     assert models[1].blocks.attention.qkv.kernel.get_metadata()["out_sharding"] == (None, None, "model")
 
 
-def test_transformer_scan_layers_with_a_monitor_and_two_phase(rng):
-    """The scanned Transformer takes an observer (`DepthMonitor`) and schedule="two_phase" (issue 43
-    item 4): that call runs the stacked weights unrolled, so inside nnx.jit the monitor records
-    the unrolled model's statistics (same rngs, same weights) and the logits are the scanned
-    call's; two_phase gives the unrolled model's two-phase logits."""
+def test_transformer_scans_by_default_where_the_kind_allows():
+    """scan_layers=None (the default) scans the kinds `scan_apply` runs (`SCAN_KINDS`, the one
+    definition `checkpoint_hf` shares) and unrolls the others; True on such a kind is refused,
+    naming scan_layers=False (construction only: nothing compiles)."""
+    from attnres_jax import checkpoint_hf
+    from attnres_jax.stack import SCAN_KINDS
+
+    assert checkpoint_hf.SCAN_KINDS is SCAN_KINDS
+    build = lambda config, **kw: Transformer(config, vocab_size=7, dim=D, num_blocks=2, num_heads=2,  # noqa: E731
+                                             rngs=nnx.Rngs(0), **kw)
+    for kind in SCAN_KINDS:
+        model = build(ResidualConfig.variant(kind))
+        assert model.scan_layers is True and model.blocks.mlp.up.kernel[...].shape[0] == 2, kind
+        assert build(ResidualConfig.variant(kind), scan_layers=False).scan_layers is False
+    window = ResidualConfig(kind="window", window=2)
+    assert build(window).scan_layers is False and len(build(window).sublayers) == 4
+    with pytest.raises(ValueError, match=r"scheme 'window' runs unrolled \(scan_layers=False"):
+        build(window, scan_layers=True)
+
+
+@pytest.mark.parametrize("kind", ["full", "block"])
+def test_transformer_scan_layers_with_a_monitor_and_two_phase(rng, kind):
+    """The scanned Transformer (the default) takes a `DepthMonitor`'s observer inside nnx.jit:
+    the statistics come out of the scan (issue 43 item 2: stacked over the steps, the program one
+    block whatever L is) and equal the unrolled model's (same rngs, same weights; float32
+    rounding), rows, labels and sublayers, as do the logits (a recorded gradient step:
+    test_training's documented step).  schedule="two_phase" runs the stacked weights unrolled."""
     from attnres_jax import training as T
 
-    config = ResidualConfig.variant("block", block_size=2)
+    config = ResidualConfig.variant(kind, block_size=3) if kind == "block" else ResidualConfig.variant(kind)
     tokens = jnp.asarray(rng.integers(0, 13, (2, 6)))
     models = [Transformer(config, vocab_size=13, dim=D, num_blocks=2, num_heads=2, rngs=nnx.Rngs(0),
-                          scan_layers=s) for s in (False, True)]
+                          scan_layers=s) for s in (False, None)]
+    assert models[1].scan_layers
     router = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in models[0].router.params().items()}
     history = []
     for m in models:
@@ -224,15 +247,52 @@ def test_transformer_scan_layers_with_a_monitor_and_two_phase(rng):
         logits, stats = step(m, tokens)
         history.append((logits, monitor.update(0, stats), stats))
     (l0, e0, s0), (l1, e1, s1) = history
-    np.testing.assert_allclose(l1, nnx.jit(lambda m, t: m(t))(models[1], tokens), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-6)
     assert sorted(s1["rows"]) == sorted(s0["rows"]) == list(range(2 * 2 + 1))
+    assert sorted(s1["sublayers"]) == sorted(s0["sublayers"]) == [1, 2, 3, 4]
+    assert jax.tree.structure(s1) == jax.tree.structure(s0)
     for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s0)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert [r["labels"] for r in e1["rows"]] == [r["labels"] for r in e0["rows"]]
     assert e1.keys() == e0.keys()
-    two = [nnx.jit(lambda m, t: m(t, schedule="two_phase"))(m, tokens) for m in models]
-    np.testing.assert_allclose(two[1], two[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(two[1], l1, rtol=1e-4, atol=1e-5)
+    if kind == "block":
+        two = [nnx.jit(lambda m, t: m(t, schedule="two_phase"))(m, tokens) for m in models]
+        np.testing.assert_allclose(two[1], two[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(two[1], l1, rtol=1e-4, atol=1e-5)
+
+
+def test_the_recorded_scanned_step_is_one_block_whatever_the_depth():
+    """The monitored scanned forward holds one block's sublayers (the statistics come out of the
+    scan as its outputs): its jaxpr has as many matrix products at L = 8 as at L = 32 (Full: 4
+    stages, one body each; traced, not compiled)."""
+    from attnres_jax import training as T
+    from jax.extend import core as jax_core
+
+    def products(num_blocks):
+        model = Transformer(ResidualConfig.variant("full"), vocab_size=13, dim=D, num_blocks=num_blocks,
+                            num_heads=2, rngs=nnx.Rngs(0))
+        monitor = T.DepthMonitor(model.router)
+        graphdef, state = nnx.split(model)
+
+        def forward(state, tokens):
+            obs = monitor.observer()
+            return nnx.merge(graphdef, state)(tokens, observer=obs), obs.stats()
+
+        jaxpr = jax.make_jaxpr(forward)(state, jnp.zeros((1, 4), jnp.int32))
+
+        def count(jaxpr):
+            n = 0
+            for eqn in jaxpr.eqns:
+                n += eqn.primitive.name == "dot_general"
+                for sub in jax_core.jaxprs_in_params(eqn.params):
+                    n += count(sub)
+            return n
+
+        return count(jaxpr.jaxpr), len(monitor._labels)
+
+    (small, rows8), (deep, rows32) = products(4), products(16)
+    assert (rows8, rows32) == (9, 33)
+    assert small == deep
 
 
 class _Rows(ScheduleObserver):

@@ -50,6 +50,7 @@ from flax import nnx
 
 from ._math import HIGHEST
 from .modules import DepthRouter, _stacked
+from .stack import SCAN_KINDS, resolve_scan_layers  # noqa: F401 (SCAN_KINDS: here full, block scan)
 
 # CONFIG_KEY, AUTO_MODEL_TYPE and the guard (`guard` / `unguard`): the checkpoint contract all
 # three backends share (`attnres_core.checkpoint`).
@@ -60,8 +61,6 @@ FORM = [[["input_layernorm", "self_attn"], "self_attn", None],
 LAYOUT = ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
 #: The base model types `LlamaAttnRes` runs.
 MODEL_TYPES = ("llama",)
-#: Schemes whose model runs layer-scanned (`scan_apply`); the others run unrolled.
-SCAN_KINDS = ("full", "block")
 
 _ROW_NAMES = {"queries": "query", "norm_weights": "norm_weight"}
 _PER_LAYER = re.compile(r"^model\.layers\.(\d+)\.attnres\.row(\d+)\.(\w+)$")
@@ -359,11 +358,7 @@ class LlamaAttnRes(nnx.Module):
     def __init__(self, config: dict, rc: ResidualConfig, *, scan_layers: Optional[bool] = None,
                  dtype=jnp.float32):
         c = _Config(config)
-        if scan_layers is None:
-            scan_layers = rc.kind in SCAN_KINDS
-        elif scan_layers and rc.kind not in SCAN_KINDS:
-            _refuse(f"scan_layers: the layer-scanned form runs {SCAN_KINDS}; scheme {rc.kind!r} "
-                    "runs unrolled (scan_layers=False or None)")
+        scan_layers = resolve_scan_layers(rc.kind, scan_layers)
         self.embed_tokens = _p((c.vocab_size, c.dim), dtype)
         layers = [_DecoderLayer(c, dtype) for _ in range(c.num_layers)]
         self.layers = _stacked(layers) if scan_layers else nnx.List(layers)

@@ -5,7 +5,8 @@
   named and shaped exactly as `ResidualConfig.param_shapes(L, D)` (so reference/probe params load
   1:1 with `load_params`) and initialized per the spec (M8, `ResidualConfig.init_params`).
 * `Transformer`: a small causal decoder (attention and MLP sublayers, M1) built on the router,
-  unrolled or layer-scanned (`scan_layers`), with partitioning metadata on its parameters.
+  layer-scanned where the scheme allows (`scan_layers=None`, the default) or unrolled
+  (`scan_layers=False`), with partitioning metadata on its parameters.
 
 Partitioning: every weight matrix carries `nnx.with_partitioning` metadata over one tensor-
 parallel axis, the `Transformer`'s `tensor_axis` (default `TENSOR_AXIS`, "model"; Megatron
@@ -44,7 +45,7 @@ from flax.nnx.nn import linear as flax_linear
 from . import _mesh
 from ._math import HIGHEST
 from .ops import depth_attention, dtype_name
-from .stack import Sublayer, scan_apply, stack_apply
+from .stack import Sublayer, resolve_scan_layers, scan_apply, stack_apply
 
 #: The default tensor-parallel axis of the `Transformer`'s partitioning metadata (a logical axis
 #: name: a mesh axis of that name, or what `nnx.logical_axis_rules` maps it to).
@@ -116,11 +117,13 @@ class DepthRouter(nnx.Module):
 
     def scan(self, embedding, sublayers: Sequence, layer_params, *, mix=None, scale=None,
              remat: Optional[str] = None, unroll: int = 1, stages: Optional[int] = None,
-             backward: Optional[str] = None):
+             backward: Optional[str] = None, record=None):
         """The layer-scanned form (`scan_apply`): sublayers `f_j(p, h)` over the slices p of
-        `layer_params` (leaves `[n, ...]`, L = n * len(sublayers))."""
+        `layer_params` (leaves `[n, ...]`, L = n * len(sublayers)); record: `scan_apply`'s
+        (statistics carried out of the scan; then returns `(out, recorded)`)."""
         return scan_apply(self.config, self.params(), embedding, sublayers, layer_params, mix=mix,
-                          scale=scale, remat=remat, unroll=unroll, stages=stages, backward=backward)
+                          scale=scale, remat=remat, unroll=unroll, stages=stages, backward=backward,
+                          record=record)
 
 
 def _identity(h):
@@ -243,16 +246,20 @@ class Transformer(nnx.Module):
     final-norm gains (`out_norm_weights`, eps = config.eps, so `eps` must equal it) and hands each
     sublayer its normed input; the model's own norms are then not created.
 
-    scan_layers: False (`sublayers`, a list of 2 * num_blocks modules, run unrolled by
-    `stack_apply`) or True (`blocks`, one `_Block` whose variables are stacked
-    `[num_blocks, ...]`, run by one `scan_apply` over the blocks: compile time flat in depth;
-    kinds standard, scalar, gated, full, block).  Both draw the same weights from the same rngs,
-    and give the same logits.  The unrolled form steps faster at small depth and supports every
-    kind; see docs/benchmarks.md for where the scanned form wins on the CPU.  A call of the
-    scanned form with an observer (`training.DepthMonitor`) or schedule="two_phase" runs its
-    stacked weights unrolled (`stack_apply` over the blocks' slices: the same values, the
-    observer sees every read and sublayer), so that call compiles as the unrolled model does:
-    monitor in a step of its own (every k steps) to keep the training step scanned.
+    scan_layers: None (the default: True for the kinds `scan_apply` runs, `SCAN_KINDS` =
+    standard, scalar, gated, full, block; False for the others), True or False.  True:
+    `blocks`, one `_Block` whose variables are stacked `[num_blocks, ...]`, run by one
+    `scan_apply` over the blocks (compile time flat in depth; a kind outside `SCAN_KINDS` is
+    refused, naming scan_layers=False).  False: `sublayers`, a list of 2 * num_blocks modules,
+    run unrolled by `stack_apply` (every kind; compile time grows with depth).  Both draw the
+    same weights from the same rngs and give the same logits; their NNX states differ in layout
+    (`blocks` `[num_blocks, ...]` against `sublayers[i]`), so a checkpoint restores into a model
+    built with the same form.  The scanned form called with a `training.DepthMonitor`'s
+    observer carries the statistics out of the scan (`scan_apply(record=)`, backward "scan"):
+    the monitored step compiles flat in depth too.  With another observer or
+    schedule="two_phase" it runs its stacked weights unrolled (`stack_apply` over the blocks'
+    slices: the same values, the observer sees every read and sublayer), so that call compiles
+    as the unrolled model does.
     remat: None, "recompute" or "offload" (`attnres_jax.stack.remat_policy`) for every call.
     scan_backward: None (`scan_apply`'s default), "fused", "replay" or "scan": the scanned
     form's backward (`scan_apply(backward=)`).
@@ -267,9 +274,10 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ResidualConfig, *, vocab_size: int, dim: int, num_blocks: int,
                  num_heads: int, rngs: nnx.Rngs, eps: float = 1e-6, mlp_ratio: int = 4,
-                 scan_layers: bool = False, remat: Optional[str] = None, param_dtype=jnp.float32,
+                 scan_layers: Optional[bool] = None, remat: Optional[str] = None, param_dtype=jnp.float32,
                  scan_backward: Optional[str] = None, tensor_axis: Optional[str] = TENSOR_AXIS):
         fused = config.fuse_out_norm  # M15
+        scan_layers = resolve_scan_layers(config.kind, scan_layers)
         if fused and eps != config.eps:
             raise ValueError(f"eps: with fuse_out_norm the router's norms use config.eps = "
                              f"{config.eps}, so the model's eps must equal it; got eps={eps}")
@@ -304,8 +312,10 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, *, schedule: str = "direct", mix=None, scale=None,
                  observer: Optional[ScheduleObserver] = None):
         """tokens `[B, T]` -> logits `[B, T, vocab]`; schedule, mix, scale, observer as in
-        `stack_apply` (mix and scale may be traced arrays).  scan_layers=True with an observer
-        or schedule="two_phase": the stacked weights run unrolled (class docstring).  Under
+        `stack_apply` (mix and scale may be traced arrays).  The scanned form (the default where
+        the kind allows) with a `DepthMonitor`'s observer: statistics out of the scan; with
+        another observer or schedule="two_phase": the stacked weights run unrolled (class
+        docstring).  Under
         Explicit mesh axes: run with them made Auto, logits typed as `tokens` with the vocab
         axis unsharded."""
         graphdef, state = nnx.split(self)
@@ -326,7 +336,8 @@ class Transformer(nnx.Module):
                             observer=observer, remat=self.remat)
             return self.head(self.final_norm(h))
         graphdef, state = nnx.split(self.blocks)
-        if observer is not None or schedule != "direct":  # unrolled over the stacked weights
+        records = observer is not None and schedule == "direct" and hasattr(observer, "scanned")
+        if (observer is not None and not records) or schedule != "direct":  # unrolled over the stacked weights
             blocks = [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
                       for i in range(self.router.num_layers // 2)]
             h = self.router(x, [m for b in blocks for m in (b.attention, b.mlp)], schedule=schedule,
@@ -334,6 +345,11 @@ class Transformer(nnx.Module):
             return self.head(self.final_norm(h))
         sublayers = (lambda p, h: nnx.merge(graphdef, p).attention(h),
                      lambda p, h: nnx.merge(graphdef, p).mlp(h))
+        if records:  # the monitor's statistics carried out of the scan (backward "scan")
+            h, recorded = self.router.scan(x, sublayers, state, mix=mix, scale=scale, remat=self.remat,
+                                           record=observer)
+            observer.scanned(self.router.config, self.router.num_layers, len(sublayers), recorded)
+            return self.head(self.final_norm(h))
         h = self.router.scan(x, sublayers, state, mix=mix, scale=scale, remat=self.remat,
                              backward=self.scan_backward)
         return self.head(self.final_norm(h))

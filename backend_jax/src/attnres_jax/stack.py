@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from attnres_core import probe, validation
 from attnres_core.config import ResidualConfig
 from attnres_core.schedule import (
+    FIXED_KINDS,
     FixedResidualStream,
     ScheduleObserver,
     call_scale,
@@ -34,6 +35,22 @@ from .ops import compute_dtype, dtype_name
 from .residual_ops import JaxOps
 
 Sublayer = Callable[[jax.Array], jax.Array]
+
+#: The kinds `scan_apply` runs (the fixed-shape stream's): the models built on it
+#: (`modules.Transformer`, `checkpoint_hf.LlamaAttnRes`) scan their layers for these by default.
+SCAN_KINDS = FIXED_KINDS
+
+
+def resolve_scan_layers(kind: str, scan_layers: Optional[bool]) -> bool:
+    """A model's `scan_layers` argument resolved for the scheme `kind`: None (the default) scans
+    where `scan_apply` runs the kind (`SCAN_KINDS`: compile time flat in depth) and unrolls
+    elsewhere; False unrolls; True on a kind outside `SCAN_KINDS` is refused, naming the fix."""
+    if scan_layers is None:
+        return kind in SCAN_KINDS
+    if scan_layers and kind not in SCAN_KINDS:
+        raise ValueError(f"scan_layers: the layer-scanned form runs {SCAN_KINDS}; scheme {kind!r} "
+                         "runs unrolled (scan_layers=False or None)")
+    return bool(scan_layers)
 
 
 def _check(config, params, embedding, num_layers: int, schedule: str) -> None:
@@ -136,7 +153,7 @@ def _static(*values) -> tuple:
 
 def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Sequence[Callable],
                layer_params, *, mix=None, scale=None, remat: Optional[str] = None, unroll: int = 1,
-               stages: Optional[int] = None, backward: Optional[str] = None):
+               stages: Optional[int] = None, backward: Optional[str] = None, record=None):
     """`stack_apply` as one `jax.lax.scan` over groups of sublayers: the program holds one group
     whatever L is (compile time flat in L), the schedule's state has a fixed shape
     (`attnres_core.schedule.FixedResidualStream`: Full a history buffer `[L + 1, ..., D]`,
@@ -173,8 +190,20 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
         `lax.scan`'s own autodiff of the shared schedule, which saves every step's carry.  None
         (default): "fused" for full where it runs (else "scan"), "replay" for block
         (docs/benchmarks.md).  remat="offload" always uses "scan".
+      record: None, or statistics carried out of the scan (a monitor on the scanned stack, e.g.
+        `training.DepthMonitor`'s observer): an object with `read_stats(weights [R, ...])` and
+        `sublayer_stats(h, v)`, each returning a pytree of fixed-shape arrays (outside the
+        gradient).  Every read's weights (the masked read's over the whole buffer, R rows, the
+        rows not read exactly 0) and every sublayer's input h_l (before its pre-norm) and output
+        v_l go through them inside the scan body; the results come out as the scan's outputs,
+        stacked over the steps, so the program still holds one group whatever L is.  Runs with
+        backward "scan" (None or "scan"; the others are refused).
 
-    Returns: out `[..., D]` (h_{L+1}, before any final norm) in the embedding's dtype.
+    Returns: out `[..., D]` (h_{L+1}, before any final norm) in the embedding's dtype; with
+    `record`, `(out, recorded)`: recorded = {"reads": P pytrees of `read_stats` stacked `[n, ...]`
+    (row i * P + j of sublayer j of step i; empty where the stack reads nothing: additive kinds,
+    mix 0), "sublayers": P pytrees of `sublayer_stats` stacked `[n, ...]`, "output": the output
+    read's `read_stats` or None}.
 
     Under Explicit mesh axes (`jax.make_mesh`'s default) the scan runs with them made Auto
     (`_mesh`: XLA places the buffers and the sublayers' intermediates; the sublayers see Auto
@@ -185,6 +214,9 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
     values = {"params": params, "embedding": embedding, "layer_params": layer_params, "mix": mix, "scale": scale}
     if hasattr(embedding, "shape") and _mesh.explicit_mesh(*jax.tree_util.tree_leaves(values)) is not None:
         tok, channels = _mesh.token_specs(embedding)
+        if record is not None:
+            raise ValueError("record: not under Explicit mesh axes; call scan_apply inside "
+                             "jax.sharding.auto_axes (as Transformer does)")
         return _mesh.auto_arrays(
             lambda **v: scan_apply(config, v["params"], v["embedding"], sublayers, v["layer_params"], mix=v["mix"],
                                    scale=v["scale"], remat=remat, unroll=unroll, stages=stages, backward=backward),
@@ -200,10 +232,15 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
     if hasattr(mix, "shape"):
         mix = jnp.asarray(mix, dtype=compute_dtype(embedding.dtype))
     scale = _as_scale(scale, embedding)
-    stream = FixedResidualStream(config, JaxOps(params), embedding, num_layers=n * period, mix=mix,
-                                 scale=scale)
+    stream = FixedResidualStream(config, _ops(params, record), embedding, num_layers=n * period,
+                                 mix=mix, scale=scale)
     if backward is not None and (not isinstance(backward, str) or backward not in SCAN_BACKWARDS):
         raise ValueError(f"backward: expected one of {SCAN_BACKWARDS} or None, got {backward!r}")
+    if record is not None:
+        if backward not in (None, "scan"):
+            raise ValueError(f"backward: a recorded scan (record=) runs backward 'scan'; got {backward!r}")
+        backward = "scan"
+    rows_all = None if stream.buffer is None else stream.buffer.shape[0]
     called, query_scale = call_scale(config, scale)
     alpha = check_mix(mix, called)
     why_not = _scan_full.unsupported(config, alpha, remat)
@@ -232,18 +269,29 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
               scale if hasattr(scale, "shape") else None)
 
     def step(inputs, state, i, p):
-        """One scan step: sublayers i * P + 1 .. i * P + P from `state`; returns the next state."""
+        """One scan step: sublayers i * P + 1 .. i * P + P from `state`; returns the next state
+        (with `record`: and the step's statistics)."""
         p_router, emb, mix_t, scale_t = inputs
-        s = FixedResidualStream(config, JaxOps(p_router), emb, num_layers=n * period,
+        ops = _ops(p_router, record)
+        s = FixedResidualStream(config, ops, emb, num_layers=n * period,
                                 mix=mix if mix_t is None else mix_t, scale=scale if scale_t is None else scale_t)
         s.load(state, i * period + 1)
+        if record is None:
+            for f in fs:
+                s.push(f(p, s.input()))
+            return s.state
+        reads, subs = [], []
         for f in fs:
-            s.push(f(p, s.input()))
-        return s.state
+            x = s.input()
+            h, v = s._last_input, ops.cast_like(f(p, x), emb)  # as the unrolled stream's observer sees them
+            reads += [record.read_stats(_padded(w, rows_all)) for w in ops.take_weights()]
+            subs.append(record.sublayer_stats(h, v))
+            s.push(v)
+        return s.state, (reads, subs)
 
     if policy is not None:
         step = jax.checkpoint(step, policy=policy)
-    state, start = stream.state, 0
+    state, start, recorded = stream.state, 0, []
     for stage in range(stages):
         stop = n * (stage + 1) // stages
         h, buffer, standard = state
@@ -252,6 +300,11 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
         if replay:
             h, rows, standard = _replayed_scan(step, traced, (h, rows, standard), start, stage_params,
                                                _entry_row(config, period), unroll)
+        elif record is not None:
+            (h, rows, standard), ys = jax.lax.scan(
+                lambda c, x: step(traced, c, *x), (h, rows, standard),
+                (jnp.arange(start, stop), stage_params), unroll=unroll)
+            recorded.append(ys)
         else:
             (h, rows, standard), _ = jax.lax.scan(
                 lambda c, x: (step(traced, c, *x), None), (h, rows, standard),
@@ -261,10 +314,46 @@ def scan_apply(config: ResidualConfig, params: Mapping, embedding, sublayers: Se
         state = (h, buffer, standard)
         start = stop
     stream.load(state, n * period + 1)
-    return stream.output()
+    out = stream.output()
+    if record is None:
+        return out
+    reads, subs = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *recorded)
+    final = stream.ops.take_weights()
+    return out, {"reads": reads, "sublayers": subs,
+                 "output": record.read_stats(_padded(final[0], rows_all)) if final else None}
 
 
 SCAN_BACKWARDS = ("fused", "replay", "scan")
+
+
+class _RecordingOps(JaxOps):
+    """`JaxOps` whose masked reads also form their weights and keep them (`take_weights`) for a
+    recorded scan; the stream gets what it asked for."""
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self._weights = []
+
+    def depth_attention_prefix(self, buffer, count, query, norm_weight, config, *, return_weights,
+                               out_norm_weight=None):
+        result = super().depth_attention_prefix(buffer, count, query, norm_weight, config, return_weights=True,
+                                                out_norm_weight=out_norm_weight)
+        self._weights.append(result[-1])
+        return tuple(result[:-1]) + ((result[-1] if return_weights else None),)
+
+    def take_weights(self) -> list:
+        """The weights of the reads since the last call."""
+        out, self._weights = self._weights, []
+        return out
+
+
+def _ops(params, record):
+    return JaxOps(params) if record is None else _RecordingOps(params)
+
+
+def _padded(weights, rows: int):
+    """Masked-read weights `[R', ...]` of a stage's rows, zero-padded to the buffer's R rows."""
+    return jnp.pad(weights, [(0, rows - weights.shape[0])] + [(0, 0)] * (weights.ndim - 1))
 
 
 def _fused_queries(config: ResidualConfig, params: Mapping, num_layers: int, dtype, query_scale):

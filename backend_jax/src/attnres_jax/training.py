@@ -169,6 +169,50 @@ class _StatsObserver(ScheduleObserver):
         """{"rows": {r: [stats per forward pass]}, "sublayers": {l: [(input_rms, output_rms)]}}."""
         return {"rows": self.rows, "sublayers": self.sublayers}
 
+    # the layer-scanned stack (`scan_apply(record=)`): the statistics come out of the scan
+    def read_stats(self, weights) -> dict:
+        """One read's statistics from its masked weights `[R, ...]` (rows not read: exactly 0,
+        which add nothing to any statistic); `scanned` keeps the rows read."""
+        mean, entropy, max_weight = core.weight_statistics(_stats_dtype(weights), jnp)
+        return {"mean_weights": mean, "entropy": entropy, "max_weight": max_weight}
+
+    def sublayer_stats(self, h, v) -> tuple:
+        return _rms(h), _rms(v)
+
+    def scanned(self, config, num_layers: int, period: int, recorded: Mapping) -> None:
+        """Record a scanned pass: `recorded` from `scan_apply(record=self)` (leaves stacked over
+        the n = L / period steps) as the unrolled pass would have (the same rows, labels and
+        sublayers; each row's mean weights cut to the sources it reads)."""
+        n = num_layers // period
+        for j, read in enumerate(recorded["reads"]):
+            for i in range(n):
+                self._scanned_row(config, num_layers, i * period + j + 1, read, i)
+        if recorded["output"] is not None:
+            self._scanned_row(config, num_layers, num_layers + 1, recorded["output"], None)
+        for j, (h_rms, v_rms) in enumerate(recorded["sublayers"]):
+            for i in range(n):
+                self.sublayers.setdefault(i * period + j + 1, []).append((h_rms[i], v_rms[i]))
+
+    def _scanned_row(self, config, num_layers: int, layer: int, read: Mapping, i) -> None:
+        labels = _prefix_labels(config, num_layers, layer)
+        self.monitor._labels[layer - 1] = labels
+        at = (lambda x: x) if i is None else (lambda x: x[i])
+        self.rows.setdefault(layer - 1, []).append({
+            "mean_weights": at(read["mean_weights"])[..., :len(labels)], "entropy": at(read["entropy"]),
+            "max_weight": at(read["max_weight"])})
+
+
+def _prefix_labels(config, num_layers: int, layer: int) -> list:
+    """The source labels of sublayer `layer`'s read (L + 1: the output) in the layer-scanned
+    stack's buffer, as the unrolled stream names them: full v_0..v_{l-1}; block b_0..b_n, the
+    last one "partial" inside a block (M3)."""
+    if config.kind == "full":
+        return [f"v{j}" for j in range(layer)]
+    S = config.block_size
+    sealed = (layer - 1) // S + 1 if layer <= num_layers else -(-num_layers // S) + 1
+    inside = layer <= num_layers and (layer - 1) % S != 0
+    return [f"b{j}" for j in range(sealed)] + (["partial"] if inside else [])
+
 
 def _state_variables(tree, suffix: Tuple, shape) -> list:
     """The NNX Variables of `tree` (e.g. an optimizer's state) at names ending in `suffix`
@@ -226,8 +270,10 @@ class DepthMonitor(core.DepthMonitorBase):
     and the collapse responses.
 
     Args:
-      router: the NNX `DepthRouter` (`Transformer.router`). A layer-scanned `Transformer` called
-        with an observer runs its stacked weights unrolled (same statistics, same logits).
+      router: the NNX `DepthRouter` (`Transformer.router`).  On a layer-scanned `Transformer`
+        (the default for its kinds) the statistics are carried out of the scan (`scan_apply(record=)`:
+        the same statistics as the unrolled model's within float32 rounding, the program still one
+        group whatever L is; that call runs the scan's backward "scan").
       collapse_threshold: a row whose token-averaged maximum weight exceeds it collapsed.
       on_collapse: a `CollapsePolicy` or its name ("reset" with `optimizer=`: `collapse_policy`).
 

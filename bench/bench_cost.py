@@ -415,12 +415,12 @@ def _mlx_graph_counts(*outputs) -> dict:
 
 
 def _mlx_fused(model, tokens_shape) -> bool:
-    """Whether the router reads through its fused path (`attnres_mlx.router.fusable`, no
+    """Whether the router reads through its fused path (`attnres_mlx.residual_ops.fusable`, no
     dispatch call recorded) for tokens of `tokens_shape` `[B, T]`."""
     import mlx.core as mx
 
     try:
-        from attnres_mlx.router import fusable
+        from attnres_mlx.residual_ops import fusable
     except ImportError:  # a router without fused reads
         return False
     router = model.router

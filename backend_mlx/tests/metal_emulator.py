@@ -1,10 +1,10 @@
 """A CPU stand-in for `mx.fast.metal_kernel` that compiles the kernel *body* as C++ and runs it
 with 32 real threads per threadgroup (one per SIMD lane, `simd_sum` through a barrier).
 
-It checks the logic of `attnres_mlx/metal.py` on Linux: indexing, thread layout, formulas, the
-Python wrappers' shapes.  It cannot check Metal syntax, Metal's math library or half/bfloat16
-arithmetic: inputs are widened to float32 (exact) and `T(...)` outputs are rounded to their
-dtype afterwards.  Every output buffer starts as NaN, so an unwritten element shows.
+It checks the logic of `attnres_mlx/kernels/metal.py` on Linux: indexing, thread layout,
+formulas, the Python wrappers' shapes.  It cannot check Metal syntax, Metal's math library or
+half/bfloat16 arithmetic: inputs are widened to float32 (exact) and `T(...)` outputs are rounded
+to their dtype afterwards.  Every output buffer starts as NaN, so an unwritten element shows.
 
 Build: the driver (threads, barrier, file I/O) is compiled once per session; each kernel body is
 a small translation unit (only <cmath>) linked against it.

@@ -3,7 +3,8 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from attnres_mlx import dispatch, metal, ops
+from attnres_mlx import dispatch, ops
+from attnres_mlx.kernels import metal
 
 D = 8
 

@@ -1,4 +1,4 @@
-"""The router's fused small reads (`attnres_mlx.router.fusable`, `MlxOps(fused=True)`): the path
+"""The router's fused small reads (`attnres_mlx.residual_ops.fusable`, `MlxOps(fused=True)`): the path
 single-token decode takes on the CPU, checked against the float64 reference (values and every
 gradient with a random cotangent), with overflowing and NaN sources, and that the path is taken
 exactly where `fusable` says."""
@@ -12,8 +12,9 @@ import pytest
 from attnres_conformance.numerics import round_to
 from attnres_conformance.tolerances import compare, flash_rule
 from attnres_core.config import ResidualConfig
-from attnres_mlx import ops, probe, router
-from attnres_mlx.router import MlxOps, RowCache, fusable
+from attnres_mlx import ops, probe
+from attnres_mlx.kernels import compiled
+from attnres_mlx.residual_ops import MlxOps, RowCache, fusable
 from helpers import assert_close, rand, to_mx, to_np
 
 L, D = 5, 8
@@ -193,7 +194,7 @@ def test_fusable_conditions():
     assert not fusable(full, x.astype(mx.float64), 16)
     for name in ("multihead", "input_query", "no_key_norm", "low_rank_keys", "standard"):
         assert not fusable(ResidualConfig.variant(name), x, 16), name
-    big = router.compiled.VECTOR_MAX_ELEMENTS // 128  # sources of the largest read, in tokens
+    big = compiled.VECTOR_MAX_ELEMENTS // 128  # sources of the largest read, in tokens
     assert fusable(full, mx.zeros((big // 17, 128)), 16)
     assert not fusable(full, mx.zeros((big // 17 + 1, 128)), 16)
 

@@ -10,7 +10,8 @@ import pytest
 import test_ops
 import test_out_norm
 import test_router
-from attnres_mlx import dispatch, metal, ops
+from attnres_mlx import dispatch, ops
+from attnres_mlx.kernels import metal
 
 pytestmark = pytest.mark.metal
 

@@ -11,7 +11,8 @@ import pytest
 import test_ops
 import test_out_norm
 import test_router
-from attnres_mlx import dispatch, metal, ops
+from attnres_mlx import dispatch, ops
+from attnres_mlx.kernels import metal
 from metal_emulator import Emulator
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20)")

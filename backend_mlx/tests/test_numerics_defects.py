@@ -16,7 +16,8 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from attnres_mlx import dispatch, metal, ops
+from attnres_mlx import dispatch, ops
+from attnres_mlx.kernels import metal
 from attnres_numpy import ops as ref
 from helpers import assert_close, rand, to_mx, to_np
 from metal_emulator import Emulator

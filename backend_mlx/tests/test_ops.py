@@ -7,7 +7,8 @@ import attnres_numpy.ops as ref
 import mlx.core as mx
 import numpy as np
 import pytest
-from attnres_mlx import compiled, dispatch, ops
+from attnres_mlx import dispatch, ops
+from attnres_mlx.kernels import compiled
 from helpers import DTYPES, MX, assert_close, rand, to_mx, to_np
 
 BATCH, D, N = (2, 3), 8, 3

@@ -9,8 +9,9 @@ import pytest
 from attnres_conformance.numerics import round_to
 from attnres_conformance.tolerances import compare, flash_rule
 from attnres_core.config import VARIANT_KINDS, ResidualConfig
-from attnres_mlx import compiled, ops, probe
-from attnres_mlx.router import MlxOps
+from attnres_mlx import ops, probe
+from attnres_mlx.kernels import compiled
+from attnres_mlx.residual_ops import MlxOps
 from helpers import assert_close, rand, to_mx, to_np
 
 L, D, BATCH = 5, 8, (2, 3)

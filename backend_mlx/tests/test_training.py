@@ -19,7 +19,8 @@ import pytest
 from attnres_core import training as core
 from attnres_core.config import ResidualConfig
 from attnres_mlx import training as T
-from attnres_mlx.router import DepthRouter, rmsnorm
+from attnres_mlx.modules import DepthRouter
+from attnres_mlx.residual_ops import rmsnorm
 from mlx.utils import tree_flatten
 
 L, D = 3, 8

@@ -2,9 +2,8 @@
 
 from attnres_core.config import ResidualConfig
 
+from .modules import DepthAttention, DepthRouter, Transformer
 from .ops import depth_attention, depth_attention_multi, inverse_rms, merge_partial
-from .router import DepthAttention, DepthRouter
-from .transformer import Transformer
 
 __all__ = ["DepthAttention", "DepthRouter", "ResidualConfig", "Transformer", "depth_attention",
            "depth_attention_multi", "inverse_rms", "merge_partial"]

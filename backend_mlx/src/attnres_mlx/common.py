@@ -1,5 +1,6 @@
-"""What the two implementations (`compiled.py`, `metal.py`) and `ops.py` share: dtype names, the
-compute-dtype rule (C10), and the reductions that bring broadcast gradients back to their inputs.
+"""What the two implementations (`kernels/compiled.py`, `kernels/metal.py`) and `ops.py` share:
+dtype names, the compute-dtype rule (C10), and the reductions that bring broadcast gradients back
+to their inputs.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 The public backend contract, the same names in `attnres_torch.dispatch` and `attnres_jax.dispatch`
 (`IMPLEMENTATIONS`, `availability()`, `use_impl()`, `Choice`, `last_choice()`, `impl_counts()`,
 `capabilities()`; written out in `attnres_core.dispatch`, whose bookkeeping this module uses:
-the forcing, the record, the refusal rule).  Here `IMPLEMENTATIONS` is "metal" (`metal.py`, the
-`mx.fast.metal_kernel` kernels: Apple GPUs, every dtype but float64), then "compiled"
-(`compiled.py`, the `mx.compile`d composition: everywhere); `use_impl` takes no options.  This
-module supplies the implementations, their support checks, availability and capabilities.
+the forcing, the record, the refusal rule).  Here `IMPLEMENTATIONS` is "metal"
+(`kernels/metal.py`, the `mx.fast.metal_kernel` kernels: Apple GPUs, every dtype but float64),
+then "compiled" (`kernels/compiled.py`, the `mx.compile`d composition: everywhere); `use_impl`
+takes no options.  This module supplies the implementations, their support checks, availability
+and capabilities.
 
 The ops (`ops.py`) call `choose(op, dtype)` once per call with the sources' dtype; forward and
 backward of that call both run on the implementation it returns.  Under `mx.compile` a call is
@@ -22,8 +23,8 @@ from typing import Dict, Iterator, Optional, Protocol, Tuple
 from attnres_core import dispatch as contract
 from attnres_core.dispatch import Choice
 
-from . import compiled, metal
 from .common import dtype_name
+from .kernels import compiled, metal
 
 #: The public ops dispatched here.
 OPS = contract.OPS

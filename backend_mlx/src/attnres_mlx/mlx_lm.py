@@ -37,7 +37,8 @@ from attnres_core.schedule import ResidualStream
 from attnres_core.training import from_k3, k3_config, to_k3
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .router import DepthRouter, MlxOps
+from .modules import DepthRouter
+from .residual_ops import MlxOps
 
 
 def _identity(x):

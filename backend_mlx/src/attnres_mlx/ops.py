@@ -6,9 +6,9 @@ section 2, with the fused output norm C17), `depth_attention_multi` and `merge_p
 Each op validates with the shared `attnres_core.validation` checks, asks the registry
 (`dispatch.choose`) once per call which implementation serves it, and runs one
 `mx.custom_function` per static configuration and implementation, whose forward and backward
-are that implementation's entry points (`metal.py` or `compiled.py`).  They work under
-`mx.compile`, `mx.grad`/`mx.vjp` and `mx.vmap`.  Forcing an implementation, and finding out
-which one ran, is `dispatch`'s (`use_impl`, `last_choice`, `impl_counts`).
+are that implementation's entry points (`kernels/metal.py` or `kernels/compiled.py`).  They work
+under `mx.compile`, `mx.grad`/`mx.vjp` and `mx.vmap`.  Forcing an implementation, and finding
+out which one ran, is `dispatch`'s (`use_impl`, `last_choice`, `impl_counts`).
 
 Dtypes (C10): sources float16/bfloat16/float32, and float64 on the CPU device; every
 intermediate in the compute dtype (`compute_dtype`: float32, or float64 for float64 sources),
@@ -29,9 +29,10 @@ from typing import Optional, Sequence, Tuple, Union
 import mlx.core as mx
 from attnres_core import validation
 
-from . import compiled, dispatch
+from . import dispatch
 from .common import compute_dtype, dtype_name
 from .dispatch import Implementation
+from .kernels import compiled
 
 Sources = Union[mx.array, Sequence[mx.array]]
 

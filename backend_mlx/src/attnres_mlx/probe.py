@@ -11,7 +11,8 @@ from attnres_core import probe as core
 from attnres_core.config import ResidualConfig
 
 from . import ops
-from .router import DepthRouter, MlxOps, Sublayer
+from .modules import DepthRouter, Sublayer
+from .residual_ops import MlxOps
 
 
 def probe_sublayers(sublayer_weights: mx.array, eps: float, *, prenorm: bool = True) -> List[Sublayer]:

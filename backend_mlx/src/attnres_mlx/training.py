@@ -49,7 +49,7 @@ from attnres_core.training import (
 from mlx.utils import tree_flatten
 
 from . import ops
-from .router import DepthRouter
+from .modules import DepthRouter
 
 __all__ = ["POLICIES", "CollapsePolicy", "DepthCollapseError", "DepthCollapseWarning", "DepthMonitor",
            "LogPolicy", "LrScalePolicy", "RaisePolicy", "ResetPolicy", "collapse_policy", "cosine_warmup",

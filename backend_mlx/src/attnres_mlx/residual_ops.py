@@ -1,12 +1,6 @@
-"""`mlx.nn` residual modules: `DepthAttention` and `DepthRouter` (spec sections 4-5, M1-M9).
-
-`DepthRouter` drives the user's L sublayers (callables `h [..., D] -> v [..., D]`) with any
-`ResidualConfig`; its parameters are named and shaped exactly as `config.param_shapes(L, D)`
-(row r = l - 1 belongs to sublayer l, row L to the output aggregation), so the probe's
-parameters load 1:1 with `router.update(params)`.
-
-The schedule is the shared `attnres_core.schedule.ResidualStream` on `MlxOps`, which reads in
-one of two ways, chosen once per pass:
+"""MLX's `ResidualOps`: the primitives the shared residual schedule (`attnres_core.schedule`)
+runs on.  `DepthRouter` (`modules.py`) drives `ResidualStream` with `MlxOps`, which reads in one
+of two ways, chosen once per pass:
 
 * Fused reads (`fusable`: small passes on the CPU device, e.g. single-token decode, with the
   key norm, one head and static queries; float16/bfloat16/float32).  Each sealed source keeps
@@ -28,13 +22,11 @@ import functools
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
 from attnres_core.config import ResidualConfig
-from attnres_core.schedule import ResidualOps, ResidualStream, ScheduleObserver, split_result
+from attnres_core.schedule import ResidualOps, split_result
 
-from . import compiled, dispatch, ops
-
-Sublayer = Callable[[mx.array], mx.array]
+from . import dispatch, ops
+from .kernels import compiled
 
 
 def rmsnorm(x: mx.array, eps: float) -> mx.array:
@@ -42,12 +34,6 @@ def rmsnorm(x: mx.array, eps: float) -> mx.array:
     for float64 x): the router's small projections (input queries, gates) stay in it."""
     xc = x.astype(ops.compute_dtype(x.dtype))
     return xc * mx.rsqrt(mx.mean(xc * xc, axis=-1, keepdims=True) + eps)
-
-
-def _project(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """rmsnorm(x) @ weight in the compute dtype: `[..., D] x [D, D] -> [..., D]`."""
-    normed = rmsnorm(x, eps)
-    return normed @ weight.astype(normed.dtype)
 
 
 class RowCache:
@@ -406,110 +392,3 @@ class MlxOps(ResidualOps):
             return self._fused_merge(out1, lse1, partial, query, norm_weight, config)
         return ops.merge_partial(out1, lse1, partial, query, norm_weight, eps=config.eps,
                                  scale=config.scale)
-
-
-class DepthAttention(nn.Module):
-    """One depth-attention read with its own parameters (spec section 2).
-
-    query="static": parameters `query [D]` (zero init) and `norm_weight [D]` (one init);
-    query="input": `query_weight [D, D]` (zero init), q = rmsnorm(sources[-1]) @ query_weight.
-    fuse_out_norm=True (C17, as torch's): also `out_norm [D]` (one init), the next sublayer's
-    pre-norm gain fused into the op (epsilon out_norm_eps, None: eps).
-    Call with a list of N sources `[..., D]` (or a stacked `[N, ..., D]`); returns `[..., D]`,
-    or `(out, out_normed)` with fuse_out_norm.
-    """
-
-    def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, num_heads: int = 1,
-                 activation: str = "softmax", key_norm: bool = True, query: str = "static",
-                 fuse_out_norm: bool = False, out_norm_eps: Optional[float] = None):
-        super().__init__()
-        cfg = ResidualConfig(kind="full", query=query, activation=activation, key_norm=key_norm,
-                             num_heads=num_heads, eps=eps, scale=scale)
-        self.config = cfg
-        if query == "static":
-            self.query = mx.zeros((dim,))
-        else:
-            self.query_weight = mx.zeros((dim, dim))
-        self.norm_weight = mx.ones((dim,))
-        if fuse_out_norm:
-            self.out_norm = mx.ones((dim,))
-        elif out_norm_eps is not None:
-            raise ValueError("out_norm_eps: given while fuse_out_norm is False")
-        self.out_norm_eps = out_norm_eps
-
-    def __call__(self, sources, *, return_lse: bool = False, return_weights: bool = False,
-                 inv_rms=None):
-        """out `[..., D]`, or `(out, out_normed?, lse?, weights?)` with fuse_out_norm / return_lse /
-        return_weights (as `ops.depth_attention`); inv_rms: the sources' cached inverse RMS
-        (`inverse_rms`)."""
-        cfg = self.config
-        q = self.query if cfg.query == "static" else _project(sources[-1], self.query_weight,
-                                                              cfg.eps)
-        return ops.depth_attention(sources, q, self.norm_weight, eps=cfg.eps, scale=cfg.scale,
-                                   num_heads=cfg.num_heads, activation=cfg.activation,
-                                   key_norm=cfg.key_norm, return_lse=return_lse,
-                                   return_weights=return_weights,
-                                   out_norm_weight=self.get("out_norm"),
-                                   out_norm_eps=self.out_norm_eps, inv_rms=inv_rms)
-
-
-class DepthRouter(nn.Module):
-    """The residual scheme of `config` around L user sublayers of width D (spec 4-5).
-
-    Parameters (attributes, `config.param_shapes(L, D)`, M8 init): queries `[L+1, D]` or
-    query_weights `[L+1, D, D]` and norm_weights `[L+1, D]`; alphas `[L]`; gate_weights
-    `[L, D, D]`, gate_biases `[L, D]`; depth_weights `[L+1, L+1]`.
-
-    `fused_reads` (a plain attribute, default True): passes take the fused reads where
-    `fusable` allows; False keeps the spec's ops for every read (their arithmetic, e.g. to
-    reproduce another implementation of the same ops bit for bit).
-    """
-
-    def __init__(self, config: ResidualConfig, num_layers: int, dim: int, *,
-                 dtype: mx.Dtype = mx.float32):
-        super().__init__()
-        if not isinstance(config, ResidualConfig):
-            raise TypeError(f"config: expected a ResidualConfig, got {type(config).__name__}")
-        self.config = config
-        self.num_layers = int(num_layers)
-        self.dim = int(dim)
-        for name, value in config.init_params(num_layers, dim).items():
-            setattr(self, name, mx.array(value).astype(dtype))
-        self.fused_reads = True
-
-    # -- the schedule ------------------------------------------------------------------------
-    def stream(self, embedding: mx.array, *, schedule: str = "direct",
-               observer: Optional[ScheduleObserver] = None, mix=None,
-               scale: Optional[float] = None) -> ResidualStream:
-        """Start a pass step by step: embedding v_0 `[..., D]`; the stream
-        (`attnres_core.schedule`) gives `input()`, `push(v_l)` and `output()`.  mix (alpha in
-        [0, 1]: progressive introduction; a Python float, or a 0-d array under `mx.compile`) and
-        scale (this call's logit scale) are the M10 per-call inputs.  The pass takes the fused
-        reads where `fusable` says so (module docstring).  An observer that wants the depth
-        weights (a recording `DepthMonitor`) gets a direct pass whatever `schedule` says."""
-        if embedding.ndim < 1 or embedding.shape[-1] != self.dim:
-            raise ValueError(f"embedding: expected shape [..., {self.dim}], got {embedding.shape}")
-        params = {name: self[name] for name in self.config.param_shapes(self.num_layers, self.dim)}
-        if not isinstance(self.__dict__.get("_rows"), RowCache):
-            object.__setattr__(self, "_rows", RowCache())  # a plain attribute, not a parameter
-        fused = self.fused_reads and fusable(self.config, embedding, self.num_layers)
-        if observer is not None and observer.wants_weights:
-            schedule = "direct"  # two-phase never forms the weights (spec 3: the same result), as torch's
-        return ResidualStream(self.config, MlxOps(params, self._rows, fused=fused), embedding,
-                              num_layers=self.num_layers,
-                              schedule=schedule, observer=observer, mix=mix, scale=scale)
-
-    def __call__(self, embedding: mx.array, sublayers: Sequence[Sublayer], *,
-                 schedule: str = "direct", observer: Optional[ScheduleObserver] = None,
-                 mix=None, scale: Optional[float] = None) -> mx.array:
-        """Run the scheme: embedding v_0 `[..., D]`, sublayers f_1..f_L; returns h_{L+1}
-        `[..., D]` (before any final norm).  schedule="two_phase" (M9) needs kind="block",
-        softmax, key_norm, one head and static queries."""
-        L = self.num_layers
-        if len(sublayers) != L:
-            raise ValueError(f"sublayers: expected L = {L} callables, got {len(sublayers)}")
-        self.config.check_schedule(schedule)
-        stream = self.stream(embedding, schedule=schedule, observer=observer, mix=mix, scale=scale)
-        for f in sublayers:
-            stream.push(f(stream.input()))
-        return stream.output()

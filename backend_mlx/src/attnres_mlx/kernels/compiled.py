@@ -39,7 +39,7 @@ from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .common import compute_dtype, query_grads, sum_to
+from ..common import compute_dtype, query_grads, sum_to
 
 #: N sources in broadcast form: a list of `[..., H, Dh]` or one stacked `[N, ..., H, Dh]`.
 Sources = Union[mx.array, List[mx.array]]

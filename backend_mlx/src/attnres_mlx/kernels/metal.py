@@ -32,7 +32,7 @@ import math
 
 import mlx.core as mx
 
-from .common import query_grads
+from ..common import query_grads
 
 SIMD = 32
 

@@ -3,10 +3,10 @@
 Compares, in one run on the same inputs (N sources `[T, D]` fp32, pseudo-query `[D]`, gain `[D]`):
   ours      attnres_torch.depth_attention as dispatched (the fused C kernel, dispatch "cpu_c")
   ours+thp  the same with the C kernel's opt-in huge-page advice on fresh outputs
-            (`attnres_torch.cpu_c.set_hugepages(True)`, as `ATTNRES_TORCH_HUGEPAGES=1`)
+            (`attnres_torch.kernels.cpu_c.set_hugepages(True)`, as `ATTNRES_TORCH_HUGEPAGES=1`)
   chunked   the same op forced onto the chunked torch kernel (dispatch "chunked": the fallback
             without a C compiler)
-  naive     the plain eager composition (attnres_torch.composite: stack, fp32 math, autograd)
+  naive     the plain eager composition (attnres_torch.kernels.composite: stack, fp32 math, autograd)
   compiled  torch.compile (inductor) of that composition
   fla       FLA's pure-PyTorch `naive_attnres` (fla/ops/attnres/naive.py, loaded by file path;
             same semantics: fp32 math, RMSNorm keys with gain, softmax over depth, static query)
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import attnres_torch as at
 import torch
-from attnres_torch import composite, cpu_c
+from attnres_torch.kernels import composite, cpu_c
 
 #: ours+thp last: in one run everything measured after the huge-page row was slower (the
 #: chunked bfloat16 forward 3x), so nothing else follows it.

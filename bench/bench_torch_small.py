@@ -36,7 +36,8 @@ import statistics
 import time
 
 import torch
-from attnres_torch import _rows, cpu_c, dispatch, ops, plans
+from attnres_torch import _rows, dispatch, ops, plans
+from attnres_torch.kernels import cpu_c
 
 ROWS = ("default", "previous", "composite", "forward_into", "C call", "grad default",
         "grad previous", "multi", "multi previous", "merge", "merge previous")

@@ -9,7 +9,7 @@ run in the same run, call by call:
   torch ours keep     the same in a process where `attnres_torch.cpu_alloc.keep_large_blocks()` ran
   torch ours out=     inference only: the kernel writing into one reused output buffer
                       (`cpu_c.forward_into`: what an `out=` argument could give at most)
-  torch composite     the plain differentiable torch composition (attnres_torch.composite)
+  torch composite     the plain differentiable torch composition (attnres_torch.kernels.composite)
   jax xla             attnres_jax.depth_attention(impl="xla") under jax.jit (own venv)
   mlx compiled        attnres_mlx.depth_attention on its compiled implementation (own venv)
 
@@ -70,7 +70,7 @@ def np_inputs(n, t, d):
 def torch_rows(args, case, dtype_name, keep):
     import attnres_torch as at
     import torch
-    from attnres_torch import composite, cpu_c
+    from attnres_torch.kernels import composite, cpu_c
 
     torch.set_num_threads(args.threads)
     kept = None

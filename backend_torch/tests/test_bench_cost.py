@@ -57,7 +57,7 @@ def test_train_rows(doc):
 
 
 def test_the_c_kernel_served_the_timed_steps(doc):
-    from attnres_torch import cpu_c
+    from attnres_torch.kernels import cpu_c
 
     if not cpu_c.available():
         pytest.skip("the C kernel is not built here (no compiler): the chunked kernel serves instead")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _helpers import assert_close, compute_dtype, f64, rand
 from attnres_numpy import ops as ref
-from attnres_torch import chunked
+from attnres_torch.kernels import chunked
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""The fused C kernels (`cpu_c.py`, `csrc/depth_cpu.c`: forward, backward, phase 1, merge): built
-here, chosen by the dispatch, write every element (NaN-poisoned buffers), match the float64
-reference at block/tile/lane edges, give the same bits on any thread count, and fall back to the
-chunked kernel without a compiler."""
+"""The fused C kernels (`kernels/cpu_c.py`, `kernels/csrc/depth_cpu.c`: forward, backward,
+phase 1, merge): built here, chosen by the dispatch, write every element (NaN-poisoned buffers),
+match the float64 reference at block/tile/lane edges, give the same bits on any thread count, and
+fall back to the chunked kernel without a compiler."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from _helpers import assert_close, compute_dtype, f64, rand
 from attnres_numpy import ops as ref
-from attnres_torch import cpu_c
+from attnres_torch.kernels import cpu_c
 
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 #: (N, T, D): one source; lane tail (D % 16); D = 1; past one 512-column tile with a tail;
@@ -292,7 +292,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 
 _PROBE = """
     import torch, attnres_torch as at
-    from attnres_torch import cpu_c
+    from attnres_torch.kernels import cpu_c
     at.depth_attention([torch.randn(3, 8) for _ in range(2)], torch.randn(8))
     print(at.last_impl(), '|', cpu_c.unavailable_reason())
 """
@@ -319,7 +319,7 @@ def test_portable_build_without_march_native(tmp_path):
     """The second flag set (no -march=native: SSE2 on x86-64, no F16C) builds a correct kernel."""
     code = """
         import numpy as np, torch
-        from attnres_torch import cpu_c
+        from attnres_torch.kernels import cpu_c
         from attnres_numpy import ops as ref
         cpu_c.FLAG_SETS = (("-O3",),)
         gen = torch.Generator().manual_seed(0)

@@ -12,7 +12,8 @@ from pathlib import Path
 import attnres_torch as at
 import pytest
 import torch
-from attnres_torch import chunked, composite, cpu_c, dispatch
+from attnres_torch import dispatch
+from attnres_torch.kernels import chunked, composite, cpu_c
 
 needs_c = pytest.mark.skipif(not cpu_c.available(), reason=f"no C kernel: {cpu_c.unavailable_reason()}")
 
@@ -188,7 +189,7 @@ def test_public_call_reaches_the_kernel_through_at_most_three_files(impl):
     with at.use_impl(impl):
         stacks, seen = _trace(lambda: at.depth_attention(xs, q), [module.forward_into])
         out = at.depth_attention(xs, q)
-    root = f"attnres_torch/{impl}.py"
+    root = f"attnres_torch/kernels/{impl}.py"
     assert stacks == [["attnres_torch/ops.py", "attnres_torch/dispatch.py", root]], stacks
     assert all(len(s) == len(set(s)) for s in seen), [s for s in seen if len(s) != len(set(s))]
     d_out = torch.randn_like(out)
@@ -218,7 +219,8 @@ def test_no_implementation_imports_another_or_the_registry():
     `library` only)."""
     root = Path(at.__file__).parent
     others = {"cpu_c", "chunked", "composite", "dispatch", "ops", "triton_depth"}
-    for rel in ("cpu_c.py", "chunked.py", "kernels/triton_depth.py", "composite.py"):
+    for rel in ("kernels/cpu_c.py", "kernels/chunked.py", "kernels/triton_depth.py",
+                "kernels/composite.py"):
         own = Path(rel).stem
         imported = _imports(root / rel)
         bad = {i for i in imported for o in others - {own} if i.rstrip(".").split(".")[-1] == o}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import attnres_torch as at
 import pytest
 import torch
-from attnres_torch import chunked, cpu_c, library
+from attnres_torch import library
+from attnres_torch.kernels import chunked, cpu_c
 
 IMPLS = {"cpu_c": cpu_c, "chunked": chunked}
 

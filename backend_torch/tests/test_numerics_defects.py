@@ -29,7 +29,7 @@ import torch
 from _helpers import f64, leaves
 from attnres_conformance.tolerances import TOLERANCES
 from attnres_numpy import ops as ref
-from attnres_torch import cpu_c
+from attnres_torch.kernels import cpu_c
 
 IMPLS = ["cpu_c", "chunked", "composite"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from _helpers import DTYPES, assert_close, compute_dtype, f64, leaves, rand
 from attnres_numpy import ops as ref
-from attnres_torch import cpu_c
+from attnres_torch.kernels import cpu_c
 
 EPS, SCALE, ON_EPS = 1e-6, 0.7, 1e-5
 

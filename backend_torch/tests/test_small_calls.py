@@ -18,7 +18,8 @@ import pytest
 import torch
 from _helpers import assert_close, compute_dtype, f64, leaves, rand
 from attnres_numpy import ops as ref
-from attnres_torch import cpu_c, plans
+from attnres_torch import plans
+from attnres_torch.kernels import cpu_c
 
 needs_c = pytest.mark.skipif(not cpu_c.available(), reason="the C kernel could not be built")
 pytestmark = needs_c

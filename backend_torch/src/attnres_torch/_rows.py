@@ -1,4 +1,4 @@
-"""Row views and buffers of the CPU kernel implementations (`cpu_c.py`, `chunked.py`).
+"""Row views and buffers of the CPU kernel implementations (`kernels/cpu_c.py`, `kernels/chunked.py`).
 
 Their kernels take 2-D `[T, D]` views, query * gain in fp32 and caller-provided outputs; these
 helpers flatten the token axes, allocate the outputs and turn a kernel's d(query * gain) into

@@ -11,13 +11,13 @@ support check (`refusal(call)`), its host code and its custom ops (`OPS`, see `l
 
 * "triton" (`kernels/triton_depth.py`, imported on the first CUDA call): the Triton kernels on
   CUDA, every op with the fused output norm (C17) up to D = 8192 and the phase-2 merge.
-* "cpu_c" (`cpu_c.py`, `csrc/depth_cpu.c`): the fused C kernel of the default op (softmax, key
+* "cpu_c" (`kernels/cpu_c.py`, `kernels/csrc/depth_cpu.c`): the fused C kernel of the default op (softmax, key
   norm, one head, float16/bfloat16/float32 sources with unit stride along D) on the CPU, when it
   could be built; with the fused output norm and the merge.
-* "chunked" (`chunked.py`): the chunked torch kernel of the same calls: the fallback without a C
+* "chunked" (`kernels/chunked.py`): the chunked torch kernel of the same calls: the fallback without a C
   compiler (or with `ATTNRES_TORCH_CPU_C=0`) and for sources strided along D.  No merge kernel
   and no fused output norm.
-* "composite" (`composite.py`): the plain differentiable torch composition of every call:
+* "composite" (`kernels/composite.py`): the plain differentiable torch composition of every call:
   float64, heads, sigmoid, no key norm, `merge_partial` with gradients, the output norm where no
   kernel serves it; also the comparison baseline.
 
@@ -52,7 +52,7 @@ from attnres_core.dispatch import Choice
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import chunked, composite, cpu_c
+from .kernels import chunked, composite, cpu_c
 
 #: Implementation names, in the order of the automatic choice.
 IMPLEMENTATIONS = ("triton", "cpu_c", "chunked", "composite")

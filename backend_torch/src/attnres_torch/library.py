@@ -1,7 +1,7 @@
 """Registration of the kernel implementations' `torch.library` custom ops (namespace `attnres`).
 
-Each kernel implementation module ("triton": `kernels/triton_depth.py`, "cpu_c": `cpu_c.py`,
-"chunked": `chunked.py`) writes the bodies of its ops and calls `define(name, bodies, reads_out)`
+Each kernel implementation module ("triton": `kernels/triton_depth.py`, "cpu_c": `kernels/cpu_c.py`,
+"chunked": `kernels/chunked.py`) writes the bodies of its ops and calls `define(name, bodies, reads_out)`
 once, at its import.  `define` registers every body as the custom op `attnres::<name>_<kind>`
 with a shape-only fake implementation, explicit autograd and the DTensor sharding strategies of
 `dtensor.py`, so `torch.compile(fullgraph=True)` treats each op as one graph node.  Nothing here

@@ -17,7 +17,7 @@ None where the hook does not apply) and `forward_eager` / `multi_eager` / `merge
 bodies on those constants: the same kernel on the same pointers, so the same bits).  A kept call of
 such an implementation that needs no gradient, outside any trace, mode or transform, runs the hook
 instead of the custom op, whose dispatch costs more than the kernel at T = 1 (the batch-1 decode
-read).  Today "cpu_c" defines it (`cpu_c.py`).
+read).  Today "cpu_c" defines it (`kernels/cpu_c.py`).
 """
 
 from __future__ import annotations

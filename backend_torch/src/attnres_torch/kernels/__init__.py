@@ -1,3 +1,5 @@
-"""Fused GPU kernels of the fast paths: `triton_depth` is the whole Triton implementation
-("triton" of `attnres_torch.dispatch`: support check, `@triton.jit` kernels, host code, custom
-ops); importing it imports Triton."""
+"""The kernel implementations of `attnres_torch.dispatch`, one module each: `triton_depth`
+("triton": support check, `@triton.jit` kernels, host code, custom ops; importing it imports
+Triton), `cpu_c` ("cpu_c": the fused C kernel, its source in `csrc/depth_cpu.c`, built at first
+use), `chunked` ("chunked": the chunked torch kernel) and `composite` ("composite": the plain
+differentiable torch composition).  Importing this package imports none of them."""

@@ -1,6 +1,6 @@
 /* Fused CPU kernels of the default depth-attention op (softmax, key norm, one head;
- * spec 2.1-2.3 and 3.1-3.2, numerics C10).  Built at first use by attnres_torch/cpu_c.py with the
- * system C compiler (-O3 -march=native -fopenmp, falling back to pthreads) and called through
+ * spec 2.1-2.3 and 3.1-3.2, numerics C10).  Built at first use by attnres_torch/kernels/cpu_c.py with
+ * the system C compiler (-O3 -march=native -fopenmp, falling back to pthreads) and called through
  * ctypes on tensor data pointers.
  *
  * Layout: every 2-D operand is rows x D with unit stride along D and its own row stride (in

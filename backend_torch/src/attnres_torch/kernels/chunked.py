@@ -22,9 +22,9 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from . import _rows
-from ._args import autocast_off
-from .library import define
+from .. import _rows
+from .._args import autocast_off
+from ..library import define
 
 NAME = "chunked"
 #: The device the automatic choice needs every tensor on (a forced call runs on any).

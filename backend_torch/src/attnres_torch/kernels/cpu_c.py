@@ -50,9 +50,9 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import _rows
-from ._args import autocast_off
-from .library import define
+from .. import _rows
+from .._args import autocast_off
+from ..library import define
 
 NAME = "cpu_c"
 #: The device the automatic choice needs every tensor on.

@@ -567,11 +567,11 @@ def test_phase1_split_reads_each_source_twice_not_s_times(kernels, n, num_q, dim
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
-def test_public_call_reaches_the_triton_kernels_through_two_files():
-    """The flat path (see test_dispatch.py): at every launch the stack holds ops.py and
-    kernels/triton_depth.py only (support check, host code, kernels and custom ops in one
-    module); the backward: library.py's autograd formula and triton_depth.py; no file twice on
-    any stack."""
+def test_public_call_reaches_the_triton_kernels_through_three_files():
+    """The flat path (see test_dispatch.py): at every launch the stack holds ops.py (the checks),
+    dispatch.py (the choice, then the run) and kernels/triton_depth.py only (support check, host
+    code, kernels and custom ops in one module); the backward: library.py's autograd formula and
+    triton_depth.py; no file twice on any stack."""
     from test_dispatch import _trace
 
     gen = torch.Generator().manual_seed(21)
@@ -580,8 +580,8 @@ def test_public_call_reaches_the_triton_kernels_through_two_files():
     with at.use_impl("triton"):
         stacks, seen = _trace(lambda: at.depth_attention(xs, q), [td._launch])
         out = at.depth_attention(xs, q)
-    assert stacks and all(s == ["attnres_torch/ops.py", "attnres_torch/kernels/triton_depth.py"]
-                          for s in stacks), stacks
+    assert stacks and all(s == ["attnres_torch/ops.py", "attnres_torch/dispatch.py",
+                                "attnres_torch/kernels/triton_depth.py"] for s in stacks), stacks
     assert all(len(s) == len(set(s)) for s in seen)
     stacks, seen = _trace(lambda: out.backward(torch.randn_like(out)), [td._launch])
     assert stacks and all(s == ["attnres_torch/library.py", "attnres_torch/kernels/triton_depth.py"]

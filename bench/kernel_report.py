@@ -16,7 +16,7 @@ Two parts, each in its own environment (torch+Triton and JAX are separate nox en
   whether the source loop is software-pipelined (`cp.async` in the PTX), and the bytes in flight
   per SM against what Little's law needs (`NEEDED_PER_SM`).
 * `--part pallas` (run it with the JAX env, e.g. `.nox/tests-jax/bin/python`): every Pallas kernel
-  of `attnres_jax.pallas.kernels` at the benchmark shapes, for the platforms `tpu` and `cuda`
+  of `attnres_jax.kernels.pallas` at the benchmark shapes, for the platforms `tpu` and `cuda`
   (the GPU lowering JAX picks by default, and the Triton lowering with
   `jax_pallas_use_mosaic_gpu=False`), lowered on the CPU with
   `jax.jit(f).trace(*abstract args).lower(lowering_platforms=(platform,))` (for `cuda` under an
@@ -438,7 +438,7 @@ def pallas_request(case: PallasCase, platform: str):
 def pallas_plan(case: PallasCase, platform: str):
     """(None or the reason the plan routes the call to XLA, the `Pallas` implementation resolved
     for the call: its tile TB and kernel settings)."""
-    from attnres_jax.pallas.kernels import Pallas
+    from attnres_jax.kernels.pallas import Pallas
     request = pallas_request(case, platform)
     return Pallas().supports(request), Pallas().resolve(request)
 
@@ -454,7 +454,7 @@ def pallas_lowering(case: PallasCase, platform: str, impl, mosaic_gpu: Optional[
     """`pallas_lower`, returning (the `jax.stages.Lowered` or None, None or the error's first line)."""
     import jax
     import jax.numpy as jnp
-    from attnres_jax.pallas import kernels
+    from attnres_jax.kernels import pallas as kernels
 
     n, t, d, s = case.n, case.t, case.d, case.s
     f32, bf16 = jnp.float32, jnp.bfloat16

@@ -14,7 +14,7 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: Gradients in these dtypes are held to the table's value column, stricter than the suite's
 #: gradient column, as tight as these tests held them before they took the suite's table
 #: (1e-10 and 3e-5 of the reference's max magnitude): float64 runs the reference's math in its
-#: precision; float32 sums over D with one vectorized reduce (`_xla.channel_sum`), so its
+#: precision; float32 sums over D with one vectorized reduce (`kernels.xla.channel_sum`), so its
 #: gradients stay within 2e-5.
 GRADS_AT_VALUE_COLUMN = ("float64", "float32")
 

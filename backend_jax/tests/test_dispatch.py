@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attnres_jax import depth_attention, depth_attention_multi, dispatch, merge_partial
-from attnres_jax.pallas import kernels
+from attnres_jax.kernels import pallas as kernels
 from attnres_numpy import ops as ref
 from jax_helpers import assert_close
 
@@ -155,39 +155,39 @@ def _norm(stack):
 
 
 def test_kernel_path_is_ops_dispatch_implementation(rng):
-    """Forward: ops.py -> dispatch.py -> pallas/kernels.py at the `pallas_call` (kernels._call);
-    backward: dispatch.py (the custom VJP's rule) -> pallas/kernels.py.  Phase 1's and the
-    merge's backwards, which have no kernel, run XLA's rules: dispatch.py -> _xla.py."""
+    """Forward: ops.py -> dispatch.py -> kernels/pallas.py at the `pallas_call` (kernels._call);
+    backward: dispatch.py (the custom VJP's rule) -> kernels/pallas.py.  Phase 1's and the
+    merge's backwards, which have no kernel, run XLA's rules: dispatch.py -> kernels/xla.py."""
     xs, q = _xs(rng), jnp.asarray(rng.standard_normal(D), jnp.float32)
-    path = _Path("pallas" + os.sep + "kernels.py", "_call")
+    path = _Path("kernels" + os.sep + "pallas.py", "_call")
     with dispatch.use_impl("pallas", interpret=True, tile=4, poison=True):
         out, pull = path.run(lambda: jax.vjp(lambda xs, q: depth_attention(xs, q), xs, q))
         path.run(lambda: pull(jnp.ones_like(out)))
     stacks = {_norm(s) for s in path.stacks}
-    assert stacks == {("ops.py", "dispatch.py", "pallas/kernels.py"), ("dispatch.py", "pallas/kernels.py")}, stacks
+    assert stacks == {("ops.py", "dispatch.py", "kernels/pallas.py"), ("dispatch.py", "kernels/pallas.py")}, stacks
     assert not path.leaf_calls, path.leaf_calls
 
-    xla = _Path("_xla.py", "backward")
+    xla = _Path("kernels" + os.sep + "xla.py", "backward")
     with dispatch.use_impl("pallas", interpret=True, tile=4):
         out, pull = xla.run(lambda: jax.vjp(lambda xs, q: depth_attention_multi(xs, q)[0], xs, jnp.stack([q, q])))
         xla.run(lambda: pull(jnp.ones_like(out)))
-    assert {_norm(s) for s in xla.stacks} == {("dispatch.py", "_xla.py")}
+    assert {_norm(s) for s in xla.stacks} == {("dispatch.py", "kernels/xla.py")}
     assert not xla.leaf_calls, xla.leaf_calls
 
-    merge = _Path("_xla.py", "merge_backward")  # the merge kernel's backward: XLA's rule, as phase 1's
+    merge = _Path("kernels" + os.sep + "xla.py", "merge_backward")  # the merge kernel's backward: XLA's rule, as phase 1's
     with dispatch.use_impl("pallas", interpret=True, tile=4):
         out, pull = merge.run(lambda: jax.vjp(lambda o, p: merge_partial(o, jnp.zeros(5), p, q), xs[0], xs[1]))
         merge.run(lambda: pull(jnp.ones_like(out)))
     assert dispatch.last_choice() == ("merge_partial", "pallas", ())
-    assert {_norm(s) for s in merge.stacks} == {("dispatch.py", "_xla.py")}
+    assert {_norm(s) for s in merge.stacks} == {("dispatch.py", "kernels/xla.py")}
     assert not merge.leaf_calls, merge.leaf_calls
 
 
 def test_xla_path_is_ops_dispatch_xla(rng):
     xs, q = _xs(rng), jnp.ones(D)
-    path = _Path("_xla.py", "forward")
+    path = _Path("kernels" + os.sep + "xla.py", "forward")
     path.run(lambda: depth_attention(xs, q, impl="xla"))
-    assert {_norm(s) for s in path.stacks} == {("ops.py", "dispatch.py", "_xla.py")}
+    assert {_norm(s) for s in path.stacks} == {("ops.py", "dispatch.py", "kernels/xla.py")}
     assert not path.leaf_calls, path.leaf_calls
 
 
@@ -197,5 +197,5 @@ def test_the_pallas_implementation_does_not_import_xla():
 
     tree = ast.parse(open(kernels.__file__).read())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert "_xla" not in {m.rsplit(".", 1)[-1] for m in imported}, imported
-    assert not hasattr(kernels, "_xla")
+    assert not {m for m in imported if m.rsplit(".", 1)[-1] == "xla"}, imported  # `.xla` or `..kernels.xla`
+    assert not hasattr(kernels, "xla")

@@ -5,7 +5,7 @@
 * fp32 sources of magnitude 1e18 / 1e25: the key norm must not overflow (C10.6) and the backward
   must not form s r^3 (underflow), forward and gradients within the fp32 tolerance;
 * `merge_partial` with lse1 - z2 ~ 10: w2 from its own logistic, not 1 - w1;
-* the fp32 forward at D = 1024 sums over D with a reduce (`_xla.channel_sum`), not a sequential matvec;
+* the fp32 forward at D = 1024 sums over D with a reduce (`kernels.xla.channel_sum`), not a sequential matvec;
 * a cotangent of the wrong shape raises JAX's own ValueError.
 """
 
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attnres_conformance.tolerances import TOLERANCES, rel_err
-from attnres_jax import _xla, dispatch
+from attnres_jax import dispatch
+from attnres_jax.kernels import xla as _xla
 
 D = 16
 IMPLS = ["xla", "interpret"]
@@ -212,7 +213,7 @@ def test_fp32_forward_sums_over_d_without_a_sequential_matvec():
     """N = 9, T = 64, D = 1024, q = 0.05 randn, jitted, the suite's per-element metric: logits
     from a matvec `x @ Qm` (XLA:CPU's dot emitter accumulates sequentially) gave 1.1e-6..1.7e-6
     on these draws, 4-5x worse than issue 17's plain port; a reduce of the elementwise product
-    (`_xla.channel_sum`) gives 8.4e-7..9.6e-7, and the plain jnp port 1.5e-6..2.9e-6 here
+    (`kernels.xla.channel_sum`) gives 8.4e-7..9.6e-7, and the plain jnp port 1.5e-6..2.9e-6 here
     (AVX-512).  The forward program has no dot at all (checked on its lowered text)."""
     rng = np.random.default_rng(17)
     f = jax.jit(lambda xs, q: aj.depth_attention(list(xs), q, impl="xla"))

@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attnres_jax import _xla, depth_attention, dispatch
+from attnres_jax import depth_attention, dispatch
 from attnres_jax.dispatch import Request
-from attnres_jax.pallas import kernels
-from attnres_jax.pallas.kernels import Pallas
+from attnres_jax.kernels import pallas as kernels
+from attnres_jax.kernels import xla as _xla
+from attnres_jax.kernels.pallas import Pallas
 from attnres_numpy import ops as ref
 from jax_helpers import DTYPES, assert_close, precision, rounded
 

@@ -19,8 +19,8 @@ import pytest
 from attnres_core.config import ResidualConfig
 from attnres_jax import depth_attention, depth_attention_multi, dispatch, merge_partial, probe_forward
 from attnres_jax.dispatch import Request
-from attnres_jax.pallas import kernels
-from attnres_jax.pallas.kernels import Pallas
+from attnres_jax.kernels import pallas as kernels
+from attnres_jax.kernels.pallas import Pallas
 from attnres_numpy import model as ref_model
 from attnres_numpy import ops as ref
 from jax.experimental import pallas as pl

@@ -71,7 +71,7 @@ def normed_kernels(monkeypatch):
     """`report.pallas_lower` lowers the out-norm variants: kernels.forward / backward called with
     out_norm_weight `[1, D]` (and d_normed `[T, D]` bf16), built inside the trace."""
     import jax.numpy as jnp
-    from attnres_jax.pallas import kernels
+    from attnres_jax.kernels import pallas as kernels
 
     forward, backward = kernels.forward, kernels.backward
 
@@ -87,8 +87,8 @@ def normed_kernels(monkeypatch):
 
 
 def _check_normed(case, plan_platform, platform, refusal_lowering):
-    from attnres_jax.pallas import kernels
-    from attnres_jax.pallas.kernels import Pallas
+    from attnres_jax.kernels import pallas as kernels
+    from attnres_jax.kernels.pallas import Pallas
 
     request = report.pallas_request(case, plan_platform)._replace(out_norm=True)
     reason, impl = Pallas().supports(request), Pallas().resolve(request)
@@ -116,8 +116,8 @@ def test_tpu_grid_is_parallel():
     chip may split it over both TensorCores; each kernel's output blocks are the tile's own
     (rows, or one per-tile partial).  The lowering tests above lower every benchmark shape with
     these parameters."""
-    from attnres_jax.pallas import kernels
-    from attnres_jax.pallas.kernels import Pallas
+    from attnres_jax.kernels import pallas as kernels
+    from attnres_jax.kernels.pallas import Pallas
 
     params = Pallas(platform="tpu", tile=8).kernel_options(None)["compiler_params"]
     assert tuple(params.dimension_semantics) == ("parallel",)

@@ -3,8 +3,8 @@ static options of one call and the `Request` an implementation is chosen from (p
 `attnres_jax.dispatch.Request`).
 
 A leaf module: nothing here computes the op or calls the rest of the package.  `ops` holds the
-public functions, `dispatch` the registry, the choice and the custom VJPs, `_xla` and
-`pallas.kernels` the two implementations, `_math` what both share.
+public functions, `dispatch` the registry, the choice and the custom VJPs, `kernels.xla` and
+`kernels.pallas` the two implementations, `_math` what both share.
 """
 
 from __future__ import annotations

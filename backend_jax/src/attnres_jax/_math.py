@@ -2,8 +2,8 @@
 call (`Query`, `query_side`), the column layout of the per-token statistics, the overflow-safe
 inverse RMS (C10.6) and the merge weights (C10.7).
 
-A leaf module: it calls nothing else of the package.  `dispatch` (the custom VJPs), `_xla` (the
-XLA formulas) and `pallas.kernels` (host code and kernel bodies) import from here, so neither
+A leaf module: it calls nothing else of the package.  `dispatch` (the custom VJPs), `kernels.xla` (the
+XLA formulas) and `kernels.pallas` (host code and kernel bodies) import from here, so neither
 implementation imports the other.
 
 Notation (spec 2.1): qg = query * norm_weight; per-token statistics are `[..., K]` (K = S * H

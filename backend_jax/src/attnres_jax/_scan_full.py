@@ -42,7 +42,7 @@ from attnres_core.config import ResidualConfig
 
 from ._args import Options, compute_dtype
 from ._math import HIGHEST
-from ._xla import _head_rms, out_norm
+from .kernels.xla import _head_rms, out_norm
 from .residual_ops import JaxOps
 
 #: The memory modes the fused backward runs (None: keep each sublayer's VJP residuals;

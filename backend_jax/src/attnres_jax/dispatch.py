@@ -6,9 +6,9 @@ The public backend contract, the same names in `attnres_torch.dispatch` and `att
 `capabilities()`; written out in `attnres_core.dispatch`, whose bookkeeping this module uses:
 the forcing, the record, the refusal rule).  Here:
 
-  IMPLEMENTATIONS   "pallas" (`pallas/kernels.py`: `Pallas`, one head; compiled on gpu/tpu, not
+  IMPLEMENTATIONS   "pallas" (`kernels/pallas.py`: `Pallas`, one head; compiled on gpu/tpu, not
                     float64, on GPU D a power of two up to 8192; in an interpreter on any
-                    platform), then "xla" (`_xla.py`: every call).
+                    platform), then "xla" (`kernels/xla.py`: every call).
   use_impl(name, **options)
                     options configure the Pallas implementation (see `use_impl`); the ops'
                     `impl=` keyword forces one call ("not forced (impl='xla')" in `refused`).
@@ -24,7 +24,7 @@ an explicit `impl=` wins over the block.
 
 Path of a call (no file entered twice): `ops.py` (validation, the `Request`) -> this module
 (`attend` / `merge`: the choice, then the custom VJP, which calls the chosen implementation's
-entry points) -> `pallas/kernels.py` (`Pallas.forward` -> the kernel) or `_xla.py` (the
+entry points) -> `kernels/pallas.py` (`Pallas.forward` -> the kernel) or `kernels/xla.py` (the
 formulas).  The chosen implementation is a static (nondiff) argument of the custom VJP, so the
 forward and its backward run the same implementation and a trace is keyed by it.  An
 implementation without a backward entry point (Pallas: phase 1, merge) saves XLA's residuals, and
@@ -52,8 +52,8 @@ from attnres_core.dispatch import Choice
 from . import _mesh
 from ._args import MergeOptions, Options, Request, compute_dtype, restack, sum_to, unstack
 from ._math import join_columns, query_side, split_columns
-from ._xla import XLA, Xla
-from .pallas.kernels import Pallas
+from .kernels.pallas import Pallas
+from .kernels.xla import XLA, Xla
 
 __all__ = ["IMPLEMENTATIONS", "REGISTRY", "Choice", "Request", "availability", "capabilities", "impl_counts",
            "last_choice", "select", "use_impl"]
@@ -261,7 +261,7 @@ def _like_primals(cotangents, primals):
 def _attend(impl, opts: Options, sources, query, norm_weight, out_norm_weight=None, num_valid=None):
     """sources N x `[..., D]` or `[N, ..., D]`; query `[D]`, `[..., D]` or `[S, D]` (multi);
     out_norm_weight `[D]` or None (C17: needs `opts.out_norm_eps`); num_valid: None or a 0-d
-    integer array, the sources attended (the others masked: XLA only, `_xla.forward`).
+    integer array, the sources attended (the others masked: XLA only, `kernels.xla.forward`).
     Returns out `[S, ..., D]` (sources' dtype), out_normed `[S, ..., D]` (sources' dtype) or None,
     lse `[S, ..., H]` (compute dtype) or None, weights `[N, S, ..., H]` (compute dtype)."""
     return _attend_fwd(impl, opts, sources, query, norm_weight, out_norm_weight, num_valid)[0]

@@ -11,8 +11,8 @@ and the shapes) and runs the custom VJP with it as a static argument.
 Layout of the package (a call: ops -> dispatch -> one implementation):
   ops               the public functions (this module)
   dispatch          the registry, the per-call choice, the custom VJPs, the public contract
-  _xla              the `xla` implementation: the XLA formulas and VJP rules
-  pallas/kernels    the `pallas` implementation: `Pallas` and the Pallas kernels
+  kernels/xla       the `xla` implementation: the XLA formulas and VJP rules
+  kernels/pallas    the `pallas` implementation: `Pallas` and the Pallas kernels
   _math             what both implementations share (query side, column layout, numerics)
   _args             argument handling, static options, the compute dtype (C10), `Request`
 

@@ -32,11 +32,11 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from ._args import MergeOptions, Options, Request, sum_to
-from ._math import HIGHEST, Query, inv_rms, join_columns, merge_weights, split_columns, tile_sets
-from ._math import at as _at
-from ._math import lead as _lead
-from ._math import trail as _trail
+from .._args import MergeOptions, Options, Request, sum_to
+from .._math import HIGHEST, Query, inv_rms, join_columns, merge_weights, split_columns, tile_sets
+from .._math import at as _at
+from .._math import lead as _lead
+from .._math import trail as _trail
 
 # -- column layout helpers (S = 1 and H = 1 take no reshape: `_math`) -------------------------------
 

@@ -64,3 +64,22 @@ def leaves(xs):
     if isinstance(xs, (list, tuple)):
         return [leaves(x) for x in xs]
     return None if xs is None else xs.detach().clone().requires_grad_(True)
+
+
+def stock_schedule_step(rank: int, chunks, layout: str, microbatches: int, tokens, target, loss_fn):
+    """One step of torch's stock pipeline schedule `layout` ("gpipe", "1f1b": one stage per
+    rank; "interleaved": two) over this rank's stages of `chunks` (`pipeline_stages`): (the losses
+    the last stage reports, {(stage index, parameter name): gradient as numpy})."""
+    from attnres_torch.distributed import pipeline_stages
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+    stages = pipeline_stages(chunks, "cpu")
+    schedule = kinds[layout](stages if layout == "interleaved" else stages[0], microbatches,
+                             loss_fn=loss_fn)
+    last = any(s.is_last for s in stages)
+    losses = []
+    schedule.step(*((tokens,) if rank == 0 else ()), target=target if last else None, losses=losses)
+    grads = {(s.stage_index, n): p.grad.numpy().copy()
+             for s in stages for n, p in chunks[s.stage_index].named_parameters()}
+    return [loss.item() for loss in losses], grads

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import stock_schedule_step
 from attnres_torch import AttnResTransformer, DepthRouter, ResidualConfig
 from attnres_torch.distributed import (
     PipelinePlan,
@@ -51,23 +52,10 @@ def _loss(logits, target):
 
 
 def _rank(rank, world, kind):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
     tokens, target = _data()
-    out = {}
-    for name, sizes in LAYOUTS.items():
-        chunks = split_transformer(_model(kind), sizes)
-        stages = pipeline_stages(chunks, "cpu")
-        schedule = kinds[name](stages if name == "interleaved" else stages[0], M, loss_fn=_loss)
-        last = any(s.is_last for s in stages)
-        losses = []
-        args = (tokens,) if rank == 0 else ()
-        schedule.step(*args, target=target if last else None, losses=losses)
-        grads = {(s.stage_index, n): p.grad.numpy().copy()
-                 for s in stages for n, p in chunks[s.stage_index].named_parameters()}
-        out[name] = ([loss.item() for loss in losses], grads)
-    return out
+    return {name: stock_schedule_step(rank, split_transformer(_model(kind), sizes), name, M, tokens,
+                                      target, _loss)
+            for name, sizes in LAYOUTS.items()}
 
 
 @pytest.mark.parametrize("kind", ["block", "full"])

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
+from _helpers import stock_schedule_step  # noqa: E402
 from attnres_torch import ResidualConfig, hf  # noqa: E402
-from attnres_torch.distributed import hf_stages, pipeline_stages, run_local, split_hf  # noqa: E402
+from attnres_torch.distributed import hf_stages, run_local, split_hf  # noqa: E402
 from transformers import (  # noqa: E402
     ArceeConfig,
     ArceeForCausalLM,
@@ -82,24 +83,10 @@ def _loss(logits, target):
 
 
 def _rank(rank, world):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
     tokens, target = _data()
-    out = {}
-    for kind in CONFIGS:
-        for name, sizes in LAYOUTS.items():
-            chunks = split_hf(_model(kind), sizes)
-            stages = pipeline_stages(chunks, "cpu")
-            schedule = kinds[name](stages if name == "interleaved" else stages[0], M, loss_fn=_loss)
-            last = any(s.is_last for s in stages)
-            losses = []
-            schedule.step(*((tokens,) if rank == 0 else ()), target=target if last else None,
-                          losses=losses)
-            grads = {(s.stage_index, n): p.grad.numpy().copy()
-                     for s in stages for n, p in chunks[s.stage_index].named_parameters()}
-            out[kind, name] = ([loss.item() for loss in losses], grads)
-    return out
+    return {(kind, name): stock_schedule_step(rank, split_hf(_model(kind), sizes), name, M, tokens,
+                                              target, _loss)
+            for kind in CONFIGS for name, sizes in LAYOUTS.items()}
 
 
 def test_stock_schedules_equal_the_unsplit_model():

@@ -179,7 +179,7 @@ def _trace(fn, kernels) -> tuple:
 def test_public_call_reaches_the_kernel_through_at_most_three_files(impl):
     """ops.py (the checks) -> dispatch.py (the choice, then the run) -> the implementation
     module: on the stack at the kernel, those three files; no file appears twice on any stack
-    (nothing calls back into a file it came from).  The backward: library.py's autograd formula
+    (nothing calls back into a file it came from).  The backward: dispatch.py's autograd formula
     -> the implementation's backward op."""
     if impl == "cpu_c" and not cpu_c.available():
         pytest.skip(f"no C kernel: {cpu_c.unavailable_reason()}")
@@ -194,7 +194,7 @@ def test_public_call_reaches_the_kernel_through_at_most_three_files(impl):
     assert all(len(s) == len(set(s)) for s in seen), [s for s in seen if len(s) != len(set(s))]
     d_out = torch.randn_like(out)
     stacks, seen = _trace(lambda: out.backward(d_out), [module.backward_into])
-    assert stacks == [["attnres_torch/library.py", root]], stacks
+    assert stacks == [["attnres_torch/dispatch.py", root]], stacks
     assert all(len(s) == len(set(s)) for s in seen)
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in xs)
 
@@ -215,8 +215,8 @@ def _imports(path: Path) -> set:
 
 def test_no_implementation_imports_another_or_the_registry():
     """Each implementation module owns its path: it imports neither another implementation nor
-    `dispatch` nor `ops` (shared leaf helpers `_args`, `_rows` and the registration helper
-    `library` only)."""
+    `dispatch` nor `ops` (the shared leaf helpers `_args` and `_rows` only; `dispatch` registers
+    their custom ops)."""
     root = Path(at.__file__).parent
     others = {"cpu_c", "chunked", "composite", "dispatch", "ops", "triton_depth"}
     for rel in ("kernels/cpu_c.py", "kernels/chunked.py", "kernels/triton_depth.py",

@@ -1,13 +1,15 @@
 """The `torch.library` custom ops of each kernel implementation (`attnres::<impl>_<kind>`,
-registered by `library.define`): opcheck (schema, fake/meta, autograd registration), a
+registered by `dispatch`): opcheck (schema, fake/meta, autograd registration), a
 `torch.compile(fullgraph=True)` trace of a model using them."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import attnres_torch as at
 import pytest
 import torch
-from attnres_torch import library
+from attnres_torch import dispatch
 from attnres_torch.kernels import chunked, cpu_c
 
 IMPLS = {"cpu_c": cpu_c, "chunked": chunked}
@@ -20,19 +22,19 @@ def _sources(n=3, shape=(4, 6), dtype=torch.float32, grad=True):
 @pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("gain", [False, True])
-@pytest.mark.parametrize("save", library.SAVE_MODES)
+@pytest.mark.parametrize("save", dispatch.SAVE_MODES)
 def test_opcheck_depth_attention(impl, per_token, gain, save):
     xs = _sources()
     q = torch.randn((4, 6) if per_token else (6,), requires_grad=True)
     g = torch.rand(6, requires_grad=True) + 0.5 if gain else None
-    torch.library.opcheck(IMPLS[impl].OPS.depth_attention, (xs, q, g, 1e-6, 1.0, save))
+    torch.library.opcheck(dispatch.OPS[impl].depth_attention, (xs, q, g, 1e-6, 1.0, save))
 
 
 @pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
 def test_opcheck_backward_and_multi(impl):
     xs = _sources(grad=False)
     q, g = torch.randn(6), torch.rand(6) + 0.5
-    ops = IMPLS[impl].OPS
+    ops = dispatch.OPS[impl]
     out, lse = ops.depth_attention(xs, q, g, 1e-6, 1.0, "auto")
     for saved_out in (out, None):  # None: save="stats" (these kernels never read out)
         torch.library.opcheck(ops.depth_attention_backward,
@@ -40,7 +42,7 @@ def test_opcheck_backward_and_multi(impl):
                                1.0))
     qs = torch.randn(2, 6, requires_grad=True)
     gs = torch.rand(2, 6) + 0.5
-    for save in library.SAVE_MODES:
+    for save in dispatch.SAVE_MODES:
         torch.library.opcheck(ops.depth_attention_multi, (_sources(), qs, gs, 1e-6, 1.0, save))
         torch.library.opcheck(ops.depth_attention_weights, (_sources(), qs[0], gs[0], 1e-6, 1.0,
                                                             save))
@@ -50,13 +52,14 @@ def test_ops_are_named_per_implementation():
     """Each kernel implementation registers its own ops in the `attnres` namespace; the chunked
     kernel has no fused output norm op."""
     for name, module in IMPLS.items():
-        for kind in library.KINDS[:4]:
-            assert getattr(module.OPS, kind) is not None
+        for kind in dispatch.KINDS[:4]:
+            assert getattr(dispatch.OPS[name], kind) is not None
             assert getattr(torch.ops.attnres, f"{name}_{kind}").default is not None
-    assert hasattr(cpu_c.OPS, "depth_attention_out_norm")
-    assert not hasattr(chunked.OPS, "depth_attention_out_norm")
-    with pytest.raises(ValueError, match="bodies: expected kinds"):
-        library.define("bogus", {"depth_attention": chunked.depth_attention}, lambda d, o: False)
+    assert hasattr(dispatch.OPS["cpu_c"], "depth_attention_out_norm")
+    assert not hasattr(dispatch.OPS["chunked"], "depth_attention_out_norm")
+    bogus = SimpleNamespace(NAME="bogus", depth_attention=chunked.depth_attention)
+    with pytest.raises(ValueError, match="bogus: expected op bodies"):
+        dispatch._define(bogus)
 
 
 def test_compile_fullgraph_router_model():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from _helpers import DTYPES, assert_close, compute_dtype, f64, leaves, rand
 from attnres_numpy import ops as ref
+from attnres_torch import dispatch
 from attnres_torch.kernels import cpu_c
 
 EPS, SCALE, ON_EPS = 1e-6, 0.7, 1e-5
@@ -302,12 +303,12 @@ def test_opcheck(per_token, with_weights):
     q = torch.randn((4, 6) if per_token else (6,), requires_grad=True)
     g = (torch.rand(6) + 0.5).requires_grad_(True)
     w = (torch.rand(6) + 0.5).requires_grad_(True)
-    torch.library.opcheck(cpu_c.OPS.depth_attention_out_norm,
+    torch.library.opcheck(dispatch.OPS["cpu_c"].depth_attention_out_norm,
                           (xs, q, g, w, 1e-6, 1.0, 1e-5, with_weights, "out"))
     xs = [x.detach() for x in xs]
-    out, _, lse, _ = cpu_c.OPS.depth_attention_out_norm(xs, q.detach(), g.detach(), w.detach(),
+    out, _, lse, _ = dispatch.OPS["cpu_c"].depth_attention_out_norm(xs, q.detach(), g.detach(), w.detach(),
                                                         1e-6, 1.0, 1e-5, False, "out")
-    torch.library.opcheck(cpu_c.OPS.depth_attention_out_norm_backward,
+    torch.library.opcheck(dispatch.OPS["cpu_c"].depth_attention_out_norm_backward,
                           (xs, q.detach(), g.detach(), w.detach(), out, lse, torch.randn(4, 6),
                            torch.randn(4, 6), torch.randn(4), 1e-6, 1.0, 1e-5))
 

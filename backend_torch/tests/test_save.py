@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from _helpers import assert_close, compute_dtype, f64, rand
 from attnres_numpy import ops as ref_ops
-from attnres_torch import library
+from attnres_torch import dispatch
 from attnres_torch.memory import SavedBytes
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -139,8 +139,6 @@ def test_triton_recomputes_only_where_its_backward_reads_out(monkeypatch, dtype,
 def test_triton_stats_rerun_compiles_fullgraph():
     """The fp32 Triton backward's forward rerun (a custom op called in the backward) traces
     with torch.compile: one graph, no break, bitwise the eager gradients."""
-    from attnres_torch import dispatch
-
     dispatch.implementation("triton")  # imported before the trace: its first import takes a lock
     torch._dynamo.reset()
     xs, q, g, _, cot = _inputs("depth_attention", False, True, torch.float32, seed=2)
@@ -223,7 +221,7 @@ def test_bad_save_raises_value_error_naming_it(make):
         make()
 
 
-@pytest.mark.parametrize("save", library.SAVE_MODES)
+@pytest.mark.parametrize("save", dispatch.SAVE_MODES)
 def test_compile_fullgraph_no_graph_break(save):
     torch._dynamo.reset()
     xs = [torch.randn(4, 16, requires_grad=True) for _ in range(3)]

@@ -570,7 +570,7 @@ def test_phase1_split_reads_each_source_twice_not_s_times(kernels, n, num_q, dim
 def test_public_call_reaches_the_triton_kernels_through_three_files():
     """The flat path (see test_dispatch.py): at every launch the stack holds ops.py (the checks),
     dispatch.py (the choice, then the run) and kernels/triton_depth.py only (support check, host
-    code, kernels and custom ops in one module); the backward: library.py's autograd formula and
+    code, kernels and custom-op bodies in one module); the backward: dispatch.py's autograd formula and
     triton_depth.py; no file twice on any stack."""
     from test_dispatch import _trace
 
@@ -584,6 +584,6 @@ def test_public_call_reaches_the_triton_kernels_through_three_files():
                                 "attnres_torch/kernels/triton_depth.py"] for s in stacks), stacks
     assert all(len(s) == len(set(s)) for s in seen)
     stacks, seen = _trace(lambda: out.backward(torch.randn_like(out)), [td._launch])
-    assert stacks and all(s == ["attnres_torch/library.py", "attnres_torch/kernels/triton_depth.py"]
+    assert stacks and all(s == ["attnres_torch/dispatch.py", "attnres_torch/kernels/triton_depth.py"]
                           for s in stacks), stacks
     assert all(len(s) == len(set(s)) for s in seen)

@@ -1,49 +1,57 @@
-"""The registry of implementations: which one serves an op call, forcing one, and the record.
+"""The registry of implementations (which one serves an op call, forcing one, the record) and the
+registration of the kernels' `torch.library` custom ops with their autograd.
 
-This is attnres_torch's part of the public backend contract (the same names in `attnres_jax.dispatch`
-and `attnres_mlx.dispatch`): `IMPLEMENTATIONS`, `availability()`, `use_impl()`, `Choice`,
+The backend contract (the same names in `attnres_jax.dispatch` and `attnres_mlx.dispatch`;
+docs/architecture.md, "Dispatch"): `IMPLEMENTATIONS`, `availability()`, `use_impl()`, `Choice`,
 `last_choice()`, `impl_counts()`, `capabilities()`.  The bookkeeping (`Choice`, the forcing, the
-record, the refusal rule) is the framework-neutral `attnres_core.dispatch`; this module supplies
-the implementations, their support checks, availability and capabilities.
+record, the refusal rule) is `attnres_core.dispatch`; this module supplies the implementations,
+their support checks, availability and capabilities.
 
-`IMPLEMENTATIONS`, in the order of the automatic choice; each kernel is one module that owns its
-support check (`refusal(call)`), its host code and its custom ops (`OPS`, see `library.py`):
+`IMPLEMENTATIONS`, in the order of the automatic choice, one module each under `kernels/` that
+owns its support check (`refusal(call)`) and host code: "triton" (`triton_depth.py`, imported on
+the first CUDA call), "cpu_c" (`cpu_c.py`, the fused C kernel, built at first use), "chunked"
+(`chunked.py`, the fallback without a C compiler or for sources strided along D; no merge and no
+fused output norm) and "composite" (`composite.py`, the differentiable composition of every call:
+float64, heads, sigmoid, no key norm, merge_partial with gradients).  The first implementation
+whose device every tensor is on and that takes the call serves it; `last_choice()` says why each
+one before it refused.  `use_impl(name)` forces one per context (a `contextvars.ContextVar`); a
+forced one that cannot take a call raises ValueError, except that `merge_partial` falls back to
+the composition where the forced one has no merge kernel, or the merge needs gradients or is
+float64.  The record is kept under a lock and skipped while torch.compile traces.  `ops` keeps
+the Choice of a call signature (`plans.py`) and `record`s it again for each repeated call.
 
-* "triton" (`kernels/triton_depth.py`, imported on the first CUDA call): the Triton kernels on
-  CUDA, every op with the fused output norm (C17) up to D = 8192 and the phase-2 merge.
-* "cpu_c" (`kernels/cpu_c.py`, `kernels/csrc/depth_cpu.c`): the fused C kernel of the default op (softmax, key
-  norm, one head, float16/bfloat16/float32 sources with unit stride along D) on the CPU, when it
-  could be built; with the fused output norm and the merge.
-* "chunked" (`kernels/chunked.py`): the chunked torch kernel of the same calls: the fallback without a C
-  compiler (or with `ATTNRES_TORCH_CPU_C=0`) and for sources strided along D.  No merge kernel
-  and no fused output norm.
-* "composite" (`kernels/composite.py`): the plain differentiable torch composition of every call:
-  float64, heads, sigmoid, no key norm, `merge_partial` with gradients, the output norm where no
-  kernel serves it; also the comparison baseline.
-
-The automatic choice takes the first implementation whose device every tensor of the call is on
-and that takes the call; `last_choice()` says which served and why each one before it refused
-(under `use_impl`, the ones before the forced one are "not forced (use_impl('name'))").
-The merge (`merge_partial`) is a kernel only without gradients, for float16/bfloat16/float32
-and plain tensors: no kernel has a merge backward.
-
-`use_impl(name)` forces `name` in the current context (a `contextvars.ContextVar`: threads and
-asyncio tasks do not see each other's forcing).  A forced implementation that cannot take a call
-raises ValueError naming it, the op and the reason, with one exception: `merge_partial` falls
-back to the composition when the forced implementation has no merge kernel (chunked) or the
-merge needs gradients or is float64.  The record (`last_choice`, `last_impl`, `impl_counts`) is
-kept under a lock (threads may call the ops at once) and skipped while torch.compile traces.
-`choose` is `decide` (the module and its Choice) then `record`; `ops` keeps the Choice of a call
-signature and records it again for each repeated call.
+Custom ops.  At registration (`_define`: cpu_c and chunked at import, triton when first loaded)
+each kernel module's functions named after `KINDS` become `attnres::<impl>_<kind>` (`OPS[impl]`)
+with a shape-only fake, the autograd below and the DTensor strategies of `dtensor.py`, so
+`torch.compile(fullgraph=True)` sees each as one node.  Schemas (without the fused output norm a
+kernel has the first four only):
+  depth_attention(sources N x [..., D], query [D] | [..., D], norm_weight [D]?, eps, scale, save)
+      -> (out [..., D] sources' dtype, lse [...] fp32)
+  depth_attention_weights(same) -> (out, lse, weights [N, ...] fp32 of that lse)
+  depth_attention_backward(sources, query, norm_weight, out?, lse, d_out, d_lse?, eps, scale)
+      -> [d_source_0 .. d_source_{N-1}, d_query (fp32, query's shape), d_norm_weight (fp32 [D])]
+  depth_attention_multi(sources, queries [S, D], norm_weights [S, D]?, eps, scale, save)
+      -> (out [S, ..., D] sources' dtype, lse [S, ...] fp32)
+  depth_attention_out_norm(sources, query, norm_weight?, out_norm_weight [D], eps, scale,
+                           out_norm_eps, with_weights, save)
+      -> (out, out_normed [..., D], lse [...] fp32, weights [N, ...] fp32 or [0]) (C17);
+      its _backward returns depth_attention_backward's list plus d_out_norm_weight (fp32 [D]).
+The backward saves references to the inputs, the fp32 lse and, by `save` (`SAVE_MODES`), `out`:
+"auto" where the module's `reads_out(dtype, out_norm)` says its backward reads it (Triton, fp32,
+no fused norm), "out" always, "stats" never (where it is read, the forward reruns: the same
+bits).  `save` has no default (a custom op's autograd drops an argument passed at its default).
+Every body computes with autocast disabled (C3a, C10); mixed source dtypes are promoted in `ops`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -52,6 +60,7 @@ from attnres_core.dispatch import Choice
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from . import dtensor
 from .kernels import chunked, composite, cpu_c
 
 #: Implementation names, in the order of the automatic choice.
@@ -105,6 +114,191 @@ class Call:
         return self.device_types == {device_type}
 
 
+#: The values of the forward ops' `save` argument (see above; `ops.depth_attention(save=...)`).
+SAVE_MODES = ("auto", "out", "stats")
+
+#: The op kinds an implementation may define (the DTensor strategies cover each).
+KINDS = dtensor.OPS
+
+
+def check_save(save) -> None:
+    """ValueError unless `save` is one of `SAVE_MODES`."""
+    if not isinstance(save, str) or save not in SAVE_MODES:
+        raise ValueError(f"save: expected one of {SAVE_MODES}, got {save!r}")
+
+
+# -- the custom ops: fake (meta) implementations, shapes only -----------------------------------------------------
+
+def _f32(t, shape):
+    return t.new_empty(shape, dtype=torch.float32)
+
+
+def _fake_forward(sources, query, norm_weight, eps, scale, save):
+    x0 = sources[0]
+    return x0.new_empty(x0.shape), _f32(x0, x0.shape[:-1])
+
+
+def _fake_weights(sources, query, norm_weight, eps, scale, save):
+    x0 = sources[0]
+    return (x0.new_empty(x0.shape), _f32(x0, x0.shape[:-1]),
+            _f32(x0, (len(sources),) + tuple(x0.shape[:-1])))
+
+
+def _fake_backward(sources, query, norm_weight, out, lse, d_out, d_lse, eps, scale):
+    return ([s.new_empty(s.shape) for s in sources]
+            + [_f32(query, query.shape), _f32(query, (query.shape[-1],))])
+
+
+def _fake_multi(sources, queries, norm_weights, eps, scale, save):
+    x0 = sources[0]
+    num_q = queries.shape[0]
+    return x0.new_empty((num_q,) + tuple(x0.shape)), _f32(x0, (num_q,) + tuple(x0.shape[:-1]))
+
+
+def _fake_out_norm(sources, query, norm_weight, out_norm_weight, eps, scale, out_norm_eps,
+                   with_weights, save):
+    x0 = sources[0]
+    w_shape = (len(sources),) + tuple(x0.shape[:-1]) if with_weights else (0,)
+    return x0.new_empty(x0.shape), x0.new_empty(x0.shape), _f32(x0, x0.shape[:-1]), _f32(x0, w_shape)
+
+
+def _fake_out_norm_backward(sources, query, norm_weight, out_norm_weight, out, lse, d_out,
+                            d_out_normed, d_lse, eps, scale, out_norm_eps):
+    dim = query.shape[-1]
+    return ([s.new_empty(s.shape) for s in sources]
+            + [_f32(query, query.shape), _f32(query, (dim,)), _f32(query, (dim,))])
+
+
+_FAKES = {"depth_attention": _fake_forward, "depth_attention_weights": _fake_weights,
+          "depth_attention_backward": _fake_backward, "depth_attention_multi": _fake_multi,
+          "depth_attention_out_norm": _fake_out_norm,
+          "depth_attention_out_norm_backward": _fake_out_norm_backward}
+
+
+# -- the custom ops' autograd --------------------------------------------------------------------------------------
+
+def _keeps_out(save: str, reads: bool) -> bool:
+    """Whether the forward saves `out` for the backward under `save`."""
+    check_save(save)
+    return save == "out" or (save == "auto" and reads)
+
+
+def _setup(ops, reads_out, ctx, inputs, output):
+    """Saved for depth_attention(_weights) and _multi: references to the inputs, lse, and `out`
+    where `save` keeps it (else None)."""
+    sources, query, norm_weight, eps, scale, save = inputs
+    out, lse = output[:2]
+    reads = reads_out(sources[0].dtype, False)
+    keep = _keeps_out(save, reads)
+    ctx.save_for_backward(*sources, query, norm_weight, out if keep else None, lse)
+    ctx.num_sources, ctx.has_gain = len(sources), norm_weight is not None
+    ctx.eps, ctx.scale, ctx.ops = eps, scale, ops
+    ctx.recompute = not keep and reads
+
+
+def _saved(ctx):
+    """What `_setup` saved: (sources list, query(ies), norm weight(s) or None, out, lse)."""
+    saved, n = ctx.saved_tensors, ctx.num_sources
+    return list(saved[:n]), saved[n], saved[n + 1], saved[n + 2], saved[n + 3]
+
+
+def _zero_cotangent(sources):
+    """The cotangent of an unused `out` `[..., D]` (shaped, typed and placed like a source)."""
+    return torch.zeros_like(sources[0])
+
+
+def _backward(ctx, d_out, d_lse, d_weights=None):
+    """depth_attention(_weights)'s VJP; the weights' cotangent is dropped (not differentiable,
+    C11)."""
+    n, ops = ctx.num_sources, ctx.ops
+    sources, query, norm_weight, out, lse = _saved(ctx)
+    if ctx.recompute:  # save="stats" where the backward reads out: the same forward again
+        out = ops.depth_attention(sources, query, norm_weight, ctx.eps, ctx.scale, "stats")[0]
+    if d_out is None:
+        d_out = _zero_cotangent(sources)
+    grads = ops.depth_attention_backward(sources, query, norm_weight, out, lse, d_out, d_lse,
+                                         ctx.eps, ctx.scale)
+    d_gain = grads[n + 1].to(norm_weight.dtype) if ctx.has_gain else None
+    return grads[:n], grads[n].to(query.dtype), d_gain, None, None, None
+
+
+def _backward_multi(ctx, d_out, d_lse):
+    """Sum over the S queries of the single-query backward (phase 1 is the inference path)."""
+    n, ops = ctx.num_sources, ctx.ops
+    sources, queries, norm_weights, out, lse = _saved(ctx)
+    if ctx.recompute:  # save="stats" where the backward reads out: phase 1 again, all S at once
+        out = ops.depth_attention_multi(sources, queries, norm_weights, ctx.eps, ctx.scale,
+                                        "stats")[0]
+    zero = _zero_cotangent(sources) if d_out is None else None
+    d_src, d_q, d_g = None, [], []
+    for s in range(queries.shape[0]):
+        grads = ops.depth_attention_backward(
+            sources, queries[s], None if norm_weights is None else norm_weights[s],
+            None if out is None else out[s], lse[s], zero if d_out is None else d_out[s],
+            None if d_lse is None else d_lse[s], ctx.eps, ctx.scale)
+        d_src = grads[:n] if d_src is None else [a + b for a, b in zip(d_src, grads[:n])]
+        d_q.append(grads[n])
+        d_g.append(grads[n + 1])
+    d_gains = torch.stack(d_g).to(norm_weights.dtype) if ctx.has_gain else None
+    return d_src, torch.stack(d_q).to(queries.dtype), d_gains, None, None, None
+
+
+def _setup_out_norm(ops, reads_out, ctx, inputs, output):
+    """References to the inputs and lse, and out where `save` keeps it."""
+    sources, query, norm_weight, out_norm_weight, eps, scale, out_norm_eps, _, save = inputs
+    out, _, lse, _ = output
+    keep = _keeps_out(save, reads_out(sources[0].dtype, True))
+    ctx.save_for_backward(*sources, query, norm_weight, out if keep else None, lse, out_norm_weight)
+    ctx.num_sources, ctx.has_gain = len(sources), norm_weight is not None
+    ctx.eps, ctx.scale, ctx.out_norm_eps, ctx.ops = eps, scale, out_norm_eps, ops
+
+
+def _backward_out_norm(ctx, d_out, d_normed, d_lse, d_weights):
+    """Absent cotangents are zeros; the weights' is dropped (C11)."""
+    n = ctx.num_sources
+    sources, query, norm_weight, out, lse = _saved(ctx)
+    out_norm_weight = ctx.saved_tensors[n + 4]
+    d_out = _zero_cotangent(sources) if d_out is None else d_out
+    d_normed = _zero_cotangent(sources) if d_normed is None else d_normed
+    grads = ctx.ops.depth_attention_out_norm_backward(
+        sources, query, norm_weight, out_norm_weight, out, lse, d_out, d_normed, d_lse, ctx.eps,
+        ctx.scale, ctx.out_norm_eps)
+    d_gain = grads[n + 1].to(norm_weight.dtype) if ctx.has_gain else None
+    return (grads[:n], grads[n].to(query.dtype), d_gain, grads[n + 2].to(out_norm_weight.dtype),
+            None, None, None, None, None)
+
+
+#: (backward, setup) of each differentiable kind.
+_AUTOGRAD = {"depth_attention": (_backward, _setup), "depth_attention_weights": (_backward, _setup),
+             "depth_attention_multi": (_backward_multi, _setup),
+             "depth_attention_out_norm": (_backward_out_norm, _setup_out_norm)}
+
+
+def _define(module) -> SimpleNamespace:
+    """Register `module`'s op bodies (its functions named after `KINDS`, annotated) as the custom
+    ops `attnres::<module.NAME>_<kind>` with fakes, autograd (reading `module.reads_out`) and
+    DTensor strategies; once per implementation.  Returns the ops by kind."""
+    bodies = {kind: getattr(module, kind) for kind in KINDS if hasattr(module, kind)}
+    if "depth_attention_backward" not in bodies:
+        raise ValueError(f"{module.NAME}: expected op bodies among {KINDS} with a backward, got "
+                         f"{sorted(bodies)}")
+    ops = SimpleNamespace()
+    for kind, body in bodies.items():
+        op = torch.library.custom_op(f"attnres::{module.NAME}_{kind}", body, mutates_args=())
+        op.register_fake(_FAKES[kind])
+        setattr(ops, kind, op)
+        if kind in _AUTOGRAD:
+            backward, setup = _AUTOGRAD[kind]
+            op.register_autograd(backward, setup_context=functools.partial(setup, ops,
+                                                                           module.reads_out))
+    dtensor.register({f"{module.NAME}_{kind}": kind for kind in bodies})
+    return ops
+
+
+#: Implementation name -> its custom ops by kind (triton's added when it is first loaded).
+OPS: Dict[str, SimpleNamespace] = {module.NAME: _define(module) for module in (cpu_c, chunked)}
+
+
 # -- the implementation modules -------------------------------------------------------------------
 
 _triton: list = []  # [module] or [reason it cannot be imported], filled on first use
@@ -126,6 +320,7 @@ def _load_triton():
                 except ImportError as err:
                     _triton.append(f"Triton cannot be imported ({err})")
                 else:
+                    OPS["triton"] = _define(triton_depth)
                     _triton.append(triton_depth)
     return _triton[0]
 
@@ -310,8 +505,8 @@ def record(choice: Choice) -> None:
 
 # -- running a validated call on the implementation that serves it ---------------------------------
 #
-# `ops` checks a call and `decide`s; these run it: a kernel through its custom ops (`impl.OPS`,
-# see `library.py`) or its merge, the composition through `composite`'s functions.
+# `ops` checks a call and `decide`s; these run it: a kernel through its custom ops (`OPS`) or its
+# merge, the composition through `composite`'s functions.
 
 
 def run_depth_attention(impl, xs, query, norm_weight, out_norm_weight, geo, eps, scale, activation,
@@ -333,16 +528,16 @@ def run_depth_attention(impl, xs, query, norm_weight, out_norm_weight, geo, eps,
         if lse is not None and geo.num_heads == 1:
             lse = lse[..., 0]
     elif fused:  # the kernel writes out_normed in its forward pass (C17)
-        out, normed, lse, weights = impl.OPS.depth_attention_out_norm(
+        out, normed, lse, weights = OPS[impl.NAME].depth_attention_out_norm(
             xs, query, norm_weight, out_norm_weight, eps, scale, geo.out_norm_eps, return_weights,
             save)
         weights = weights.unsqueeze(-1) if return_weights else None
     elif return_weights:  # the kernel's own weights: the p of its lse (same logits, max, sum)
-        out, lse, weights = impl.OPS.depth_attention_weights(xs, query, norm_weight, eps, scale,
+        out, lse, weights = OPS[impl.NAME].depth_attention_weights(xs, query, norm_weight, eps, scale,
                                                              save)
         weights = weights.unsqueeze(-1)
     else:
-        out, lse = impl.OPS.depth_attention(xs, query, norm_weight, eps, scale, save)
+        out, lse = OPS[impl.NAME].depth_attention(xs, query, norm_weight, eps, scale, save)
         weights = None
     return out, normed, lse, weights
 
@@ -350,7 +545,7 @@ def run_depth_attention(impl, xs, query, norm_weight, out_norm_weight, geo, eps,
 def run_multi(impl, xs, queries, norm_weights, eps, scale, save):
     """The validated phase 1 on its implementation `impl`: (out, lse)."""
     if impl is not composite:
-        return impl.OPS.depth_attention_multi(xs, queries, norm_weights, eps, scale, save)
+        return OPS[impl.NAME].depth_attention_multi(xs, queries, norm_weights, eps, scale, save)
     outs, lses = [], []
     for s in range(queries.shape[0]):
         out, lse, _ = composite.depth_attention(

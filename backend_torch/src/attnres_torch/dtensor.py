@@ -1,5 +1,5 @@
-"""DTensor sharding strategies of the attnres custom ops (`library.py`; docs/distributed.md,
-"DTensor").  `library.define` registers them for each implementation's ops when it defines
+"""DTensor sharding strategies of the attnres custom ops (`dispatch.py`; docs/distributed.md,
+"DTensor").  `dispatch._define` registers them for each implementation's ops when it defines
 them (at the implementation's import), where `torch.distributed` is available.
 
 Every op reduces over the hidden dim D only, token by token (C1-C12, C17).  So for sources
@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-#: The op kinds with strategies here, in `library.py`'s order; implementation `impl`'s op of
+#: The op kinds with strategies here, in `dispatch.py`'s order; implementation `impl`'s op of
 #: kind `k` is `attnres::<impl>_<k>`.
 OPS = ("depth_attention", "depth_attention_weights", "depth_attention_backward",
        "depth_attention_multi", "depth_attention_out_norm", "depth_attention_out_norm_backward")

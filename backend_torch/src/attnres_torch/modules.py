@@ -28,7 +28,7 @@ from attnres_core.config import ResidualConfig
 from attnres_core.schedule import ResidualStream, ScheduleObserver
 from torch import nn
 
-from . import _fsdp, library
+from . import _fsdp, dispatch
 from .ops import depth_attention
 from .residual_ops import TorchOps
 
@@ -54,7 +54,7 @@ class DepthAttention(nn.Module):
         self.out_norm = nn.Parameter(torch.ones(dim)) if fuse_out_norm else None
         if out_norm_eps is not None and not fuse_out_norm:
             raise ValueError("out_norm_eps: given while fuse_out_norm is False")
-        library.check_save(save)
+        dispatch.check_save(save)
         self.options = dict(eps=eps, scale=scale, num_heads=num_heads, activation=activation,
                             key_norm=key_norm, save=save)
         if fuse_out_norm:
@@ -91,7 +91,7 @@ class DepthRouter(nn.Module):
         super().__init__()
         if schedule is not None:
             config.check_schedule(schedule)
-        library.check_save(save)
+        dispatch.check_save(save)
         self.config, self.num_layers, self.dim, self.schedule = config, num_layers, dim, schedule
         self.save = save
         for name, value in config.init_params(num_layers, dim).items():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from attnres_core import validation
 
-from . import dispatch, library, plans
+from . import dispatch, plans
 from ._args import (
     Sources,
     autocast_off,
@@ -83,7 +83,7 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
     xs, stacked, shapes, dtypes = split_sources(sources)
     query = require_tensor("query", query)
     norm_weight = optional_tensor("norm_weight", norm_weight)
-    library.check_save(save)
+    dispatch.check_save(save)
     out_norm_weight = optional_tensor("out_norm_weight", out_norm_weight)
     geo = validation.check_depth_attention(
         shapes, dtypes, tuple(query.shape), dtype_name(query), _shape(norm_weight), _name(norm_weight),
@@ -144,7 +144,7 @@ def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=
     xs, stacked, shapes, dtypes = split_sources(sources)
     queries = require_tensor("queries", queries)
     norm_weights = optional_tensor("norm_weights", norm_weights)
-    library.check_save(save)
+    dispatch.check_save(save)
     geo = validation.check_multi(shapes, dtypes, tuple(queries.shape), dtype_name(queries),
                                  _shape(norm_weights), _name(norm_weights), stacked=stacked,
                                  eps=eps, scale=scale)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from attnres_core.schedule import ResidualOps, split_result
 
-from . import library, ops
+from . import dispatch, ops
 from ._args import autocast_off, compute_dtype
 
 
@@ -28,7 +28,7 @@ class TorchOps(ResidualOps):
 
     def __init__(self, params=None, *, save: str = "auto"):
         super().__init__(params)
-        library.check_save(save)
+        dispatch.check_save(save)
         self.save = save
 
     def cast_like(self, x, like):

@@ -1,7 +1,7 @@
 """Implementation "chunked": the chunked torch kernel of the default op (softmax, key norm, one
 head; spec 2.1-2.3, C10), the CPU fallback of the fused C kernel (`cpu_c.py`) and the kernel of
 sources strided along D.  This module owns its support check (`refusal`), its host code and its
-custom ops (`OPS`, `attnres::chunked_*`, registered at import by `library.define`).  No merge
+custom-op bodies (registered by `dispatch` as `attnres::chunked_*`).  No merge
 kernel (`merge` is None) and no fused output norm: such calls take the composition.
 
 Tokens are processed in chunks of C rows so that one chunk of a source (`[C, D]` fp32) plus the
@@ -24,7 +24,6 @@ from torch import Tensor
 
 from .. import _rows
 from .._args import autocast_off
-from ..library import define
 
 NAME = "chunked"
 #: The device the automatic choice needs every tensor on (a forced call runs on any).
@@ -249,11 +248,5 @@ def depth_attention_multi(sources: List[Tensor], queries: Tensor, norm_weights: 
     return _rows.multi(multi_forward_into, sources, queries, norm_weights, eps, scale)
 
 
-def _reads_out(dtype: torch.dtype, out_norm: bool) -> bool:
+def reads_out(dtype: torch.dtype, out_norm: bool) -> bool:
     return False  # delta is recomputed from the sources in fp32
-
-
-OPS = define(NAME, {"depth_attention": depth_attention,
-                            "depth_attention_weights": depth_attention_weights,
-                            "depth_attention_backward": depth_attention_backward,
-                            "depth_attention_multi": depth_attention_multi}, _reads_out)

@@ -1,8 +1,7 @@
 """Implementation "cpu_c": the fused C kernel of the default op on the CPU (`csrc/depth_cpu.c`;
 spec 2.1-2.3, C10, C15), with the fused output norm (C17) and the phase-2 merge (`merge`, no
 gradient).  This module owns its support check (`refusal`), the library's build and load, its
-host code and its custom ops (`OPS`, `attnres::cpu_c_*`, registered at import by
-`library.define`).
+host code and its custom-op bodies (registered by `dispatch` as `attnres::cpu_c_*`).
 
 Each source row is read from memory once (forward: one sweep for both row sums, the weighted sum
 from cache; backward: one sweep for three row sums, the gradients from cache), on
@@ -52,7 +51,6 @@ from torch import Tensor
 
 from .. import _rows
 from .._args import autocast_off
-from ..library import define
 
 NAME = "cpu_c"
 #: The device the automatic choice needs every tensor on.
@@ -663,14 +661,5 @@ def merge_eager(lay: MergeLayout, out1: Tensor, lse1: Tensor, partial: Tensor, q
     return out, lse
 
 
-def _reads_out(dtype: torch.dtype, out_norm: bool) -> bool:
+def reads_out(dtype: torch.dtype, out_norm: bool) -> bool:
     return False  # delta is recomputed from the sources (in float64 per row)
-
-
-OPS = define(NAME, {"depth_attention": depth_attention,
-                            "depth_attention_weights": depth_attention_weights,
-                            "depth_attention_backward": depth_attention_backward,
-                            "depth_attention_multi": depth_attention_multi,
-                            "depth_attention_out_norm": depth_attention_out_norm,
-                            "depth_attention_out_norm_backward": depth_attention_out_norm_backward},
-                     _reads_out)

@@ -1,8 +1,8 @@
 """Implementation "triton": the Triton kernels of depth attention on CUDA (spec sections 2-3), in
 one module: the support check (`supports`, `refusal`), the `@triton.jit` kernels, their host code
-(argument layout, tile choice, launches) and the custom ops (`OPS`, `attnres::triton_*`,
-registered at import by `library.define`).  Importing it imports Triton (`dispatch` does so on
-the first CUDA call, or when "triton" is forced); `merge` is the phase-2 merge (no gradient).
+(argument layout, tile choice, launches) and the custom-op bodies (registered by `dispatch` as
+`attnres::triton_*`).  Importing it imports Triton (`dispatch` does so on the first CUDA call,
+or when "triton" is forced); `merge` is the phase-2 merge (no gradient).
 
 Kernels: forward / phase 1 (one pass, or its logits then its weighted sum), backward, phase-2
 merge, a fixed-order row reduction, and the fill of the pointer tables.
@@ -53,7 +53,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .._args import autocast_off
-from ..library import define
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1073,7 +1072,7 @@ def _reduce(ws: Tensor) -> Tensor:
     return out
 
 
-def backward_reads_out(dtype: torch.dtype, out_norm: bool = False) -> bool:
+def reads_out(dtype: torch.dtype, out_norm: bool = False) -> bool:
     """Whether `backward` reads the forward's `out`: only for fp32 sources without the fused
     output norm (delta = <d_out, out>); otherwise it recomputes what it needs from the sources
     and takes out=None."""
@@ -1085,7 +1084,7 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Optiona
              out_norm: Optional[tuple] = None):
     """VJP (spec 2.3) -> (d_sources: list `[..., D]` in the sources' dtype, d_query fp32 shaped
     like query, d_norm_weight fp32 `[D]` or None).  `out`/`lse` are the forward's results; `out`
-    is read only where `backward_reads_out` says so (fp32 sources; a low-precision `out` is
+    is read only where `reads_out` says so (fp32 sources; a low-precision `out` is
     rounded, so delta is recomputed from the sources) and may be None elsewhere.
     With `out_norm = (out_norm_weight [D], eps_o, d_out_normed [..., D])` (C17; one tile) the
     kernel folds d_out_normed into d_out (y recomputed in fp32) and the result gets a fourth
@@ -1112,11 +1111,11 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Optiona
     on_ws = None if out_norm is None else _alloc((num_programs, dim), torch.float32, dev)
     onw = None if out_norm is None else out_norm[0].float().contiguous()
     dn = None if out_norm is None else _rows(out_norm[2], dim)
-    reads_out = backward_reads_out(table.dtype, out_norm is not None)
-    if reads_out and out is None:
+    uses_out = reads_out(table.dtype, out_norm is not None)
+    if uses_out and out is None:
         raise ValueError("out: the fp32 backward reads the forward's out; got None")
     go2 = _rows(d_out, dim)
-    o2 = _rows(out, dim) if reads_out else go2  # unread where reads_out is False
+    o2 = _rows(out, dim) if uses_out else go2  # unread where uses_out is False
     lse1 = lse.reshape(-1).float().contiguous()
     dl = None if d_lse is None else d_lse.reshape(-1).float().contiguous()
     if num_rows:
@@ -1129,7 +1128,7 @@ def backward(sources, query: Tensor, norm_weight: Optional[Tensor], out: Optiona
                 len(sources), num_rows, dim, float(eps), float(scale), num_blocks, ELT=table.elt,
                 VEC=table.vec, ALIGNED=table.aligned, PER_TOKEN=per_token, HAS_GAIN=has_gain,
                 HAS_DLSE=dl is not None,
-                DELTA_FROM_OUT=reads_out, BLOCK_T=bt, BLOCK_D=bd, ONE_TILE=one_tile,
+                DELTA_FROM_OUT=uses_out, BLOCK_T=bt, BLOCK_D=bd, ONE_TILE=one_tile,
                 OUT_NORM=out_norm is not None,
                 ON_IN_WS=out_norm is not None and bd > _ON_REG_MAX_D, num_warps=warps)
     else:
@@ -1223,7 +1222,7 @@ def depth_attention_backward(sources: List[Tensor], query: Tensor, norm_weight: 
                              out: Optional[Tensor], lse: Tensor, d_out: Tensor,
                              d_lse: Optional[Tensor], eps: float, scale: float) -> List[Tensor]:
     """[d_source_0 .. d_source_{N-1} (sources' dtype), d_query fp32 (query's shape),
-    d_norm_weight fp32 `[D]`] (spec 2.3); `out` is read where `backward_reads_out` says so."""
+    d_norm_weight fp32 `[D]`] (spec 2.3); `out` is read where `reads_out` says so."""
     with autocast_off(query.device):
         d_src, d_q, d_g = backward(sources, query, norm_weight, out, lse, d_out, d_lse, eps, scale)
     return _grads(d_src, d_q, d_g, query)
@@ -1263,11 +1262,3 @@ def depth_attention_out_norm_backward(
 
 #: Phase 2 (spec 3.2), no gradient: out `[..., D]` (partial's dtype), lse `[...]` fp32.
 merge = merge_forward
-
-OPS = define(NAME, {"depth_attention": depth_attention,
-                            "depth_attention_weights": depth_attention_weights,
-                            "depth_attention_backward": depth_attention_backward,
-                            "depth_attention_multi": depth_attention_multi,
-                            "depth_attention_out_norm": depth_attention_out_norm,
-                            "depth_attention_out_norm_backward": depth_attention_out_norm_backward},
-                     backward_reads_out)

@@ -33,8 +33,8 @@ Two parts, each in its own environment (torch+Triton and JAX are separate nox en
 
 Output: markdown tables on stdout, progress on stderr (a compile takes ~0.1-2 s), `--json PATH`
 the rows as JSON ({"triton": {...}, "pallas": {...}}).  `--quick` keeps the benchmark shapes
-only (no edge shapes).  The CI tests (`backend_torch/tests/test_kernel_report.py`,
-`backend_jax/tests/test_pallas_lowering.py`) import this file and run a few of its cases.
+only (no edge shapes).  The CI tests (`bench/tests/torch/test_kernel_report.py`,
+`bench/tests/jax/test_pallas_lowering.py`) import this file and run a few of its cases.
 
 Model behind "bytes in flight" (a static estimate, not a measurement): a CTA keeps one loop step
 of loads in flight (one source tile per step of the source loop; the merge kernel: its two input

@@ -355,22 +355,6 @@ def test_depth_attention_module_option():
         at.DepthAttention(16, out_norm_eps=1e-5)
 
 
-def test_bench_out_norm_quick_runs():
-    """bench/bench_out_norm.py --quick (tiny shapes) runs to the end and reports every row."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_out_norm.py"
-    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| float32 |")
-            or line.startswith("| bfloat16 |")]
-    assert len(rows) == 2 * 2 * 3 + 2 * 2, proc.stdout  # (dtype, case, variant) rows + summaries
-    assert "load average before" in proc.stdout and "load average after" in proc.stdout
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_zero_tokens_and_a_broadcast_cotangent(impl):
     """T = 0 gives empty outputs and zero gain gradients; `normed.sum()` hands the backward a

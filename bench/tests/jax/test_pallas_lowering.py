@@ -12,24 +12,14 @@ issue 13).  Lowered on the CPU for abstract bf16 inputs with
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
+import kernel_report as report  # noqa: E402  (bench/ is on sys.path: bench/tests/conftest.py)
 
-def _load_report():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import kernel_report
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return kernel_report
-
-
-report = _load_report()
 CASES = report.PALLAS_CASES
 
 

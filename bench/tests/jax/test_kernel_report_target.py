@@ -7,18 +7,10 @@ The lowering itself is tested in `test_pallas_lowering.py`, through the same con
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import jax
+import kernel_report as report  # bench/ is on sys.path (bench/tests/conftest.py)
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-try:
-    import kernel_report as report
-finally:
-    sys.path.remove(str(ROOT / "bench"))
 
 
 def _abstract_device():

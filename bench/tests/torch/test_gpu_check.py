@@ -32,16 +32,19 @@ import time
 import types
 from pathlib import Path
 
+import gpu_check  # bench/ is on sys.path (bench/tests/conftest.py)
+import peers
 import pytest
 import torch
-from _helpers import assert_close, f64, rand
 from attnres_numpy import ops
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-import gpu_check  # noqa: E402
-import gpu_check_fake_peers  # noqa: E402
-import peers  # noqa: E402
+from backend_torch.tests._helpers import assert_close, f64, rand  # the torch tests' comparison
+
+ROOT = Path(__file__).resolve().parents[3]
+FAKE_PEERS = str(Path(__file__).with_name("gpu_check_fake_peers.py"))
+_spec = importlib.util.spec_from_file_location("gpu_check_fake_peers", FAKE_PEERS)
+gpu_check_fake_peers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check_fake_peers)
 
 N, T, D, EPS, SCALE = 3, 5, 16, 1e-6, 0.7
 
@@ -677,7 +680,7 @@ print("liger ok")
 @pytest.mark.skipif(not _importable("liger_kernel") or not _importable("triton"),
                     reason="liger-kernel or triton not importable: run bench/fetch_peers.sh")
 def test_liger_kernel_interpreted_against_float64_reference():
-    script = LIGER_SCRIPT.format(bench=str(ROOT / "bench"), tests=str(Path(__file__).parent),
+    script = LIGER_SCRIPT.format(bench=str(ROOT / "bench"), tests=str(ROOT / "backend_torch" / "tests"),
                                  ref=str(ROOT / "reference_numpy" / "src"), core=str(ROOT / "core" / "src"))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
@@ -686,8 +689,6 @@ def test_liger_kernel_interpreted_against_float64_reference():
 
 
 # ---------------------------------------------------------------- the dry runs
-
-FAKE_PEERS = str(Path(__file__).with_name("gpu_check_fake_peers.py"))
 
 
 def _dry_run(tmp_path, *argv, env=None, timeout=240):
@@ -816,3 +817,12 @@ def test_gpu_check_dry_run_budget_runs_out_mid_section(tmp_path):
     assert [(p["name"], p["status"]) for p in report["phases"]] == [
         ("fake hang", "killed"), ("fake raises", "not run"), ("jax", "not run")]
     assert report["total_s"] < 20 + gpu_check.WATCHDOG_GRACE
+
+
+def test_gpu_check_runs_the_smoke_capped_inside_its_budget():
+    """gpu_check runs experiments/distributed_smoke.py as a child process (its dry run above checks
+    the gloo verdict is PASS); here: it is on by default and its cap is at most 120 s."""
+    args = gpu_check.parse_args([])
+    assert not args.skip_distributed and 0 < args.smoke_cap <= gpu_check.SMOKE_CAP_MAX == 120.0
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--smoke-cap", "121"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TRAIN_FIELDS = {"framework", "form", "layers", "dim", "batch", "seq", "variant", "step_s", "steps_s", "step_ratio",
                 "steps_cpu_s", "step_cpu_ratio", "peak_bytes", "memory_ratio", "memory", "info", "profile",
                 "load_before", "load_after"}

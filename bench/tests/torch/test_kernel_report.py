@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted, nothing to compile for sm_90",
@@ -28,17 +27,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's CUDA backend is absent")
 
+import kernel_report as report  # noqa: E402  (bench/ is on sys.path: bench/tests/conftest.py)
 
-def _load_report():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import kernel_report
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return kernel_report
-
-
-report = _load_report()
 if report.ptxas_path() is None:
     pytest.skip("no ptxas binary in the Triton wheel (triton/backends/nvidia/bin)", allow_module_level=True)
 

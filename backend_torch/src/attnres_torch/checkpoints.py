@@ -4,24 +4,11 @@ Our layout (`ResidualConfig.param_shapes`): "queries" `[L+1, D]` and "norm_weigh
 row r = sublayer r + 1 (attention and MLP of decoder layer i are rows 2i and 2i + 1), row L the
 output aggregation.  A `PerLayerRouter` reads and writes it with `stacked()` / `load_stacked()`.
 
-flash-linear-attention models (`fla/models/*/modeling_*.py`, config `attnres_block_size`):
-  `{prefix}layers.{i}.attn_res_proj.weight` `[1, D]`, `...attn_res_norm.weight` `[D]`,
-  `...mlp_res_proj.weight`, `...mlp_res_norm.weight`, `{prefix}res_proj.weight`,
-  `{prefix}res_norm.weight`; eps = `config.norm_eps` (1e-6 by default).  Their block size already
-  counts sublayers (an even number; 1 is their "full" mode), so `block_size` is the same number.
-  Their kernel fuses the next pre-norm (`output_rms_weight`): in our wiring that norm stays inside
-  the sublayer and the model's final norm after the router.
-
-Kimi K3 model code (mlx-lm `mlx_lm/models/kimi_k3.py`, tpu-inference
-`tpu_inference/models/jax/kimi_k3.py`, after the HF checkpoint's names):
-  `{prefix}layers.{i}.self_attention_res_proj.weight` `[1, D]` (tpu-inference's einsum kernel
-  `[D, 1]`), `...self_attention_res_norm.weight`, `...mlp_res_proj.weight`,
-  `...mlp_res_norm.weight`, `{prefix}output_attn_res_proj.weight`,
-  `{prefix}output_attn_res_norm.weight`; eps = `rms_norm_eps` (1e-5).  Their block unit is the
-  decoder layer, so our `block_size = 2 * attn_res_block_size`.  They fold the gain into the query
-  (`w_eff = norm.weight * proj.weight`); the logit `<rmsnorm(v) * g, q>` depends only on that
-  product, so the rows map one to one (query = proj, gain = norm).  The raw HF names
-  `self_attention_res.proj_weight` / `.norm_weight` are read too.
+Peers: flash-linear-attention models (`fla/models/*/modeling_*.py`; their block size counts
+sublayers, the same number as ours) and Kimi K3 model code (mlx-lm, tpu-inference, the HF
+checkpoint's names; their block unit is the decoder layer, so ours is twice theirs, and they fold
+the gain into the query, `w_eff = norm.weight * proj.weight`, which maps row to row).  Their key
+names, shapes, eps and block sizes: docs/models-and-checkpoints.md (the converters' table).
 
 `from_fla` / `from_k3` return our layout; `to_fla` / `to_k3` write theirs; `fla_config` /
 `k3_config` give the matching `ResidualConfig`.  Keys of other parameters are ignored on the way
@@ -39,9 +26,6 @@ import torch
 from attnres_core import training as core
 from attnres_core.training import fla_config, k3_config
 from torch import nn
-
-FLA_SITES, FLA_OUTPUT = core.FLA.sites, core.FLA.output
-K3_SITES, K3_OUTPUT = core.K3.sites, core.K3.output
 
 #: torch's arrays for the core mappings: tensors in, fresh tensors (not views of a parameter) out.
 _READ = {"as_array": torch.as_tensor, "stack": lambda rows: torch.stack(rows).clone()}

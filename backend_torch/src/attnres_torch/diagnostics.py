@@ -17,24 +17,11 @@ weights are divided by their sum).  Entropy is in nats (a uniform row over N sou
 Outside `record` the observer does nothing; `close()` detaches it.  `history` is a list of plain,
 JSON-serializable dicts, one per record, from which `experiments.report` draws plots.
 
-A collapse can also be *answered* (`on_collapse=`, a `CollapsePolicy` or its name):
-
-* "log" (`LogPolicy`, the default): the warning above, nothing else;
-* "lr_scale" (`LrScalePolicy(optimizer, factor)`): from then on the optimizer moves the collapsed
-  row's query `factor` times as far (an optimizer step hook; exact for optimizers whose update is
-  proportional to the learning rate with state that does not depend on it: SGD with momentum,
-  Adam, AdamW, RMSprop);
-* "reset" (`ResetPolicy(shrink, optimizer=None)`): the row's query is moved `shrink` of the way to
-  zero (1.0: exactly the uniform average of M8), its pending gradient dropped and, given the
-  optimizer, its optimizer state (momenta) zeroed;
-* "raise" (`RaisePolicy`): `DepthCollapseError` at the end of the record.
-
-Each record's responses are in its history entry ("collapse": row, max weight, action).
-`entry_scalars(entry)` flattens an entry into plain `{tag: float}` scalars, and
-`write_entry(writer, entry)` sends them, with per-row weight and entropy histograms, to any
-`torch.utils.tensorboard.SummaryWriter`-style writer (`add_scalar` / `add_histogram`);
-`DepthMonitor(..., writer=)` does that after every record.  TensorBoard is optional:
-`tensorboard_writer(log_dir)` says how to install it when it is missing.
+A collapse can also be answered (`on_collapse=`, a `CollapsePolicy` or its name: "log",
+"lr_scale", "reset", "raise"); each record's responses are in its history entry ("collapse").
+`entry_scalars` / `write_entry` / `DepthMonitor(..., writer=)` export the records to a
+TensorBoard-style writer.  The policies, their exactness and the exported tags:
+docs/training.md, "Depth-weight collapse".
 
 While recording, a Block router runs its direct schedule (equal to two-phase, spec 3) so that every
 row's weights are observable; each read asks its op for the weights with the output

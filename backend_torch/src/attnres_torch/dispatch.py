@@ -7,18 +7,12 @@ docs/architecture.md, "Dispatch"): `IMPLEMENTATIONS`, `availability()`, `use_imp
 record, the refusal rule) is `attnres_core.dispatch`; this module supplies the implementations,
 their support checks, availability and capabilities.
 
-`IMPLEMENTATIONS`, in the order of the automatic choice, one module each under `kernels/` that
-owns its support check (`refusal(call)`) and host code: "triton" (`triton_depth.py`, imported on
-the first CUDA call), "cpu_c" (`cpu_c.py`, the fused C kernel, built at first use), "chunked"
-(`chunked.py`, the fallback without a C compiler or for sources strided along D; no merge and no
-fused output norm) and "composite" (`composite.py`, the differentiable composition of every call:
-float64, heads, sigmoid, no key norm, merge_partial with gradients).  The first implementation
-whose device every tensor is on and that takes the call serves it; `last_choice()` says why each
-one before it refused.  `use_impl(name)` forces one per context (a `contextvars.ContextVar`); a
-forced one that cannot take a call raises ValueError, except that `merge_partial` falls back to
-the composition where the forced one has no merge kernel, or the merge needs gradients or is
-float64.  The record is kept under a lock and skipped while torch.compile traces.  `ops` keeps
-the Choice of a call signature (`plans.py`) and `record`s it again for each repeated call.
+`IMPLEMENTATIONS`, in the order of the automatic choice, are one module each under `kernels/`
+(what each serves: `kernels/__init__.py`) owning its support check (`refusal(call)`) and host
+code; "triton" is imported on the first CUDA call.  `decide` says which serves a call, under
+`use_impl`'s forcing (a `contextvars.ContextVar`); the record is kept under a lock and skipped
+while torch.compile traces; `ops` keeps the Choice of a call signature (`plans.py`) and
+`record`s it again for each repeated call.
 
 Custom ops.  At registration (`_define`: cpu_c and chunked at import, triton when first loaded)
 each kernel module's functions named after `KINDS` become `attnres::<impl>_<kind>` (`OPS[impl]`)
@@ -456,14 +450,6 @@ def _refusal(name: str, call: Call, forced_call: bool) -> Tuple[Optional[str], o
     return (reason, None) if reason is not None else (None, module)
 
 
-def choose(call: Call):
-    """The module that serves `call` (its choice recorded, see `last_choice`): `decide`, then
-    `record`."""
-    module, choice = decide(call)
-    _record(choice)
-    return module
-
-
 def decide(call: Call) -> Tuple[object, Choice]:
     """(the module that serves `call`, its `Choice`), nothing recorded.
 
@@ -498,8 +484,7 @@ def decide(call: Call) -> Tuple[object, Choice]:
 
 
 def record(choice: Choice) -> None:
-    """Note that `choice` serves one more call (`last_choice`, `impl_counts`), as `choose` does;
-    for a call whose Choice `ops` kept from an earlier call of the same signature."""
+    """Note that `choice` serves one more call (`last_choice`, `impl_counts`)."""
     _record(choice)
 
 

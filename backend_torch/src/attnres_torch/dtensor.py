@@ -2,21 +2,12 @@
 "DTensor").  `dispatch._define` registers them for each implementation's ops when it defines
 them (at the implementation's import), where `torch.distributed` is available.
 
-Every op reduces over the hidden dim D only, token by token (C1-C12, C17).  So for sources
-sharded over a token dim `d` (any dim of `[..., D]` but the last) each rank runs the op on its own
-tokens, with no communication.  Per mesh dim, the strategies are:
-
-- inputs: the sources, a per-token query, `out`, `lse` and the cotangents Shard(d); a `[D]`
-  query, the gains `[D]` (and `[S, D]`) and `out_norm_weight` Replicate;
-- outputs: `out`, `out_normed`, `lse` Shard(d); behind a leading dim (weights `[N, ...]`, phase
-  1's `[S, ..., D]` and `[S, ...]`) Shard(d + 1); the backward ops' gradients of the sources and
-  of a per-token query Shard(d), of a `[D]` query and of the gains Partial (a sum over tokens);
-- and all Replicate in, all Replicate out.
-
-D-sharded inputs have no local strategy (the logits and the key norm sum over D): DTensor
-redistributes them to one of these (its cost model picks; with 2 ranks on the CPU, Replicate: an
-all-gather).  The all-reduce form, 2 N scalars per token, is
-`attnres_torch.distributed.depth_attention_tp` on the local shards.
+Every op reduces over the hidden dim D only, token by token (C1-C12, C17), so sources sharded
+over a token dim `d` (any dim but the last) run locally with no communication: the sources, a
+per-token query, `out`, `lse` and the cotangents Shard(d); a `[D]` query, the gains and
+`out_norm_weight` Replicate (their gradients Partial); outputs behind a leading dim Shard(d + 1);
+all Replicate in, all Replicate out.  D-sharded inputs have no local strategy: DTensor
+redistributes them.  The placements and the D-sharded routes: docs/distributed.md, "DTensor".
 
 `torch.distributed.tensor.experimental.register_sharding` is not used: it counts a `Tensor[]`
 return as one output (the backward ops return N + 2 gradients) and keeps the non-int arguments

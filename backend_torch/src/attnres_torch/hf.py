@@ -1,6 +1,9 @@
 """Hugging Face `transformers` integration: a loaded decoder (Llama, Mistral, Qwen2/3, GPT-2,
 Granite, OLMo2, Gemma2/3, ... see docs/hf-families.md) converted in place to any
-`ResidualConfig` scheme.
+`ResidualConfig` scheme.  The user's contract (what converts and what is refused, the probe
+verification and `verify=`, saving and loading with `"model_type": "attnres"` and the Auto
+classes, PEFT's `modules_to_save`, the rows each layer owns, gradient checkpointing, `mix=0` as
+the exact PreNorm model, one forward at a time per model) is docs/hf-fsdp-autocast.md.
 
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
     from attnres_torch import ResidualConfig, hf
@@ -12,25 +15,12 @@ Granite, OLMo2, Gemma2/3, ... see docs/hf-families.md) converted in place to any
     model = AutoModelForCausalLM.from_pretrained(out)      # the same model (needs this import)
 
 How it works.  Nothing of the model's code is copied or replaced: the decoder loop is found by
-structure (the longest `ModuleList`/`ModuleDict`/`Sequential` of one layer class whose layers
-have norms and at least two sublayer modules), and each decoder layer keeps its own `__call__`,
-so FSDP2's per-layer hooks, HF gradient checkpointing, forward hooks, `output_hidden_states`,
-the KV cache and `generate()` keep working.
-
-The layer's form is read from one probe forward of the unconverted model (`verify=True`, the
-default; 5 tokens): which child modules each layer calls, in which order, and which tensor each
-reads.  A sublayer is a chain of child calls, each reading the previous one's output, with one
-sublayer module in it: `input_layernorm -> self_attn` (PreNorm), `self_attn ->
-post_attention_layernorm` (OLMo2's branch-output norm), `input_layernorm -> self_attn ->
-post_attention_layernorm` (Gemma2/3's sandwich norms), `post_attention_layernorm -> mlp ->
-dropout` (StableLM).  Each layer must compute `x + m * chain_1(x)` and then the same for chain 2,
-bitwise, with m = 1 or the layer's `residual_multiplier` (Granite) or `residual_scale`
-(MiniCPM3); the value pushed to the stream is `m * chain_j(.)`, exactly what the family adds to
-its residual.  Anything else
-(attention and MLP in parallel on one input, three sublayers, a layer output that is not that
-sum) is refused by `convert` with a ValueError that names the form found.  Module hooks then route
-the residual stream through the shared schedule (`attnres_core.schedule.ResidualStream`, the
-same one `DepthRouter` runs):
+structure and each decoder layer keeps its own `__call__` (FSDP2's per-layer hooks, HF gradient
+checkpointing, forward hooks, `output_hidden_states`, the KV cache and `generate()` keep
+working).  A probe forward reads each layer's form: two sublayer chains, the layer computing
+`x + m * chain_j(x)` for each; the value pushed to the stream is `m * chain_j(.)`.  Module hooks
+then route the residual stream through the shared schedule (`attnres_core.schedule`, as
+`DepthRouter` does):
 
 * layer i's forward pre-hook: layer 0 starts the stream on the embedding v_0 and hands the layer
   h_1 (spec M1: attention and MLP are one sublayer each, L = 2 x layers);
@@ -38,68 +28,14 @@ same one `DepthRouter` runs):
   module of the second chain has a forward pre-hook that replaces its input (the layer's own
   `residual + ...`) by the depth-attended h_l;
 * layer i's forward hook replaces the layer's output by the next layer's input h_{2i+3} (the last
-  layer: the stream's output h_{L+1}, which the model's final norm then takes).  So every
-  decoder layer's output is a hidden state in PreNorm's sense, and `output_hidden_states` reports
-  them.  The layer's own residual additions still run (two adds per layer) and are discarded.
-
-Verification (the choice made here): before returning, `convert` runs the probe batch again
-through the converted model at `mix=0` and requires the output to equal the unconverted
-model's bitwise; if it does not, the conversion is undone and a ValueError names the layer class,
-its form and the difference.  So no family converts to another function.  `verify=False` skips
-both probe forwards (for models that cannot run a forward at conversion time, e.g. on the meta
-device): the form is then read from the layer's children in registration order (two norms: pre
-norms, or branch-output norms when both are named "post..."; four norms: sandwich norms), which
-docs/hf-families.md checks against the traced form for every family listed there.
-`verify={"input_ids": ..., ...}` gives the probe's keyword arguments yourself (models that do not
-take `input_ids`).
-
-Loading.  `convert` makes `save_pretrained` write `"model_type": "attnres"` with the base type
-in the `"attnres"` record.  Importing this module registers that type with transformers'
-`AutoConfig` and, per base config, with `AutoModel`, `AutoModelForCausalLM` and the sequence /
-token classification and question answering Auto classes: `AutoModelForCausalLM.from_pretrained`
-builds the converted model (`AttnRes_<Class>`, a subclass of the family's class that converts
-itself in `__init__` with the recorded form) and loads the rows, bitwise equal to
-`hf.from_pretrained`; a missing row raises.  Without this import (vLLM, other tools) the load
-fails loudly (unknown model type "attnres") instead of returning the PreNorm model, and the
-family's own class (`LlamaForCausalLM.from_pretrained(path)`, which ignores `model_type`) fails
-on config.json's guard (`attnres_core.checkpoint`: `use_cache`, or `tie_word_embeddings` where
-the family's config declares no `use_cache`, holds a sentence naming the fix; the real value is
-in the record, and the loaders above restore it).
-
-PEFT.  The rows are read through the layers' `attnres` dicts at every pass, so PEFT's
-`modules_to_save` wrappers around them are honoured (the active adapter's copy is read, the
-original when adapters are disabled): `LoraConfig(..., modules_to_save=hf.peft_modules_to_save(
-model))` trains the rows, saves them in the adapter file and `PeftModel.from_pretrained`
-restores them.  Plain LoRA (no `modules_to_save`) freezes them: the first training forward
-then warns (`FrozenRowsWarning`, once per model) with the cause and that fix.
+  layer: the stream's output h_{L+1}, which the model's final norm then takes), so every layer's
+  output is a hidden state in PreNorm's sense.  The layer's own residual additions still run and
+  are discarded.
 
 torch.compile.  Dynamo does not guard on module hooks, so a graph compiled for an unconverted
 model of the same class could be reused for a converted one (computing PreNorm).  Each
 converted layer therefore carries its class's `forward` as an instance attribute, which dynamo
-guards on: a graph traced without the conversion never matches a converted model (in either
-order of compilation, and for a model compiled before its conversion).
-
-Parameter ownership (`per_layer=True`, the default where the scheme allows it): decoder layer i
-owns, as `layers[i].attnres.row<r>` (`DepthSite`s), the rows of the scheme's parameters that its
-call reads: rows 2i + 1 and 2i + 2 (layer 0 also row 0; the last layer's row 2i + 2 is the output
-row L).  So a layer's state_dict carries its AttnRes rows, and `fully_shard(layer)` gathers them
-with the layer's own weights.  Schemes with parameters shared across sublayers (shared queries,
-low-rank keys) keep one stacked `DepthRouter` on the base model (`model.<base>.attnres_router`);
-FSDP2's root group holds it, unsharded for the whole forward.
-
-Gradient checkpointing (`model.gradient_checkpointing_enable()`, non-reentrant): HF checkpoints
-each layer's `forward` with its hooks outside; the conversion wraps the layer's checkpoint call so
-that the recomputation in the backward replays the layer on a copy of the stream as it was in the
-forward (no source is saved twice; the reads at layer boundaries run outside the checkpoint and
-are not recomputed).  Reentrant checkpointing cannot carry gradients to the earlier sources the
-depth attention reads and is refused with a ValueError.
-
-At init (zero queries) a converted model is not the PreNorm model: Full AttnRes hands the first
-norm the mean of the sources, 1/N of their sum, and a norm undoes the 1/N exactly only at eps = 0
-(eps acts as N^2 eps).  The exact PreNorm model is `mix=0` (M10 progressive introduction:
-`with hf.residual_inputs(model, mix=0.0): ...`), bitwise equal to the unconverted model.
-
-One forward at a time per model instance (the stream of the running pass lives on the model).
+guards on: a graph traced without the conversion never matches a converted model.
 """
 
 from __future__ import annotations

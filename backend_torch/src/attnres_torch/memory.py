@@ -6,25 +6,15 @@ every sublayer's internals (its pre-norm, the attention's q/k/v, the MLP's hidde
 backward.  Two modes change that, each a context manager around the forward (the backward may run
 inside or after it) that leaves outputs and gradients unchanged:
 
-* `Recompute(model)`: every sublayer runs under `torch.utils.checkpoint` (non-reentrant).  What
-  is saved per sublayer l: its input h_l (for Full/Block AttnRes without a mix this is the depth
-  attention's own output) and what the depth attention's backward needs: its sources, query,
-  gain and log-sum-exp `[...]`, and its output where the router's `save` keeps it (the same
-  storage as h_l: no extra bytes; `ops.depth_attention`).  Nothing
-  inside the sublayer is saved; the backward recomputes it.  `checkpointed(f)` is the same for
-  one callable (for a loop that drives `DepthRouter.stream` itself).  Works under
-  `torch.compile` (the checkpoint becomes a higher-order op; tested with the aot_eager backend).
-* `Offload(model, window=W)`: autograd's saved tensors (saved-tensor hooks) that were saved more
-  than W sublayers ago are copied to host memory during the forward (on CUDA: into pinned memory,
-  on a side stream, overlapped with the next sublayers' compute) and their device copies are
-  released; the backward brings each back on first use.  Parameters and tensors smaller than
-  `min_bytes` stay.  A tensor the forward still holds (a Full source that later sublayers read)
-  is freed on the device only when the forward drops it, so the saving is largest in the
-  backward-only tensors: the sublayers' internals.  On a CPU-only machine the host *is* the
-  device: the mode then runs (and is tested) but cannot lower memory.
+* `Recompute(model)`: every sublayer runs under non-reentrant `torch.utils.checkpoint`; per
+  sublayer only its input and the depth attention's saved tensors are kept (`checkpointed(f)`:
+  the same for one callable).
+* `Offload(model, window=W)`: saved tensors older than W sublayers go to host memory during the
+  forward and come back on first use in the backward.
 
-Both compose (`with Recompute(model), Offload(model): ...`).  **Compressed** storage of old
-sources (low rank, lower precision) is not here yet.
+Both compose (`with Recompute(model), Offload(model): ...`).  What each keeps, how, and the
+measured savings: docs/training.md (the memory modes) and the classes' docstrings.  Compressed
+storage of old sources (low rank, lower precision) is not here yet.
 
 `SavedBytes()` measures: the bytes of every distinct storage autograd saves inside it
 (parameters excluded), plus the inputs `Recompute` keeps for its recomputation, which the

@@ -6,10 +6,8 @@ Each call is validated with `attnres_core.validation` (same messages as every ba
 kernel's custom ops, or the differentiable composition).  Inputs are never modified; nothing is
 capped (C16).
 
-Repeated calls of one signature (plain CPU tensors of the same shapes, strides and dtypes, the
-same options and forcing) reuse the checks and the Choice of the first one (still recorded per
-call), and where the implementation has an eager hook and the call needs no gradient, outside
-traces, modes and transforms, run it without the custom op: the same bits (`plans.py`).
+Repeated calls of one signature reuse the checks and the Choice of the first one, and may run an
+implementation's eager hook without the custom op (the same bits): `plans.py`.
 
 Under `torch.autocast` (any device type) sources of different floating dtypes (`merge_partial`:
 out1 and partial) are first cast to the widest of them, as autocast does for `torch.cat`, and the

@@ -11,13 +11,11 @@ of the signature (`depth_attention`, `multi`, `merge` here) records the same Cho
 A call that raises never gets a plan, so every bad input still takes the checks and raises their
 message.
 
-The eager hook.  An implementation module whose host code can serve a call without its custom op
-defines `layout(xs, stacked)` / `merge_layout(out1, partial)` (the constants of a signature, or
-None where the hook does not apply) and `forward_eager` / `multi_eager` / `merge_eager` (the op
-bodies on those constants: the same kernel on the same pointers, so the same bits).  A kept call of
-such an implementation that needs no gradient, outside any trace, mode or transform, runs the hook
-instead of the custom op, whose dispatch costs more than the kernel at T = 1 (the batch-1 decode
-read).  Today "cpu_c" defines it (`kernels/cpu_c.py`).
+The eager hook (today "cpu_c"'s): `layout(xs, stacked)` / `merge_layout(out1, partial)` give the
+constants of a signature (None: no hook), `forward_eager` / `multi_eager` / `merge_eager` run the
+op bodies on them (the same kernel on the same pointers: the same bits).  A kept call that needs
+no gradient, outside any trace, mode or transform, runs the hook instead of the custom op, whose
+dispatch costs more than the kernel at T = 1 (the batch-1 decode read).
 """
 
 from __future__ import annotations

@@ -7,37 +7,15 @@
 
 Supported classes (`_FAMILIES`, an explicit table): `LlamaForCausalLM`, `MistralForCausalLM`,
 `Qwen2ForCausalLM`, `Qwen3ForCausalLM`.  A chunk runs its decoder layers through their own
-`__call__`, so the conversion's hooks compute exactly what they compute in the unsplit model; it
-only supplies what the family's decoder loop would: chunk 0 embeds `input_ids [B, T]`, every
-chunk recomputes the positions `0..T-1`, the rotary embeddings and each layer's mask from the
-hidden state's shape, as the family's `*Model.forward` does without a cache or padding (Llama:
-`create_causal_mask`; Mistral: `create_sliding_window_causal_mask` when `config.sliding_window`
-is set; Qwen2 / Qwen3: layer i's `config.layer_types[i]`, "full_attention" or
-"sliding_attention"), calls the layers with the same keywords, and the last chunk applies the
-final norm and `lm_head` and returns the logits.  A cut hands on what `split_stack`'s does (the
-completed blocks and the open partial sum; Full AttnRes every output) plus the hidden state the
-next layer takes: decoder layer i owns the router rows its call reads (`layers[i].attnres`,
-`per_layer=True`), and the depth read that forms layer i + 1's input is row 2i + 2, layer i's,
-so the chunk holding layer i makes that read and sends its result.
-
-Verification (as `hf.convert`'s at mix=0): `split_hf(..., verify=True)`, the default, runs the
-chunks in sequence on a probe batch (1 x 8 token ids, or one past a sliding window shorter than
-64) and compares with the unsplit model's logits, both in eval mode under no_grad with the direct
-schedule (the unsplit Block model would run two-phase in eval, equal only within rounding), the
-M10 inputs and a depth observer set aside for the probe; the model's modes are restored.  A
-difference beyond 4 float32 eps x max(1, max |logit|) is refused (ValueError naming the class and
-the difference); on the tested families it is 0.  `verify=False` skips the two probe forwards
-(parameters on the meta device, or a model where even that is too costly).
-
-Refused (ValueError naming the cause): a model that is not a converted model of a supported class
-(other families' decoder loops differ); tied embeddings across chunks (`tie_word_embeddings=True`:
-the embedding and `lm_head` would be one parameter in two stages); a stacked router
-(`per_layer=False`, shared queries, low-rank keys) or a kind other than Block and Full
-(`stages.check_router`); and, at the forward, an attention mask with padding, an M10
-`residual_inputs` block (mix / scale) and a depth observer.  HF gradient checkpointing works in
-the chunks (the conversion's replay; bitwise).  The chunks run the direct schedule (as
-`split_stack`'s; the unsplit model in eval mode runs Block's two-phase schedule, equal within
-rounding), and no KV cache.
+`__call__` (the conversion's hooks compute what they compute unsplit) and supplies only what the
+family's decoder loop would: chunk 0 embeds `input_ids [B, T]`, every chunk rebuilds positions,
+rotary embeddings and each layer's mask as the family's `*Model.forward` does without a cache or
+padding, the last chunk applies the final norm and `lm_head`.  A cut hands on what
+`split_stack`'s does plus the hidden state the next layer takes (row 2i + 2, layer i's, forms
+layer i + 1's input).  `verify=True` (the default) compares the chunks with the unsplit model's
+logits on a probe batch, as `hf.convert` does.  The masks per family, the verification's
+tolerance and what is refused (other classes, tied embeddings, a stacked router, padding, M10
+inputs, an observer): docs/distributed.md, "A converted Hugging Face model".
 """
 
 from __future__ import annotations

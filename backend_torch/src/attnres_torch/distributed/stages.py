@@ -13,17 +13,11 @@ paper Eq. 8); interleaved schedules send every block again to every later chunk 
     stages = pipeline_stages(chunks, device)          # this rank's PipelineStage(s)
     schedule = ScheduleGPipe(stages[0], n_microbatches, loss_fn=loss_fn)
 
-Parameters: a chunk owns its sublayers (the modules themselves, not copies), `pre` on the first
-chunk, `post` on the last, and the router's rows its sublayers read (row l - 1 of every
-per-sublayer parameter for sublayer l, and the output row L on the last chunk) as its own
-`nn.Parameter`s, named as the router's (`queries`, `norm_weights`, ...; router row
-`row_offset + i` is the chunk's row i), views of the router's storage while both stay on one
-device.  Save and load a stage's state with its chunk (`chunk.state_dict()`), as for any
-pipelined model.  No parameter is shared between chunks, so the schedules' `scale_grads` divides
-every gradient exactly once and no gradient has to be summed across pipeline ranks.
-`pipeline_stages` refuses chunks that share a parameter (tied weights in the sublayers): under an
-interleaved schedule two stages of one rank would divide its gradient twice, and on different
-ranks its two partial gradients are never summed.
+Parameters: a chunk owns its sublayers, `pre` on the first chunk, `post` on the last, and as its
+own `nn.Parameter`s the router rows its sublayers read (router row `row_offset + i` is the
+chunk's row i, a view of the router's storage); `pipeline_stages` refuses chunks that share a
+parameter.  Why, and what a transition carries: docs/distributed.md ("Parameters", "The
+shared-parameter trap").
 
 Supported: `kind="block"` and `"full"` with per-sublayer rows (`query_sharing="none"`, no
 `key_rank`), static or input-dependent queries, any activation, heads and `fuse_out_norm`.  The

@@ -240,3 +240,112 @@ def test_the_front_door_names_no_implementation_and_no_private_torch_api():
     found = sorted(n for n in names if re.search(rf"\b{n}\b", code))
     assert found == [], found
     assert "torch._C" not in code and "_eager" not in code and "forward_ad" not in code
+
+
+# -- the walk's returns (issue 41: "a call's walk has <= 3 returns") ---------------------------------
+
+TORCH_ROOT = Path(at.__file__).parent
+
+
+def _torch_file(frame) -> str | None:
+    path = Path(frame.f_code.co_filename)
+    return str(path.relative_to(TORCH_ROOT)) if TORCH_ROOT in path.parents else None
+
+
+def _returns(fn) -> list:
+    """Runs `fn` under sys.setprofile: every return from a frame in an attnres_torch file A to its
+    caller frame (`f_back`) in a different attnres_torch file B, as "A:function -> B" (frames of
+    other files, torch's dispatcher and attnres_core's included, are not counted)."""
+    found = []
+
+    def profile(frame, event, arg):
+        if event != "return" or frame.f_back is None:
+            return
+        here, there = _torch_file(frame), _torch_file(frame.f_back)
+        if here is not None and there is not None and here != there:
+            found.append(f"{here}:{frame.f_code.co_name} -> {there}")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+def _public_calls(grad: bool) -> dict:
+    xs = [torch.randn(4, 8, requires_grad=grad) for _ in range(3)]
+    q, g = torch.randn(8, requires_grad=grad), torch.rand(8) + 0.5
+    qs = torch.randn(2, 8, requires_grad=grad)
+    with torch.no_grad():
+        out1, lse1 = at.depth_attention_multi(xs, qs)
+    partial = torch.randn(4, 8, requires_grad=grad)
+    return {"depth_attention": lambda: at.ops.depth_attention(xs, q, g),
+            "depth_attention_multi": lambda: at.ops.depth_attention_multi(xs, qs),
+            "merge_partial": lambda: at.ops.merge_partial(out1[0], lse1[0], partial, q, g)}
+
+
+def walk_returns(impl: str) -> dict:
+    """(op, "grad" | "no grad", "first" | "repeat") -> the returns of that public call forced onto
+    `impl`: "first" with no plan kept (the checks, the choice, the run), "repeat" the same call
+    again (`plans.py`)."""
+    from attnres_torch import plans
+
+    counts = {}
+    for grad in (False, True):
+        for op, fn in _public_calls(grad).items():
+            with dispatch.use_impl(impl):
+                saved = dict(plans._PLANS)
+                plans._PLANS.clear()
+                try:
+                    counts[op, "grad" if grad else "no grad", "first"] = _returns(fn)
+                    counts[op, "grad" if grad else "no grad", "repeat"] = _returns(fn)
+                finally:
+                    plans._PLANS.update(saved)
+    return counts
+
+
+#: The returns measured when issue 41's criterion was first measured, (op, grad, first/repeat) -> count, per implementation:
+#: `walk_returns` must not grow past them.  The first call's are mostly the argument helpers of
+#: `_args.py` and the row helpers of `_rows.py` (one return each per call); a repeated call's are
+#: plans.key / get / the run, dispatch.forced / record, and the kernel's hook or custom op.
+MEASURED = {
+    "cpu_c": {("depth_attention", "no grad"): (29, 7), ("depth_attention_multi", "no grad"): (22, 7),
+              ("merge_partial", "no grad"): (30, 7), ("depth_attention", "grad"): (30, 15),
+              ("depth_attention_multi", "grad"): (23, 10), ("merge_partial", "grad"): (22, 8)},
+    "chunked": {("depth_attention", "no grad"): (25, 14), ("depth_attention_multi", "no grad"): (18, 9),
+                ("merge_partial", "no grad"): (22, 8), ("depth_attention", "grad"): (26, 15),
+                ("depth_attention_multi", "grad"): (19, 10), ("merge_partial", "grad"): (22, 8)},
+}
+
+
+def _skip_without_c(impl):
+    if impl == "cpu_c" and not cpu_c.available():
+        pytest.skip(f"no C kernel: {cpu_c.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
+def test_walk_returns_do_not_grow(impl):
+    """Every public op, with and without gradients, first and repeated call: no more returns from
+    one attnres_torch file into another than `MEASURED` (what the walk is today)."""
+    _skip_without_c(impl)
+    counts = walk_returns(impl)
+    over = {key: found for key, found in counts.items()
+            if len(found) > MEASURED[impl][key[:2]][key[2] == "repeat"]}
+    assert not over, over
+
+
+@pytest.mark.xfail(strict=True, reason="issue 41's done-criterion is not met: a public call returns "
+                                       "7-30 times across attnres_torch files (MEASURED)")
+@pytest.mark.parametrize("impl", ["cpu_c", "chunked"])
+def test_walk_has_at_most_three_returns(impl):
+    """Issue 41: "a call's walk has <= 3 returns", for every public op on cpu_c and chunked."""
+    _skip_without_c(impl)
+    counts = walk_returns(impl)
+    assert all(len(found) <= 3 for found in counts.values()), {k: len(v) for k, v in counts.items()}
+
+
+if __name__ == "__main__":  # prints the measured walks
+    for impl in ("cpu_c", "chunked"):
+        for key, found in walk_returns(impl).items():
+            print(impl, *key, len(found), found)

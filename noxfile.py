@@ -39,6 +39,8 @@ MLX = "mlx[cpu]>=0.25"
 #: installs with mlx 0.32 (it brings transformers, not torch).
 MLX_LM = "mlx-lm==0.32.2"
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
+#: Parallel pytest workers for the compile-bound JAX tests.
+XDIST = "pytest-xdist>=3.6"
 #: The Hugging Face stack tests-torch converts and trains (tiny configs, random weights, nothing
 #: downloaded): pinned, so a new release cannot change what CI checks without a commit.
 HF_STACK = ("transformers==5.24.0", "accelerate==1.15.0", "peft==0.21.2")
@@ -94,12 +96,15 @@ def _install(session: nox.Session, *backends: str, extra: tuple = ()) -> None:
 
 
 def _tests(session: nox.Session, backend: str) -> None:
-    _install(session, backend, extra=(TRITON,) if backend == "torch" else ())
+    _install(session, backend, extra={"torch": (TRITON,), "jax": (XDIST,)}.get(backend, ()))
     # One pytest run per distribution, so that each reads its own pyproject.toml and names its
     # files from its own root (conformance/tests/test_cli.py, not test_cli.py under reference_numpy).
+    # JAX's tests are compile-bound, and XLA compiles on one thread: one pytest-xdist worker per
+    # core (at most 4), the long tests handed out first-come (worksteal).
+    workers = ("-n", str(min(os.cpu_count() or 1, 4)), "--dist", "worksteal") if backend == "jax" else ()
     for tests in BACKEND_TESTS[backend]:
         # exit 5 = nothing collected: fine when posargs (-k ...) select tests of another folder only
-        session.run("pytest", tests, *session.posargs, success_codes=[0, 5] if session.posargs else [0])
+        session.run("pytest", tests, *workers, *session.posargs, success_codes=[0, 5] if session.posargs else [0])
     # The conformance suite against this backend (the same checks `nox -s conformance` reports).
     dtypes = ("--dtype", "float64") if backend == "numpy" else ()  # the reference is float64-only
     # JAX compiles every case: its cases are split over one process per core (--shards).

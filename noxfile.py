@@ -147,13 +147,21 @@ def conformance(session: nox.Session) -> None:
     attnres-conformance.  Reports go to reports/, named by what they cover (conformance.md and
     .json only for the full run; else e.g. conformance-torch.md).  Each backend's cases are split
     over one process per CPU core (--shards), and those processes run as many at once as there are
-    cores (--jobs): JAX, which compiles every case, is the long pole."""
+    cores (--jobs): JAX, which compiles every case, is the long pole.  Its executables are kept
+    in JAX's persistent compilation cache in this virtualenv (jax-compile-cache/, at most 1 GiB,
+    least recently used dropped; keyed by the program, the compile options and the jax/jaxlib
+    versions), so a second run compiles nothing it compiled before; an environment variable
+    already set (e.g. JAX_COMPILATION_CACHE_DIR) wins."""
     backends, options = _conformance_args(session)
     _install(session, *backends)
     args = [a for b in backends for a in ("--backend", b)]
     cores = str(os.cpu_count() or 1)
+    location = getattr(session.virtualenv, "location", None) or ".nox"
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(Path(location, "jax-compile-cache").resolve()),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+             "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**30)}
     session.run("attnres-conformance", *args, "--report-dir", "reports", "--jobs", cores, "--shards", cores,
-                *options)
+                *options, env={k: os.environ.get(k, v) for k, v in cache.items()})
 
 
 def _conformance_args(session: nox.Session) -> tuple:

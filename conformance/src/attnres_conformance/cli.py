@@ -10,9 +10,18 @@
     python -m attnres_conformance ...          # the same command
 
 While it runs: per backend, cases done / total, elapsed and an ETA on stderr (at the first case,
-then every 10 s; --no-progress silences it), and each backend's wall time.  At the end, on
-stdout: each backend's matrix, one summary line per backend (cases, pass, fail, skip, xfail,
-wall time, the implementation that ran) and the paths of the reports written.
+then every 10 s; --no-progress silences it), and each backend's wall time; with more than one
+backend (or one split by --jobs/--shards), also one overall line, at the first case and then at
+most every 10 s (`parallel.Overall`):
+
+    attnres-conformance: overall: backends 2/4 done, 61% of cases, 95 s elapsed, about 60 s left
+
+At the end, on stdout: each backend's matrix, one summary line per backend (cases, pass, fail,
+skip, xfail, wall time, the implementation that ran) and the paths of the reports written; then,
+as the last line on stderr (with the other timing lines, so stdout stays the report), the whole
+command's wall time, start to exit, starting the processes, merging and writing included:
+
+    attnres-conformance: total wall time 231.4 s (4 backends)
 
 --report-dir DIR names the reports by what they cover: DIR/conformance.md and .json only for the
 full run (every registered backend, every case); otherwise e.g. conformance-torch-jax.md,
@@ -113,10 +122,20 @@ def _export(directory: Path, dtypes, quick: bool) -> int:
     return 0
 
 
+def _feeding(meter: "Progress", overall, index: int):
+    """A progress callback that prints `meter`'s line and feeds run `index` of `overall`."""
+    def progress(done: int, total: int, case_id: str) -> None:
+        meter(done, total, case_id)
+        elapsed = time.monotonic() - meter.start
+        overall.progress(index, done, total, elapsed, elapsed / done * (total - done))
+        overall.emit()
+    return progress
+
+
 class Progress:
     """Progress lines on stderr while a backend runs: at the first case, then at most every
     `every` seconds (cases done / total, elapsed, an ETA from the rate so far), and its wall time
-    at the end."""
+    at the end.  `parallel.PROGRESS_LINE` reads these lines back (the --jobs parent's overall line)."""
 
     def __init__(self, name: str, every: float = 10.0, stream=None):
         self.name, self.every = name, every
@@ -181,11 +200,12 @@ def report_name(specs: Sequence[str], args) -> str:
 
 
 def _parallel(specs: Sequence[str], argv: Sequence[str], args) -> int:
-    from .parallel import run_children
+    from .parallel import Overall, run_children
 
     start = time.monotonic()
+    overall = None if args.no_progress else Overall(specs, shards=args.shards, jobs=args.jobs)
     with tempfile.TemporaryDirectory(prefix="attnres-conformance-") as tmp:
-        runs = run_children(specs, argv, args.jobs, Path(tmp), shards=args.shards)
+        runs = run_children(specs, argv, args.jobs, Path(tmp), shards=args.shards, overall=overall)
         for run in runs:
             if run.returncode not in (0, 1) or not run.json.is_file():
                 print(run.stdout, end="")
@@ -243,6 +263,7 @@ def _join_shards(reports: List[Report]) -> List[Report]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    started = time.monotonic()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     dtypes = args.dtype or None
@@ -268,9 +289,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"attnres-conformance: error: --shards: expected K >= 1, got {args.shards}", file=sys.stderr)
         return 2
     if args.jobs > 1 and (len(specs) > 1 or args.shards > 1):
-        return _parallel(specs, argv, args)
+        status = _parallel(specs, argv, args)
+    else:
+        status = _serial(specs, args, dtypes)
+    if status != 2:
+        from .parallel import TOTAL_LINE
+        print(f"{TOTAL_LINE}{time.monotonic() - started:.1f} s "
+              f"({len(specs)} backend{'s' * (len(specs) != 1)})", file=sys.stderr, flush=True)
+    return status
+
+
+def _serial(specs: Sequence[str], args, dtypes) -> int:
+    """The backends one after another in this process."""
+    from .parallel import Overall
+
     reports: List[Report] = []
     start = time.monotonic()
+    overall = Overall(specs) if len(specs) > 1 and not args.no_progress else None
     for number, spec in enumerate(specs, 1):
         try:
             backend = load_backend(spec)
@@ -279,9 +314,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             meter = None if args.no_progress else Progress(spec + part)
             report = run_conformance(backend, dtypes=dtypes, devices=args.device, quick=args.quick,
                                      skips=args.skips, case_ids=args.case, select=args.select, spec=spec,
-                                     progress=meter, shard=args.shard)
+                                     progress=meter if overall is None else _feeding(meter, overall, number - 1),
+                                     shard=args.shard)
             if meter is not None:
                 meter.finish()
+            if overall is not None:
+                overall.finish(number - 1)
         except (BackendSelectionError, BackendUnavailable, ImportError, ValueError, OSError) as exc:
             print(f"attnres-conformance: error: {exc}", file=sys.stderr)
             return 2

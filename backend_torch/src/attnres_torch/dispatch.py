@@ -10,9 +10,8 @@ their support checks, availability and capabilities.
 `IMPLEMENTATIONS`, in the order of the automatic choice, are one module each under `kernels/`
 (what each serves: `kernels/__init__.py`) owning its support check (`refusal(call)`) and host
 code; "triton" is imported on the first CUDA call.  `decide` says which serves a call, under
-`use_impl`'s forcing (a `contextvars.ContextVar`); the record is kept under a lock and skipped
-while torch.compile traces; `ops` keeps the Choice of a call signature (`plans.py`) and
-`record`s it again for each repeated call.
+`use_impl`'s forcing (a ContextVar); the record is kept under a lock and skipped while
+torch.compile traces; `plans.py` keeps a signature's Choice and its `recorder` for repeats.
 
 Custom ops.  At registration (`_define`: cpu_c and chunked at import, triton when first loaded)
 each kernel module's functions named after `KINDS` become `attnres::<impl>_<kind>` (`OPS[impl]`)
@@ -384,11 +383,11 @@ def forced() -> Optional[str]:
     return _REGISTRY.forced()
 
 
-def _record(choice: Choice) -> Choice:
-    """Note that `choice` serves a call (skipped while torch.compile traces: a side effect)."""
+def record(choice: Choice) -> None:
+    """Note that `choice` serves one more call (`last_choice`, `impl_counts`); skipped while
+    torch.compile traces (a side effect)."""
     if not torch.compiler.is_compiling():
         _REGISTRY.record(choice)
-    return choice
 
 
 def last_choice() -> Optional[Choice]:
@@ -483,9 +482,12 @@ def decide(call: Call) -> Tuple[object, Choice]:
     return modules[name], Choice(call.op, name, refused)
 
 
-def record(choice: Choice) -> None:
-    """Note that `choice` serves one more call (`last_choice`, `impl_counts`)."""
-    _record(choice)
+def recorder(choice: Choice):
+    """`record(choice)` as a function of no arguments, for a kept plan (`plans.py`: no trace)."""
+    return functools.partial(_REGISTRY.record, choice)
+
+
+forcing_state = _REGISTRY.forced  # `forced` outside any trace (`plans.py`)
 
 
 # -- running a validated call on the implementation that serves it ---------------------------------

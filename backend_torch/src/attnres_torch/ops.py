@@ -71,13 +71,10 @@ def depth_attention(sources: Sources, query: torch.Tensor, norm_weight=None, *, 
     options = (eps, type(eps), scale, type(scale), num_heads, type(num_heads), activation,
                type(activation), key_norm, type(key_norm), return_lse, return_weights,
                out_norm_eps, type(out_norm_eps), save, type(save))
-    sig = plans.key("depth_attention", sources, (query, norm_weight, out_norm_weight), options)
-    plan = plans.get(sig)
-    if plan is not None:
-        out, normed, lse, weights = plans.depth_attention(
-            plan, sources, query, norm_weight, out_norm_weight, float(eps), float(scale),
-            activation, key_norm, return_weights, save)
-        return _results(plan.geo, out, normed, lse, weights, return_lse, return_weights)
+    sig, kept = plans.depth_attention(sources, query, norm_weight, out_norm_weight, options, eps,
+                                      scale, activation, key_norm, return_weights, save)
+    if kept is not None:
+        return _results(*kept, return_lse, return_weights)
     xs, stacked, shapes, dtypes = split_sources(sources)
     query = require_tensor("query", query)
     norm_weight = optional_tensor("norm_weight", norm_weight)
@@ -117,8 +114,6 @@ def _results(geo, out, normed, lse, weights, return_lse, return_weights):
     return (out, *extra) if extra else out
 
 
-
-
 def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=None, *,
                           eps: float = 1e-6, scale: float = 1.0, save: str = "auto"):
     """Phase 1 of the two-phase schedule (spec 3.1): S pseudo-queries over N sources, every
@@ -134,11 +129,10 @@ def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=
     Returns:
       (out `[S, ..., D]` in the sources' dtype, lse `[S, ...]` in the compute dtype).
     """
-    sig = plans.key("depth_attention_multi", sources, (queries, norm_weights),
-                    (eps, type(eps), scale, type(scale), save, type(save)))
-    plan = plans.get(sig)
-    if plan is not None:
-        return plans.multi(plan, sources, queries, norm_weights, float(eps), float(scale), save)
+    sig, kept = plans.multi(sources, queries, norm_weights,
+                            (eps, type(eps), scale, type(scale), save, type(save)), eps, scale, save)
+    if kept is not None:
+        return kept
     xs, stacked, shapes, dtypes = split_sources(sources)
     queries = require_tensor("queries", queries)
     norm_weights = optional_tensor("norm_weights", norm_weights)
@@ -157,8 +151,6 @@ def depth_attention_multi(sources: Sources, queries: torch.Tensor, norm_weights=
         dispatch.record(choice)
         plans.keep_sources(sig, sources, xs, tensors, geo, impl, choice)
         return dispatch.run_multi(impl, xs, queries, norm_weights, eps, scale, save)
-
-
 
 
 def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
@@ -183,14 +175,9 @@ def merge_partial(out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor,
     one pass over out1 and partial); otherwise, and for float64, the differentiable composition.
     """
     given = (out1, lse1, partial, query, norm_weight)
-    sig = plans.key("merge_partial", (out1, lse1, partial), (query, norm_weight),
-                    (eps, type(eps), scale, type(scale), torch.is_grad_enabled() and any(
-                        getattr(t, "requires_grad", False) for t in given if t is not None)))
-    plan = plans.get(sig)
-    if plan is not None:
-        out, lse = plans.merge(plan, out1, lse1, partial, query, norm_weight, float(eps),
-                               float(scale))
-        return (out, lse) if return_lse else out
+    sig, kept = plans.merge(out1, lse1, partial, query, norm_weight, eps, scale)
+    if kept is not None:
+        return kept if return_lse else kept[0]
     names = ("out1", "lse1", "partial", "query")
     out1, lse1, partial, query = (require_tensor(n, t) for n, t in zip(names, (out1, lse1, partial, query)))
     out1, partial = autocast_promote([out1, partial])  # C3a

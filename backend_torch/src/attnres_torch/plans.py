@@ -1,21 +1,18 @@
 """Repeated calls: the checks and the dispatch Choice kept per call signature, and the
 implementations' eager hook.
 
-A call's checks (`validation`, the tensor and device checks) and its dispatch `Choice` depend only
-on its tensors' types, shapes, strides, dtypes and devices, its options, whether it needs a
-gradient (merge_partial) and the forcing (`use_impl`).  For plain CPU tensors in eager mode `key`
-names exactly that; the first call of a signature takes the full path in `ops` and, once it passed
-the checks and the choice, `keep_sources` / `keep_merge` store what it learned; every later call
-of the signature (`depth_attention`, `multi`, `merge` here) records the same Choice
-(`dispatch.record`: `last_choice` and `impl_counts` count it) and runs on the same implementation.
-A call that raises never gets a plan, so every bad input still takes the checks and raises their
-message.
+`key` names what a call's checks and `Choice` depend on (plain CPU tensors in eager mode: their
+types, shapes, strides, dtypes, devices and view bits, the options, merge_partial's gradient need,
+`use_impl`'s forcing).  The first call of a signature takes the full path in `ops`; once it passed,
+`keep_sources` / `keep_merge` store its Plan.  A later call (`depth_attention`, `multi`, `merge`:
+key, plan and run in one call from `ops`) records the same Choice (`last_choice`, `impl_counts`)
+and runs on the same implementation.  A call that raises gets no plan: every bad input still
+raises the checks' message.
 
-The eager hook (today "cpu_c"'s): `layout(xs, stacked)` / `merge_layout(out1, partial)` give the
-constants of a signature (None: no hook), `forward_eager` / `multi_eager` / `merge_eager` run the
-op bodies on them (the same kernel on the same pointers: the same bits).  A kept call that needs
-no gradient, outside any trace, mode or transform, runs the hook instead of the custom op, whose
-dispatch costs more than the kernel at T = 1 (the batch-1 decode read).
+The eager hook (cpu_c's): `layout` / `merge_layout` give a signature's constants (None: no hook);
+`forward_eager` / `multi_eager` / `merge_eager` run the op bodies on them (the same kernel on the
+same pointers: the same bits) in place of the custom op, whose dispatch costs more than the kernel
+at T = 1 (batch-1 decode), for a kept call that needs no gradient, outside any trace or mode.
 """
 
 from __future__ import annotations
@@ -41,6 +38,7 @@ _MAX_PLANS = 4096
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NOT_PLAIN = object()  # stands for an argument of any other type: no key
 _CPU = torch.device("cpu")
+_forced = dispatch.forcing_state  # `use_impl`'s forcing, read without a frame of dispatch.py
 
 
 class Plan(NamedTuple):
@@ -49,6 +47,7 @@ class Plan(NamedTuple):
     geo: Optional[validation.DepthAttentionGeometry]  # None for merge_partial
     impl: object  # the implementation module
     choice: dispatch.Choice
+    record: object  # records `choice` (dispatch.recorder: no frame of dispatch.py per call)
     stacked: bool  # the sources came as one stacked tensor
     layout: object  # the eager hook's constants (`impl.layout` / `merge_layout`), or None
 
@@ -76,22 +75,17 @@ def key(op: str, sources, tensors, options) -> Optional[tuple]:
                       for t in tensors])
         if listed and _NOT_PLAIN in src or _NOT_PLAIN in args:
             return None
-        sig = (op, listed, src, args, options, dispatch.forced())
+        sig = (op, listed, src, args, options, _forced())
         hash(sig)
     except Exception:  # noqa: BLE001 -- the full path raises the checks' message for these
         return None
     return sig
 
 
-def get(sig: Optional[tuple]) -> Optional[Plan]:
-    """The plan kept for signature `sig` (None: none, or no signature)."""
-    return None if sig is None else _PLANS.get(sig)
-
-
 def _keepable(choice, tensors, promoted: bool) -> bool:
     """Whether a plan is kept for a call that passed: plain CPU tensors, not promoted by
     autocast (the key holds the dtypes given), not Triton's (its support check reads more)."""
-    return not (promoted or choice.impl == "triton" or dispatch.forced() == "triton"
+    return not (promoted or choice.impl == "triton" or _forced() == "triton"
                 or not all(type(t) in _PLAIN and t.is_cpu for t in tensors))
 
 
@@ -117,7 +111,7 @@ def keep_sources(sig, sources, xs, tensors, geo, impl, choice) -> None:
         return
     hook = getattr(impl, "layout", None)
     lay = None if hook is None or _view_bits(every) else hook(xs, None if listed else sources)
-    _store(sig, Plan(geo, impl, choice, not listed, lay))
+    _store(sig, Plan(geo, impl, choice, dispatch.recorder(choice), not listed, lay))
 
 
 def keep_merge(sig, given, tensors, impl, choice, needs_grad: bool) -> None:
@@ -131,24 +125,17 @@ def keep_merge(sig, given, tensors, impl, choice, needs_grad: bool) -> None:
         return
     hook = getattr(impl, "merge_layout", None)
     lay = None if hook is None or _view_bits(tensors) else hook(out1, partial)
-    _store(sig, Plan(None, impl, choice, False, lay))
+    _store(sig, Plan(None, impl, choice, dispatch.recorder(choice), False, lay))
 
 
-def _eager_only() -> bool:
-    """No torch function or dispatch mode and no forward-mode AD level: nothing that a custom op
-    would let see the call."""
-    return (not torch._C._is_torch_function_mode_enabled()
-            and torch._C._len_torch_dispatch_stack() == 0 and forward_ad._current_level < 0)
-
-
-def _eager_no_grad(sources, stacked: bool, tensors) -> bool:
-    """`_eager_only` and no gradient needed by any tensor argument."""
-    if not _eager_only():
+def _eager(stacked: bool, sources, *tensors) -> bool:
+    """No torch function or dispatch mode and no forward-mode AD level (nothing that a custom op
+    would let see the call), and no gradient needed by `sources` or `tensors` (None: skipped)."""
+    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or forward_ad._current_level >= 0):
         return False
-    if not torch.is_grad_enabled():
-        return True
-    return not any(t is not None and t.requires_grad
-                   for t in (*((sources,) if stacked else sources), *tensors))
+    return not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in (*((sources,) if stacked else sources), *tensors))
 
 
 def _eager_context(plan: Plan, op: Optional[str]):
@@ -163,14 +150,26 @@ def _eager_context(plan: Plan, op: Optional[str]):
     return stack
 
 
-def depth_attention(plan: Plan, sources, query, norm_weight, out_norm_weight, eps: float,
-                    scale: float, activation, key_norm, return_weights, save):
-    """A depth_attention call of a kept signature: its Choice recorded, then the run: (out,
-    out_normed or None, lse, weights `[N, ..., H]` or None), as `dispatch.run_depth_attention`."""
-    dispatch.record(plan.choice)
-    geo = plan.geo
-    if plan.layout is not None and _eager_no_grad(sources, plan.stacked,
-                                                  (query, norm_weight, out_norm_weight)):
+def _find(op: str, sources, tensors, options):
+    """(the call's signature or None, its kept Plan or None); a found plan records its Choice."""
+    sig = key(op, sources, tensors, options)
+    plan = None if sig is None else _PLANS.get(sig)
+    if plan is not None:
+        plan.record()
+    return sig, plan
+
+
+def depth_attention(sources, query, norm_weight, out_norm_weight, options: tuple, eps, scale,
+                    activation, key_norm, return_weights, save):
+    """A depth_attention call through the plan kept for its signature: (sig, None) when none is
+    kept (sig: the signature to keep one under, or None), else (sig, (geo, out, out_normed or
+    None, lse, weights `[N, ..., H]` or None)), as `dispatch.run_depth_attention` runs it."""
+    sig, plan = _find("depth_attention", sources, (query, norm_weight, out_norm_weight), options)
+    if plan is None:
+        return sig, None
+    geo, eps, scale = plan.geo, float(eps), float(scale)
+    if plan.layout is not None and _eager(plan.stacked, sources, query, norm_weight,
+                                          out_norm_weight):
         fused = out_norm_weight is not None
         op = ("depth_attention_out_norm" if fused
               else "depth_attention_weights" if return_weights else "depth_attention")
@@ -178,31 +177,45 @@ def depth_attention(plan: Plan, sources, query, norm_weight, out_norm_weight, ep
             out, normed, lse, weights = plan.impl.forward_eager(
                 plan.layout, sources, query, norm_weight, eps, scale, return_weights,
                 (out_norm_weight, geo.out_norm_eps) if fused else None)
-        return out, normed, lse, None if weights is None else weights.unsqueeze(-1)
+        return sig, (geo, out, normed, lse, None if weights is None else weights.unsqueeze(-1))
     xs = list(sources.unbind(0)) if plan.stacked else list(sources)
     with autocast_off(xs[0].device):  # C3a
-        return dispatch.run_depth_attention(plan.impl, xs, query, norm_weight, out_norm_weight,
-                                            geo, eps, scale, activation, key_norm, return_weights,
-                                            save)
+        return sig, (geo, *dispatch.run_depth_attention(
+            plan.impl, xs, query, norm_weight, out_norm_weight, geo, eps, scale, activation,
+            key_norm, return_weights, save))
 
 
-def multi(plan: Plan, sources, queries, norm_weights, eps: float, scale: float, save):
-    """A depth_attention_multi call of a kept signature: (out, lse)."""
-    dispatch.record(plan.choice)
-    if plan.layout is not None and _eager_no_grad(sources, plan.stacked, (queries, norm_weights)):
+def multi(sources, queries, norm_weights, options: tuple, eps, scale, save):
+    """A depth_attention_multi call through its kept plan: (sig, None) as `depth_attention`, or
+    (sig, (out, lse))."""
+    sig, plan = _find("depth_attention_multi", sources, (queries, norm_weights), options)
+    if plan is None:
+        return sig, None
+    if plan.layout is not None and _eager(plan.stacked, sources, queries, norm_weights):
         with _eager_context(plan, "depth_attention_multi"):
-            return plan.impl.multi_eager(plan.layout, sources, queries, norm_weights, eps, scale)
+            return sig, plan.impl.multi_eager(plan.layout, sources, queries, norm_weights,
+                                              float(eps), float(scale))
     xs = list(sources.unbind(0)) if plan.stacked else list(sources)
     with autocast_off(xs[0].device):  # C3a
-        return dispatch.run_multi(plan.impl, xs, queries, norm_weights, eps, scale, save)
+        return sig, dispatch.run_multi(plan.impl, xs, queries, norm_weights, float(eps),
+                                       float(scale), save)
 
 
-def merge(plan: Plan, out1, lse1, partial, query, norm_weight, eps: float, scale: float):
-    """A merge_partial call of a kept signature: (out, lse)."""
-    dispatch.record(plan.choice)
-    if plan.layout is not None and _eager_only():
+def merge(out1, lse1, partial, query, norm_weight, eps, scale):
+    """A merge_partial call through its kept plan: (sig, None) as `depth_attention`, or (sig,
+    (out, lse)).  The signature holds whether the call needs a gradient."""
+    needs_grad = torch.is_grad_enabled() and any(
+        getattr(t, "requires_grad", False) for t in (out1, lse1, partial, query, norm_weight)
+        if t is not None)
+    sig, plan = _find("merge_partial", (out1, lse1, partial), (query, norm_weight),
+                      (eps, type(eps), scale, type(scale), needs_grad))
+    if plan is None:
+        return sig, None
+    eps, scale = float(eps), float(scale)
+    if plan.layout is not None and _eager(False, ()):  # merge_partial's key holds its grad need
         with _eager_context(plan, None):
-            return plan.impl.merge_eager(plan.layout, out1, lse1, partial, query, norm_weight,
-                                         eps, scale)
+            return sig, plan.impl.merge_eager(plan.layout, out1, lse1, partial, query,
+                                              norm_weight, eps, scale)
     with autocast_off(partial.device):  # C3a
-        return dispatch.run_merge(plan.impl, out1, lse1, partial, query, norm_weight, eps, scale)
+        return sig, dispatch.run_merge(plan.impl, out1, lse1, partial, query, norm_weight, eps,
+                                       scale)

@@ -565,17 +565,21 @@ def layout(sources: List[Tensor], stacked: Optional[Tensor]) -> Optional[Layout]
                   (ctypes.c_int64 * num)(*[f.stride(0) for f in flats]), offsets)
 
 
+def _laid_pointers(lay: Layout, sources):
+    """The sources' data pointers (a list, or the stacked tensor `lay` was taken from)."""
+    if lay.offsets is None:
+        return lay.pointers(*[s.data_ptr() for s in sources])
+    base = sources.data_ptr()
+    return lay.pointers(*[base + o for o in lay.offsets])
+
+
 def forward_eager(lay: Layout, sources, query: Tensor, norm_weight: Optional[Tensor], eps: float,
                   scale: float, with_weights: bool, out_norm: Optional[tuple]):
     """`_forward` (the body of the forward ops) for sources of layout `lay` (a list, or the
     stacked tensor `lay` was taken from), without the custom op: for `ops`' eager calls that
     need no gradient.  The same kernel on the same pointers, so the same bits.  Returns (out,
     out_normed or None, lse, weights `[N, ...]` or None); `out_norm` = (gain, eps_o) or None."""
-    if lay.offsets is None:
-        ptrs = lay.pointers(*[s.data_ptr() for s in sources])
-    else:
-        base = sources.data_ptr()
-        ptrs = lay.pointers(*[base + o for o in lay.offsets])
+    ptrs = _laid_pointers(lay, sources)
     qg = _rows.qg(query, norm_weight)
     out = torch.empty(lay.shape, dtype=lay.dtype)
     lse = torch.empty(lay.lse_shape, dtype=torch.float32)
@@ -599,11 +603,7 @@ def multi_eager(lay: Layout, sources, queries: Tensor, norm_weights: Optional[Te
                 scale: float):
     """`depth_attention_multi` (the op body) for sources of layout `lay` without the custom op,
     as `forward_eager`: (out `[S, ..., D]`, lse `[S, ...]` fp32)."""
-    if lay.offsets is None:
-        ptrs = lay.pointers(*[s.data_ptr() for s in sources])
-    else:
-        base = sources.data_ptr()
-        ptrs = lay.pointers(*[base + o for o in lay.offsets])
+    ptrs = _laid_pointers(lay, sources)
     num_q = queries.shape[0]
     qgs = _rows.qg(queries, norm_weights)
     out = torch.empty((num_q,) + lay.shape, dtype=lay.dtype)

@@ -262,7 +262,6 @@ def _depth_fwd_kernel(
                 tl.store(w_at, tl.exp(tl.load(w_at, mask=mask2, other=0.0) - m) / l, mask=mask2)
 
 
-
 @triton.jit
 def _qg_rows(q_ptr, q_stride, g_ptr, row2, col2, mask2, cmask2, PER_TOKEN: tl.constexpr,
              HAS_GAIN: tl.constexpr):

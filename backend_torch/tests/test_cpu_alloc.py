@@ -33,8 +33,11 @@ LOOP = textwrap.dedent("""
     mode = sys.argv[1]
     kept = cpu.keep_large_blocks(True) if mode in ("keep", "keep-off") else None
     if mode == "keep-off":
-        for _ in range(2):  # steps with the setting on, then back to glibc's defaults
-            torch.empty(16 * 2**20).fill_(1.0)
+        # steps with the setting on, then back to glibc's defaults.  Their blocks are 16 MiB: the
+        # heap keeps what it holds after the setting is off (the module's docstring), and a free
+        # block of 64 MiB left there would serve the loop's buffers without faults.
+        for _ in range(2):
+            torch.empty(4 * 2**20).fill_(1.0)
         kept = cpu.keep_large_blocks(False)
     faults = []
     for _ in range(20):  # a loop: one fresh 64 MiB fp32 buffer per step, written in full

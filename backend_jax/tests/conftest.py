@@ -17,3 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_collection_modifyitems(items):
+    """The `heavy` tests first (a stable sort), so that under pytest-xdist (tests-jax runs one
+    worker per core) they start at once instead of leaving one worker on a long tail."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

@@ -208,6 +208,11 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+# Every test here reads the one subprocess run of the module fixture: collected first (`heavy`),
+# so that the workers start on it.
+pytestmark = pytest.mark.heavy
+
+
 @pytest.fixture(scope="module")
 def results():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")

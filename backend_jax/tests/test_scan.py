@@ -362,6 +362,7 @@ def _scan_saved_bytes(config, params, emb, sublayers, layer_params, backward):
                         emb, layer_params)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("variant", ["full", "block"])
 def test_replayed_backward_keeps_one_buffer(rng, variant):
     """backward="replay" (block's default): the forward keeps the final buffer, the layer weights and

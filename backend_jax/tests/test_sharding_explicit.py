@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(r'''
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P, AxisType
@@ -58,6 +60,7 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.heavy
 def test_explicit_axes_data_and_tensor_parallel():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)

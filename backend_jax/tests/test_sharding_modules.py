@@ -17,6 +17,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(r'''
     import re
     import jax, jax.numpy as jnp, numpy as np, optax
@@ -155,6 +157,7 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.heavy
 def test_modules_under_user_meshes_explicit_and_auto():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)

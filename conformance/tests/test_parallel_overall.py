@@ -2,9 +2,12 @@
 time (the last stderr line of `attnres-conformance`)."""
 
 import io
+import os
 import re
+import subprocess
+import sys
 
-from attnres_conformance.parallel import PROGRESS_LINE, Overall
+from attnres_conformance.parallel import CHILD_ENV, PROGRESS_LINE, Overall
 from test_cli import cli
 
 OVERALL = re.compile(r"^attnres-conformance: overall: backends (\d+)/(\d+) done, (\d+)% of cases, "
@@ -118,3 +121,22 @@ def test_parallel_run_prints_overall_line_and_total():
     assert backends == 2 and total > 0 and run.stderr.count("total wall time") == 1  # not the children's
     quiet = cli("--backend", "numpy", "--backend", "numpy", *select, "--jobs", "2", "--no-progress")
     assert quiet.returncode == 0 and "overall:" not in quiet.stderr and "cases (" not in quiet.stderr
+
+
+def test_each_child_of_a_parallel_run_knows_its_run(tmp_path):
+    """Every child of a `--jobs` run gets its run's place in the job (0, 1, ...) in
+    `ATTNRES_CONFORMANCE_RUN` (parallel.CHILD_ENV), one value per process: adapters.mlx keeps
+    MLX's kernel directory apart by it (MLX's CPU compiler is not safe for two processes)."""
+    (tmp_path / "runspy.py").write_text(
+        "import os, pathlib\n"
+        "from attnres_conformance.adapters.numpy import backend  # noqa: F401\n"
+        "pathlib.Path(__file__).with_name('run-' + os.environ.get('ATTNRES_CONFORMANCE_RUN', 'parent')).touch()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.pop(CHILD_ENV, None)
+    run = subprocess.run([sys.executable, "-m", "attnres_conformance.cli", "--backend", "runspy:backend",
+                          "--backend", "runspy:backend", "--case", "depth_attention/base/N5-T3-D16/float64",
+                          "--jobs", "2", "--shards", "2", "--no-progress"], capture_output=True, text=True,
+                         env=env, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    children = sorted(p.name for p in tmp_path.glob("run-*") if p.name != "run-parent")
+    assert children == ["run-0", "run-1", "run-2", "run-3"], children  # 2 backends x 2 shards

@@ -17,6 +17,7 @@ compilation cache, torch's thread pool) and a crash in one must not take the oth
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -30,6 +31,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 #: Options of the parent that a child must not get: it runs one backend and writes one JSON.
 PARENT_ONLY = ("--backend", "--jobs", "--shards", "--json", "--markdown", "--report-dir", "--merge")
 
+#: Set in each child's environment: its run's place in the job (0, 1, ...), so that an adapter can
+#: keep per-process state apart (`adapters.mlx`: MLX's kernel directory).
+CHILD_ENV = "ATTNRES_CONFORMANCE_RUN"
 #: How the CLI's last stderr line starts (the command's wall time); a child's is not forwarded.
 TOTAL_LINE = "attnres-conformance: total wall time "
 #: A child's progress line (`cli.Progress`): cases done / total, elapsed and ETA in seconds.
@@ -208,7 +212,7 @@ def run_children(specs: Sequence[str], argv: Sequence[str], jobs: int, workdir: 
             overall.started(index)
         proc = subprocess.Popen([sys.executable, "-m", "attnres_conformance", "--backend", spec, "--json",
                                  str(report), *split, *rest], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, env={**os.environ, CHILD_ENV: str(index)})
         reader = threading.Thread(target=forward, args=(index, proc.stderr), daemon=True)
         reader.start()
         stdout = proc.stdout.read()

@@ -5,17 +5,42 @@ Subclass it for any MLX port (ours is `attnres_conformance.ports.attnres_mlx`): 
 spec's arguments (see `adapters.torch` for an example).  Native arrays are built on MLX's CPU
 stream from float64 (so values are not rounded to float32 on the way); gradients come from
 `mx.vjp`.
+
+In a child of a parallel run (`--jobs`), MLX compiles its CPU kernels into a directory of that
+child's own (`separate_kernel_directory`).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from importlib import metadata
 from typing import Dict
 
 import mlx.core as mx
 import numpy as np
 
+from ..parallel import CHILD_ENV
 from .base import Adapter
+
+
+def separate_kernel_directory() -> None:
+    """In a child of a parallel run, point TMPDIR at `<tmp>/attnres-conformance-mlx-<run>`.
+
+    MLX's CPU backend compiles each fused kernel with g++ into $TMPDIR/mlx/<version>/cpu and loads
+    whatever library it finds there, with no lock between processes: two shards compiling one
+    kernel at once (a cold directory) could load a half-written library.  Each run of a job keeps
+    its own directory, under the same name in the next run of that job, so reruns find their
+    kernels compiled.  Called when this module is imported, before any MLX kernel compiles."""
+    run = os.environ.get(CHILD_ENV)
+    if run is None or not run.isdigit():
+        return
+    path = os.path.join(tempfile.gettempdir(), f"attnres-conformance-mlx-{run}")
+    os.makedirs(path, exist_ok=True)
+    os.environ["TMPDIR"] = path
+
+
+separate_kernel_directory()
 
 _NATIVE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32,
            "float64": mx.float64, "bool": mx.bool_}

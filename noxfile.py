@@ -18,7 +18,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Optional
 
 import nox
 import nox.logger
@@ -39,7 +42,7 @@ MLX = "mlx[cpu]>=0.25"
 #: installs with mlx 0.32 (it brings transformers, not torch).
 MLX_LM = "mlx-lm==0.32.2"
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
-#: Parallel pytest workers for the compile-bound JAX tests.
+#: Parallel pytest workers, one per core (at most 4), in every test session.
 XDIST = "pytest-xdist>=3.6"
 #: The Hugging Face stack tests-torch converts and trains (tiny configs, random weights, nothing
 #: downloaded): pinned, so a new release cannot change what CI checks without a commit.
@@ -76,6 +79,7 @@ nox.logger.logger.addFilter(_QuietUvProbe())
 
 
 def _install(session: nox.Session, *backends: str, extra: tuple = ()) -> None:
+    _bytecode_on_import(session)
     # Frameworks first, with their pins, so the editable installs find them satisfied.
     args = [*TEST_DEPS, *BASE, *(a for b in backends for a in BACKEND_INSTALL[b]), *extra]
     # Skip pip (~15 s even when everything is satisfied) when this virtualenv was already
@@ -90,32 +94,100 @@ def _install(session: nox.Session, *backends: str, extra: tuple = ()) -> None:
         session.log("dependencies unchanged since the last install: pip skipped")
         return
     # pip's own output is shown: a first install (torch, jax) takes minutes and should not be silent.
-    session.install(*args, silent=False)
+    session.install("--no-compile", *args, silent=False)
     if stamp is not None:
         stamp.write_text(digest.hexdigest())
 
 
+def _bytecode_on_import(session: nox.Session) -> None:
+    """pip compiles every module of every package it installs (torch alone: 26 s of a 38 s
+    install on the 2-core CI machine), most of which no test imports: `_install` passes
+    --no-compile, and Python writes the bytecode of the modules a run imports, once, under
+    <virtualenv>/pycache (PYTHONPYCACHEPREFIX: nothing is written into the checkout or
+    site-packages), also where PYTHONDONTWRITEBYTECODE is set (an empty value turns it off)."""
+    location = getattr(session.virtualenv, "location", None)
+    if location:
+        session.env["PYTHONPYCACHEPREFIX"] = str(Path(location, "pycache"))
+        session.env["PYTHONDONTWRITEBYTECODE"] = ""
+
+
 def _tests(session: nox.Session, backend: str) -> None:
-    _install(session, backend, extra={"torch": (TRITON,), "jax": (XDIST,)}.get(backend, ()))
-    # One pytest run per distribution, so that each reads its own pyproject.toml and names its
-    # files from its own root (conformance/tests/test_cli.py, not test_cli.py under reference_numpy).
-    # JAX's tests are compile-bound, and XLA compiles on one thread: one pytest-xdist worker per
-    # core (at most 4), the `heavy` tests collected first (backend_jax/tests/conftest.py).  A module
-    # fixture runs once on each worker that gets one of its tests (test_distributed's subprocess:
-    # about 1 min twice); `--dist loadgroup` would keep them on one worker, but pytest-xdist 3.8
-    # under pytest 9.2 ignores its xdist_group marks (tests of one group ran on both workers).
-    workers = ("-n", str(min(os.cpu_count() or 1, 4)), "--dist", "load") if backend == "jax" else ()
-    for tests in BACKEND_TESTS[backend]:
-        # exit 5 = nothing collected: fine when posargs (-k ...) select tests of another folder only
-        session.run("pytest", tests, *workers, *session.posargs, success_codes=[0, 5] if session.posargs else [0])
+    _install(session, backend, extra=(XDIST, TRITON) if backend == "torch" else (XDIST,))
     # The conformance suite against this backend (the same checks `nox -s conformance` reports).
     dtypes = ("--dtype", "float64") if backend == "numpy" else ()  # the reference is float64-only
     # JAX compiles every case: its cases are split over one process per core (--shards).
     cores = str(os.cpu_count() or 1)
     split = ("--jobs", cores, "--shards", cores) if backend == "jax" else ()
-    session.run("attnres-conformance", "--backend", backend, *dtypes, *split)
-    if backend == "torch":  # again on the chunked torch kernel, the fallback without a C compiler
-        session.run("attnres-conformance", "--backend", backend, env={"ATTNRES_TORCH_CPU_C": "0"})
+    report = ("attnres-conformance", "--backend", backend, *dtypes, *split)
+    # JAX's tests compile one program many times (a model at one shape in several tests, in a
+    # subprocess on each worker): from JAX's persistent cache, the second compile is a read
+    # (measured: 22 min of CPU instead of 26 on a cold cache; the suite's compiles are all distinct).
+    env = _jax_cache(session) if backend == "jax" else {}
+    # One pytest-xdist worker per core (at most 4), but for MLX (below): JAX's tests are
+    # compile-bound and XLA compiles on one thread; torch's and the suite's are single-threaded
+    # Python.  JAX's `heavy` tests are collected first (backend_jax/tests/conftest.py).  A module
+    # fixture runs once on each worker that gets one of its tests (test_distributed's subprocess);
+    # `--dist loadgroup` would keep them on one worker, but pytest-xdist 3.8 under pytest 9.2
+    # ignores its xdist_group marks (tests of one group ran on both workers).
+    workers = ("-n", str(min(os.cpu_count() or 1, 4)), "--dist", "load")
+    # A report that keeps one core busy runs beside pytest: torch's run on the chunked kernel (the
+    # fallback without a C compiler), while the workers wait for their subprocesses; MLX's, beside
+    # one pytest process.  MLX compiles each fused kernel with g++ on first use (cold: ~5 min of a
+    # core for the tests, as much for the report), and processes with kernel directories of their
+    # own (MLX's is not safe for two at once) share few kernels: measured cold on 2 cores, pytest
+    # then the report took 604 s, pytest on 2 workers then the report 528 s, pytest on 2 workers
+    # beside the report ~500 s, one pytest process beside the report 423 s.
+    beside = None
+    if backend == "mlx":
+        beside = _Beside(session, report, "mlx-report-kernels")
+    elif backend == "torch":
+        beside = _Beside(session, ("attnres-conformance", "--backend", "torch"), env={"ATTNRES_TORCH_CPU_C": "0"})
+    try:
+        for tests in BACKEND_TESTS[backend]:
+            # exit 5 = nothing collected: fine when posargs (-k ...) select tests of another folder only
+            session.run("pytest", tests, *(() if backend == "mlx" else workers), *session.posargs,
+                        success_codes=[0, 5] if session.posargs else [0], env=env)
+        if backend != "mlx":
+            session.run(*report, env=env)
+    except BaseException:
+        if beside is not None:
+            beside.finish(stop=True)
+        raise
+    if beside is not None:
+        beside.finish(stop=False)
+
+
+class _Beside:
+    """A command of the session's virtualenv started in the background, its output kept in
+    <virtualenv>/beside.log and printed by `finish`; `tmpdir`: its TMPDIR, a folder of the
+    virtualenv (kept between runs); `env`: more environment variables."""
+
+    def __init__(self, session: nox.Session, argv: tuple, tmpdir: str = "", env: Optional[dict] = None):
+        env = env or {}
+        location = Path(session.virtualenv.location)
+        self.session, self.argv, self.log = session, argv, location / "beside.log"
+        full = {**os.environ, **session.env, **env, "VIRTUAL_ENV": str(location),
+                "PATH": os.pathsep.join([session.bin, os.environ.get("PATH", "")])}
+        full = {k: v for k, v in full.items() if v is not None}  # nox's None: unset
+        if tmpdir:
+            full["TMPDIR"] = str(location / tmpdir)
+            Path(full["TMPDIR"]).mkdir(exist_ok=True)
+        shown = " ".join([*(f"{k}={v}" for k, v in env.items()), *argv])
+        session.log(f"{shown} (beside pytest; its output, in {self.log}, follows pytest's)")
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([str(Path(session.bin, argv[0])), *argv[1:]], stdout=out,
+                                         stderr=subprocess.STDOUT, env=full)
+
+    def finish(self, stop: bool) -> None:
+        """Wait for it (or stop it: pytest failed), print its output, fail the session if it failed."""
+        if stop:
+            self.proc.terminate()
+        code = self.proc.wait()
+        self.session.log(f"{' '.join(self.argv)} (beside pytest) ended (exit {code}); its output:")
+        sys.stdout.write(self.log.read_text(errors="replace"))
+        sys.stdout.flush()
+        if code != 0 and not stop:
+            self.session.error(f"{' '.join(self.argv)} failed (exit {code})")
 
 
 @nox.session(name="tests-numpy", tags=["tests"])
@@ -151,20 +223,25 @@ def conformance(session: nox.Session) -> None:
     .json only for the full run; else e.g. conformance-torch.md).  Each backend's cases are split
     over one process per CPU core (--shards), and those processes run as many at once as there are
     cores (--jobs): JAX, which compiles every case, is the long pole.  Its executables are kept
-    in JAX's persistent compilation cache in this virtualenv (jax-compile-cache/, at most 1 GiB,
-    least recently used dropped; keyed by the program, the compile options and the jax/jaxlib
-    versions), so a second run compiles nothing it compiled before; an environment variable
-    already set (e.g. JAX_COMPILATION_CACHE_DIR) wins."""
+    in JAX's persistent compilation cache in this virtualenv (`_jax_cache`), so a second run
+    compiles nothing it compiled before."""
     backends, options = _conformance_args(session)
     _install(session, *backends)
     args = [a for b in backends for a in ("--backend", b)]
     cores = str(os.cpu_count() or 1)
+    session.run("attnres-conformance", *args, "--report-dir", "reports", "--jobs", cores, "--shards", cores,
+                *options, env=_jax_cache(session))
+
+
+def _jax_cache(session: nox.Session) -> dict:
+    """JAX's persistent compilation cache in this virtualenv (jax-compile-cache/, at most 1 GiB,
+    least recently used dropped; keyed by the program, the compile options and the jax/jaxlib
+    versions), for every compile, however short or small; a variable already set wins."""
     location = getattr(session.virtualenv, "location", None) or ".nox"
     cache = {"JAX_COMPILATION_CACHE_DIR": str(Path(location, "jax-compile-cache").resolve()),
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
              "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**30)}
-    session.run("attnres-conformance", *args, "--report-dir", "reports", "--jobs", cores, "--shards", cores,
-                *options, env={k: os.environ.get(k, v) for k, v in cache.items()})
+    return {k: os.environ.get(k, v) for k, v in cache.items()}
 
 
 def _conformance_args(session: nox.Session) -> tuple:

@@ -55,7 +55,9 @@ GOLDEN = "conformance/src/attnres_conformance/golden"
 BACKEND_INSTALL = {
     "numpy": (),
     "torch": (TORCH, *HF_STACK, "-e", "backend_torch[plots]"),
-    "jax": (JAX, FLAX, "orbax-checkpoint>=0.11", "-e", "backend_jax[flax]"),
+    # filelock: JAX's persistent compilation cache with a size limit (`_jax_cache`) needs it; without
+    # it every cache read fails with a warning and compiles again (torch brings it along, JAX not).
+    "jax": (JAX, FLAX, "orbax-checkpoint>=0.11", "filelock", "-e", "backend_jax[flax]"),
     "mlx": (MLX, MLX_LM, "-e", "backend_mlx"),
 }
 BACKEND_TESTS = {

@@ -55,9 +55,7 @@ GOLDEN = "conformance/src/attnres_conformance/golden"
 BACKEND_INSTALL = {
     "numpy": (),
     "torch": (TORCH, *HF_STACK, "-e", "backend_torch[plots]"),
-    # filelock: JAX's persistent compilation cache with a size limit (`_jax_cache`) needs it; without
-    # it every cache read fails with a warning and compiles again (torch brings it along, JAX not).
-    "jax": (JAX, FLAX, "orbax-checkpoint>=0.11", "filelock", "-e", "backend_jax[flax]"),
+    "jax": (JAX, FLAX, "orbax-checkpoint>=0.11", "-e", "backend_jax[flax]"),
     "mlx": (MLX, MLX_LM, "-e", "backend_mlx"),
 }
 BACKEND_TESTS = {
@@ -236,13 +234,16 @@ def conformance(session: nox.Session) -> None:
 
 
 def _jax_cache(session: nox.Session) -> dict:
-    """JAX's persistent compilation cache in this virtualenv (jax-compile-cache/, at most 1 GiB,
-    least recently used dropped; keyed by the program, the compile options and the jax/jaxlib
-    versions), for every compile, however short or small; a variable already set wins."""
+    """JAX's persistent compilation cache in this virtualenv (jax-compile-cache/, keyed by the
+    program, the compile options and the jax/jaxlib versions), for every compile, however short or
+    small; a variable already set wins.  No size limit: with one (JAX_COMPILATION_CACHE_MAX_SIZE)
+    JAX stats every entry under a file lock at each write (on this project's 2-core machine,
+    tests-jax's pytest went from 13 to over 17 minutes), and it needs `filelock`, without which
+    every read fails.  An entry is ~15 KB and a run adds only programs it has not compiled before:
+    delete the folder (or the virtualenv) to start again."""
     location = getattr(session.virtualenv, "location", None) or ".nox"
     cache = {"JAX_COMPILATION_CACHE_DIR": str(Path(location, "jax-compile-cache").resolve()),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-             "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**30)}
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     return {k: os.environ.get(k, v) for k, v in cache.items()}
 
 

@@ -101,7 +101,7 @@ def _install(session: nox.Session, *backends: str, extra: tuple = ()) -> None:
 
 def _bytecode_on_import(session: nox.Session) -> None:
     """pip compiles every module of every package it installs (torch alone: 26 s of a 38 s
-    install on the 2-core CI machine), most of which no test imports: `_install` passes
+    install on a 2-core Zen 1 VM), most of which no test imports: `_install` passes
     --no-compile, and Python writes the bytecode of the modules a run imports, once, under
     <virtualenv>/pycache (PYTHONPYCACHEPREFIX: nothing is written into the checkout or
     site-packages), also where PYTHONDONTWRITEBYTECODE is set (an empty value turns it off)."""

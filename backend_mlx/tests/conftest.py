@@ -2,7 +2,6 @@
 
 import os
 import sys
-
 import tempfile
 
 import mlx.core as mx

@@ -143,6 +143,8 @@ def _tests(session: nox.Session, backend: str) -> None:
     elif backend == "torch":
         beside = _Beside(session, ("attnres-conformance", "--backend", "torch"), env={"ATTNRES_TORCH_CPU_C": "0"})
     try:
+        # One pytest run per distribution, so that each reads its own pyproject.toml and names its
+        # files from its own root (conformance/tests/test_cli.py, not test_cli.py under reference_numpy).
         for tests in BACKEND_TESTS[backend]:
             # exit 5 = nothing collected: fine when posargs (-k ...) select tests of another folder only
             session.run("pytest", tests, *(() if backend == "mlx" else workers), *session.posargs,

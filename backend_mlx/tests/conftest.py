@@ -2,19 +2,15 @@
 
 import os
 import sys
-import tempfile
 
 import mlx.core as mx
 import pytest
+from attnres_conformance.adapters.mlx import kernel_directory
 
-# MLX's CPU backend compiles each fused kernel with g++ into $TMPDIR/mlx/ and loads any library it
-# finds there, with no lock between processes: two processes compiling one kernel at once can load
-# a half-written library.  Each pytest-xdist worker gets a directory of its own, kept between runs
-# (as attnres_conformance.adapters.mlx does for the suite's parallel runs).
+# MLX's kernel directory is not safe for two processes at once: each pytest-xdist worker compiles
+# into one of its own, kept between runs (as the suite's parallel runs do).
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    _kernels = os.path.join(tempfile.gettempdir(), "attnres-tests-mlx-" + os.environ["PYTEST_XDIST_WORKER"])
-    os.makedirs(_kernels, exist_ok=True)
-    os.environ["TMPDIR"] = _kernels
+    kernel_directory("attnres-tests-mlx-" + os.environ["PYTEST_XDIST_WORKER"])
 
 sys.path.insert(0, os.path.dirname(__file__))
 # The checkout's top-level `examples/` (no wheel ships it): the example's test and the usage page's

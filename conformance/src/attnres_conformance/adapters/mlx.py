@@ -24,20 +24,25 @@ from ..parallel import CHILD_ENV
 from .base import Adapter
 
 
-def separate_kernel_directory() -> None:
-    """In a child of a parallel run, point TMPDIR at `<tmp>/attnres-conformance-mlx-<run>`.
-
-    MLX's CPU backend compiles each fused kernel with g++ into $TMPDIR/mlx/<version>/cpu and loads
-    whatever library it finds there, with no lock between processes: two shards compiling one
-    kernel at once (a cold directory) could load a half-written library.  Each run of a job keeps
-    its own directory, under the same name in the next run of that job, so reruns find their
-    kernels compiled.  Called when this module is imported, before any MLX kernel compiles."""
-    run = os.environ.get(CHILD_ENV)
-    if run is None or not run.isdigit():
-        return
-    path = os.path.join(tempfile.gettempdir(), f"attnres-conformance-mlx-{run}")
+def kernel_directory(name: str) -> str:
+    """Point TMPDIR at `<tmp>/<name>` (made if missing) and return it: MLX's CPU backend compiles
+    each fused kernel with g++ into $TMPDIR/mlx/<version>/cpu and loads whatever library it finds
+    there, with no lock between processes, so two processes compiling one kernel at once (a cold
+    directory) could load a half-written library.  Call it before any MLX kernel compiles."""
+    path = os.path.join(tempfile.gettempdir(), name)
     os.makedirs(path, exist_ok=True)
     os.environ["TMPDIR"] = path
+    return path
+
+
+def separate_kernel_directory() -> None:
+    """In a child of a parallel run, compile into `<tmp>/attnres-conformance-mlx-<run>`
+    (`kernel_directory`): each run of a job keeps its own directory, under the same name in the
+    next run of that job, so reruns find their kernels compiled.  Called when this module is
+    imported."""
+    run = os.environ.get(CHILD_ENV)
+    if run is not None and run.isdigit():
+        kernel_directory(f"attnres-conformance-mlx-{run}")
 
 
 separate_kernel_directory()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -48,3 +49,11 @@ def assert_close(got, ref, dtype: str, what: str = "", *, grad: bool):
     err, message = rel_err(got, ref, TOLERANCES[dtype].atol)
     rtol = rtol_for(dtype, grad=grad)
     assert err <= rtol, f"{what}: rel_err {err:.3g} > rtol {rtol:.3g} ({dtype}); {message}"
+
+
+def host_devices_env(count: int, **extra: str) -> dict:
+    """The environment of a test's subprocess with `count` host CPU devices: this process's,
+    with `--xla_force_host_platform_device_count` appended to its XLA_FLAGS (which keeps the
+    compile options the session set, see noxfile.py's tests-jax), JAX on the CPU, and `extra`."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)

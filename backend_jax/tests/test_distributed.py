@@ -6,17 +6,15 @@ every gradient; the hidden-dim psums carry 2NH (forward) and NH (backward) scala
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from jax_helpers import rtol_for
+from jax_helpers import host_devices_env, rtol_for
 
 SCRIPT = textwrap.dedent(r'''
     import json, os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_enable_x64", True)
     from jax.sharding import Mesh, PartitionSpec as P
@@ -215,7 +213,7 @@ pytestmark = pytest.mark.heavy
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = host_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -21,6 +21,9 @@ from attnres_conformance.tolerances import TOLERANCES, rel_err
 from attnres_jax import dispatch
 from attnres_jax.kernels import xla as _xla
 
+# The op's rounding, as users compile it (noxfile.py's tests-jax: not under its fast-compile XLA_FLAGS).
+pytestmark = pytest.mark.xla_default_compile
+
 D = 16
 IMPLS = ["xla", "interpret"]
 

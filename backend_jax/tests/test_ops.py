@@ -11,6 +11,9 @@ from attnres_jax import depth_attention, depth_attention_multi, merge_partial
 from attnres_numpy import ops as ref
 from jax_helpers import DTYPES, assert_close, precision, rounded
 
+# The op's rounding, as users compile it (noxfile.py's tests-jax: not under its fast-compile XLA_FLAGS).
+pytestmark = pytest.mark.xla_default_compile
+
 # (num_heads, activation, key_norm, per-token query, stacked, gain, lse, weights): every option
 # appears on and off at least once.
 DA_OPTIONS = [

@@ -15,7 +15,10 @@ from attnres_jax.kernels import pallas as kernels
 from attnres_jax.kernels import xla as _xla
 from attnres_jax.kernels.pallas import Pallas
 from attnres_numpy import ops as ref
-from jax_helpers import DTYPES, assert_close, precision, rounded
+from jax_helpers import DTYPES, assert_close, host_devices_env, precision, rounded
+
+# The op's rounding, as users compile it (noxfile.py's tests-jax: not under its fast-compile XLA_FLAGS).
+pytestmark = pytest.mark.xla_default_compile
 
 PRECISION = {"float64": 3, "float32": 2, "float16": 1, "bfloat16": 0}
 
@@ -330,7 +333,6 @@ def test_shard_map_gradient_of_the_replicated_gain():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])))
+    env = host_devices_env(4, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], capture_output=True, text=True, env=env, timeout=170)
     assert proc.returncode == 0 and "SHARD-OK" in proc.stdout, proc.stdout + proc.stderr

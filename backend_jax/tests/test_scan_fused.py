@@ -17,6 +17,9 @@ from attnres_jax.residual_ops import matmul, rmsnorm
 from attnres_numpy import model as ref
 from jax_helpers import assert_close, precision
 
+# The op's rounding, as users compile it (noxfile.py's tests-jax: not under its fast-compile XLA_FLAGS).
+pytestmark = pytest.mark.xla_default_compile
+
 D = 8
 
 

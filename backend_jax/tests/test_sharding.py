@@ -8,9 +8,9 @@ import subprocess
 import sys
 import textwrap
 
+from jax_helpers import host_devices_env
+
 SCRIPT = textwrap.dedent("""
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from attnres_numpy import model as ref
@@ -89,8 +89,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_jit_over_batch_and_sequence():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])))
+    env = host_devices_env(8, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SHARDING-OK" in proc.stdout

@@ -6,12 +6,12 @@ sources.  A subprocess: the device count must be set before JAX initializes."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from jax_helpers import host_devices_env
 
 SCRIPT = textwrap.dedent(r'''
     import jax, jax.numpy as jnp, numpy as np
@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent(r'''
 
 @pytest.mark.heavy
 def test_explicit_axes_data_and_tensor_parallel():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = host_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "EXPLICIT-OK" in proc.stdout

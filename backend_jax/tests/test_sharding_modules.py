@@ -12,12 +12,12 @@ CPU devices, in a subprocess (the device count must be set before JAX initialize
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from jax_helpers import host_devices_env
 
 SCRIPT = textwrap.dedent(r'''
     import re
@@ -159,7 +159,7 @@ SCRIPT = textwrap.dedent(r'''
 
 @pytest.mark.heavy
 def test_modules_under_user_meshes_explicit_and_auto():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = host_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SHARDING-MODULES-OK" in proc.stdout

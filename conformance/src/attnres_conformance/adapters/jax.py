@@ -44,8 +44,10 @@ CACHE_SIZE = 16
 #: compile time is nearly all of the run: these cut it ~3x (1.2 s -> 0.35 s of CPU for the
 #: gradient program of N = 9 sources).  The program XLA optimizes is the library's, and the
 #: HLO passes run; the machine code differs in rounding only (no FMA contraction at -O0), far
-#: inside every tolerance.  backend_jax's own tests run the default compile against the float64
-#: reference.  ATTNRES_CONFORMANCE_JAX_COMPILE=default uses XLA's defaults here too.
+#: inside every tolerance.  backend_jax's tests of the op's rounding (marked
+#: `xla_default_compile`) run the default compile against the float64 reference; nox's tests-jax
+#: gives its other tests these options too (noxfile.py's JAX_FAST_COMPILE, the same three).
+#: ATTNRES_CONFORMANCE_JAX_COMPILE=default uses XLA's defaults here too.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
                 "xla_cpu_parallel_codegen_split_count": 1}
 COMPILE_MODES = {"fast": FAST_COMPILE, "default": None}
@@ -95,12 +97,15 @@ class JaxAdapter(Adapter):
         return jax.enable_x64(_x64_needed(call))
 
     def array(self, values, dtype, device, strided):
+        # jax.device_put, not jnp.asarray: JAX 0.10's asarray of a NumPy array compiles a program
+        # for each shape and dtype ("jit_stage": 126 of the 214 programs of 1/16 of the report);
+        # device_put copies it to the default device without one.
         a = np.asarray(values).astype(jnp.dtype(dtype))
         if strided and a.ndim >= 1:
             padded = np.full(a.shape[:-1] + (2 * a.shape[-1],), np.nan, dtype=np.float64).astype(a.dtype)
             padded[..., ::2] = a
-            return jnp.asarray(padded)[..., ::2]
-        return jnp.asarray(a)
+            return jax.device_put(padded)[..., ::2]
+        return jax.device_put(a)
 
     def broadcast_to(self, x, shape):
         return jnp.broadcast_to(x, shape)

@@ -27,6 +27,7 @@ needs `out` or any `[N, ..., D]` temporary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -120,14 +121,47 @@ def inv_rms_cond(x, reduce, count: int, eps: float, raw=None):
     does: an extra pass over x).  Under `vmap` the cond becomes a select and both sides run, as
     in `inv_rms`.
 
+    reduce: hashable (a module function or `HeadSums`), so the branches are the same function
+    objects at every call (`_rms_branches`).
     raw: x before its cast to the compute dtype (`x == raw.astype(x.dtype)`), if it was cast.
     The branch takes raw and casts it itself: a branch operand is materialized, and the upcast
     of a 16-bit source as the operand would be a second, float32 copy of it."""
     ms = reduce(x * x) / count
     operand = x if raw is None else raw
-    return jax.lax.cond(jnp.any(jnp.isinf(ms)),
-                        lambda a, ms: inv_rms(a.astype(x.dtype), reduce, count, eps),
-                        lambda a, ms: jax.lax.rsqrt(ms + eps), operand, ms)
+    overflow, plain = _rms_branches(reduce, count, float(eps), x.dtype)
+    return jax.lax.cond(jnp.any(jnp.isinf(ms)), overflow, plain, operand, ms)
+
+
+@functools.lru_cache(maxsize=256)
+def _rms_branches(reduce, count: int, eps: float, dtype):
+    """`inv_rms_cond`'s (overflow, plain) branches, one pair per (reduce, count, eps, dtype):
+    `lax.cond` traces both branches at every call, and JAX keeps those traces by the function
+    object and the operands' types, so stable branches trace once per operand type instead of
+    once per call (a Full-AttnRes step calls it once per source)."""
+
+    def overflow(a, ms):
+        return inv_rms(a.astype(dtype), reduce, count, eps)
+
+    def plain(a, ms):
+        return jax.lax.rsqrt(ms + eps)
+
+    return overflow, plain
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSums:
+    """`_head_sums` as a hashable reduce for `inv_rms_cond`: `[..., D]` -> `[..., H]`."""
+
+    num_heads: int
+    pairwise: bool = False
+
+    def __call__(self, w):
+        return _head_sums(w, self.num_heads, self.pairwise)
+
+
+def last_sum(v):
+    """The sum over the last axis, `[..., D]` -> `[...]` (`merge`'s reduce)."""
+    return jnp.sum(v, axis=-1)
 
 
 def _head_rms(x, opts: Options, raw=None):
@@ -136,7 +170,7 @@ def _head_rms(x, opts: Options, raw=None):
     if not opts.key_norm:
         return jnp.ones(x.shape[:-1] + (opts.num_heads,), x.dtype)
     pairwise = raw is not None and low_precision(raw)
-    return inv_rms_cond(x, lambda v: _head_sums(v, opts.num_heads, pairwise), x.shape[-1] // opts.num_heads,
+    return inv_rms_cond(x, HeadSums(opts.num_heads, pairwise), x.shape[-1] // opts.num_heads,
                         opts.eps, raw)
 
 
@@ -317,7 +351,7 @@ def merge(opts: MergeOptions, out1, lse1, partial, query, norm_weight, ct):
     qg = query.astype(ct)
     if norm_weight is not None:
         qg = qg * norm_weight.astype(ct)
-    r = inv_rms_cond(x, lambda v: jnp.sum(v, axis=-1), x.shape[-1], opts.eps, partial)
+    r = inv_rms_cond(x, last_sum, x.shape[-1], opts.eps, partial)
     s = jnp.sum(qg * x, axis=-1)
     z2 = opts.scale * r * s
     l1 = lse1.astype(ct)

@@ -33,6 +33,7 @@ return the op's outputs and gradients in their final shapes and dtypes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import List, Optional, Sequence, Union
@@ -358,14 +359,15 @@ def _squeeze_heads(st, a: mx.array) -> mx.array:
     return a[..., 0] if st.mode == "multi" or st.num_heads == 1 else a
 
 
-def _attend_forward(st, xs, q, g, rs, ws):
+def _attend_forward(st, xs, q, g, rs, ws, consts):
     """The op's outputs: out `[..., D]` (`[S, ..., D]` for phase 1) and, with the fused output
     norm (ws = [w `[D]`], C17), out_normed `[..., D]`, both in the sources' dtype; lse
     `[..., H?]` (`[S, ...]`; softmax, single-query op with `st.with_lse`) and weights
     `[N, ..., H?]` (single-query op with `st.with_weights`) in the compute dtype; H? is absent
-    with one head."""
+    with one head.  consts: [eps, scale, out_norm_eps?] as 0-d arrays (`_constants`)."""
+    eps, scale, *out_norm_eps = consts
     xb, qg, rb = _broadcast(st, xs, q, g, rs)
-    out, p, lse = attend_forward(xb, qg, rb, eps=st.eps, scale=st.scale,
+    out, p, lse = attend_forward(xb, qg, rb, eps=eps, scale=scale,
                                  activation=st.activation, key_norm=st.key_norm,
                                  vectorized=st.vectorized)
     source = xs[0]  # a view for stacked sources: only its shape and dtype are read
@@ -374,7 +376,7 @@ def _attend_forward(st, xs, q, g, rs, ws):
     outs = [out.astype(source.dtype)]
     if ws:  # C17: from out in the compute dtype, before its final rounding; rounded once
         outs.append(out_norm_forward(out, ws[0].astype(out.dtype),
-                                     st.out_norm_eps).astype(source.dtype))
+                                     out_norm_eps[0]).astype(source.dtype))
     if lse is not None and (st.mode == "multi" or st.with_lse):
         outs.append(_squeeze_heads(st, lse))
     if st.mode == "single" and st.with_weights:
@@ -382,17 +384,19 @@ def _attend_forward(st, xs, q, g, rs, ws):
     return tuple(outs)
 
 
-def _attend_backward(st, xs, q, g, rs, ws, d_out, d_normed, d_lse):
+def _attend_backward(st, xs, q, g, rs, ws, consts, d_out, d_normed, d_lse):
     """Gradients (sources as given, query, gain, cached rs, [out-norm weight]), each in its
-    input's shape/dtype.  d_normed: out_normed's cotangent `[..., D]` (None without ws)."""
+    input's shape/dtype.  d_normed: out_normed's cotangent `[..., D]` (None without ws);
+    consts as for `_attend_forward`."""
+    eps, scale, *out_norm_eps = consts
     xb, qg, rb = _broadcast(st, xs, q, g, rs)
     c = qg.dtype
     g_out = heads(d_out.astype(c), 1 if st.mode == "multi" else st.num_heads)
     if d_lse is not None:
         d_lse = d_lse.astype(c)
         d_lse = d_lse[..., None] if st.mode == "multi" or st.num_heads == 1 else d_lse
-    out_norm = (ws[0].astype(c), d_normed.astype(c), st.out_norm_eps) if ws else None
-    dxs, dqg, drs, dw = attend_backward(xb, qg, rb, g_out, d_lse, eps=st.eps, scale=st.scale,
+    out_norm = (ws[0].astype(c), d_normed.astype(c), out_norm_eps[0]) if ws else None
+    dxs, dqg, drs, dw = attend_backward(xb, qg, rb, g_out, d_lse, eps=eps, scale=scale,
                                         activation=st.activation, key_norm=st.key_norm,
                                         out_norm=out_norm)
     if isinstance(xs, mx.array):
@@ -413,16 +417,18 @@ def _attend_backward(st, xs, q, g, rs, ws, d_out, d_normed, d_lse):
     return d_sources, dq, dg, d_rs, d_ws
 
 
-def _merge_forward(eps, scale, o1, l1, x, q, g):
-    """(out in partial's dtype `[..., D]`, lse `[...]` in the compute dtype)."""
+def _merge_forward(o1, l1, x, q, g, consts):
+    """(out in partial's dtype `[..., D]`, lse `[...]` in the compute dtype); consts: [eps, scale]."""
+    eps, scale = consts
     c = compute_dtype(x.dtype)
     out, lse = merge_forward(o1.astype(c), l1.astype(c), x.astype(c),
                              q.astype(c) * g.astype(c), eps=eps, scale=scale)
     return out.astype(x.dtype), lse
 
 
-def _merge_backward(eps, scale, o1, l1, x, q, g, d_out, d_lse):
+def _merge_backward(o1, l1, x, q, g, consts, d_out, d_lse):
     """Gradients of (out1, lse1, partial, query, gain) in their own dtypes and shapes."""
+    eps, scale = consts
     c = compute_dtype(x.dtype)
     d_o1, d_l1, d_x, dqg = merge_backward(
         o1.astype(c), l1.astype(c), x.astype(c), q.astype(c) * g.astype(c), d_out.astype(c),
@@ -431,16 +437,47 @@ def _merge_backward(eps, scale, o1, l1, x, q, g, d_out, d_lse):
             *query_grads(dqg, q, g, multi=False))
 
 
+# eps, scale and the output norm's eps reach the compiled functions as 0-d inputs, not as
+# constants: MLX's CPU backend compiles each fused kernel with a C++ compiler on first use, keyed by
+# its constants' values, so constant eps/scale compiled every kernel again for each value (30 % of
+# the kernels of the conformance report on MLX were such repeats).  Same bits: MLX rounds a Python
+# scalar to the array's dtype, as `_constants` does.
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_attend(st):
+    """(forward, backward) compiled for `st` with its eps/scale values zeroed (`_structure`)."""
     return (mx.compile(functools.partial(_attend_forward, st)),
             mx.compile(functools.partial(_attend_backward, st)))
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_merge(eps: float, scale: float):
-    return (mx.compile(functools.partial(_merge_forward, eps, scale)),
-            mx.compile(functools.partial(_merge_backward, eps, scale)))
+def _compiled_merge():
+    return mx.compile(_merge_forward), mx.compile(_merge_backward)
+
+
+@functools.lru_cache(maxsize=1024)
+def _structure(st):
+    """`st` without its eps, scale and out_norm_eps values (whether the output norm is on stays)."""
+    return dataclasses.replace(st, eps=0.0, scale=0.0, out_norm_eps=None if st.out_norm_eps is None else 0.0)
+
+
+def _constants(dtype, *values: float) -> List[mx.array]:
+    """`values` as 0-d arrays of the compute dtype, cached (a decode step makes none) by their
+    exact bits (`float.hex`: -0.0 and 0.0 are equal keys to a dict)."""
+    return _constants_of(dtype, tuple(float(v).hex() for v in values))
+
+
+@functools.lru_cache(maxsize=1024)
+def _constants_of(dtype, values: tuple) -> List[mx.array]:
+    return [mx.array(float.fromhex(v), dtype=dtype) for v in values]
+
+
+def _attend_constants(st, xs) -> List[mx.array]:
+    """[eps, scale, out_norm_eps?] of `st` in the compute dtype of the sources `xs`."""
+    source = xs if isinstance(xs, mx.array) else xs[0]
+    values = (st.eps, st.scale) if st.out_norm_eps is None else (st.eps, st.scale, st.out_norm_eps)
+    return _constants(compute_dtype(source.dtype), *values)
 
 
 class Compiled:
@@ -463,16 +500,18 @@ class Compiled:
         return True
 
     def attend_forward(self, st, xs, q, g, rs, ws):
-        return _compiled_attend(st)[0](xs, q, g, rs, ws)
+        return _compiled_attend(_structure(st))[0](xs, q, g, rs, ws, _attend_constants(st, xs))
 
     def attend_backward(self, st, xs, q, g, rs, ws, d_out, d_normed, d_lse):
-        return _compiled_attend(st)[1](xs, q, g, rs, ws, d_out, d_normed, d_lse)
+        return _compiled_attend(_structure(st))[1](xs, q, g, rs, ws, _attend_constants(st, xs),
+                                                   d_out, d_normed, d_lse)
 
     def merge_forward(self, eps, scale, o1, l1, x, q, g):
-        return _compiled_merge(eps, scale)[0](o1, l1, x, q, g)
+        return _compiled_merge()[0](o1, l1, x, q, g, _constants(compute_dtype(x.dtype), eps, scale))
 
     def merge_backward(self, eps, scale, o1, l1, x, q, g, d_out, d_lse):
-        return _compiled_merge(eps, scale)[1](o1, l1, x, q, g, d_out, d_lse)
+        return _compiled_merge()[1](o1, l1, x, q, g, _constants(compute_dtype(x.dtype), eps, scale),
+                                    d_out, d_lse)
 
 
 IMPLEMENTATION = Compiled()

@@ -15,6 +15,7 @@ source edits need no reinstall): `nox --no-reuse-existing-virtualenvs ...` rebui
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -97,13 +98,41 @@ def _install(session: nox.Session, *backends: str, extra: tuple = ()) -> None:
         digest.update(Path(dist, "pyproject.toml").read_bytes())
     location = getattr(session.virtualenv, "location", None)
     stamp = Path(location, ".attnres-install") if location else None
-    if stamp is not None and stamp.is_file() and stamp.read_text() == digest.hexdigest():
-        session.log("dependencies unchanged since the last install: pip skipped")
+    with _install_lock(location):
+        if stamp is not None and stamp.is_file() and stamp.read_text() == digest.hexdigest():
+            session.log("dependencies unchanged since the last install: pip skipped")
+            return
+        # pip's own output is shown: a first install (torch, jax) takes minutes and should not be silent.
+        session.install("--no-compile", *args, silent=False)
+        if stamp is not None:
+            stamp.write_text(digest.hexdigest())
+
+
+@contextlib.contextmanager
+def _install_lock(location: Optional[str]):
+    """An exclusive lock on `<virtualenv>.install-lock` while `_install` checks and installs: a
+    second nox process installing the same virtualenv (.ci/run installs the later sessions ahead,
+    in the background) waits for the first and then finds the stamp.  No lock without fcntl."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        fcntl = None
+    if not location or fcntl is None:
+        yield
         return
-    # pip's own output is shown: a first install (torch, jax) takes minutes and should not be silent.
-    session.install("--no-compile", *args, silent=False)
-    if stamp is not None:
-        stamp.write_text(digest.hexdigest())
+    with open(f"{location}.install-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _install_only(session: nox.Session) -> bool:
+    """Whether nox runs with --install-only (nox has no public flag for it: its own `session.run`
+    reads the same setting), so that nothing starts that `session.run` would skip."""
+    runner = getattr(session, "_runner", None)
+    return bool(getattr(getattr(runner, "global_config", None), "install_only", False))
 
 
 def _bytecode_on_import(session: nox.Session) -> None:
@@ -145,6 +174,8 @@ def _tests(session: nox.Session, backend: str) -> None:
     # then the report took 604 s, pytest on 2 workers then the report 528 s, pytest on 2 workers
     # beside the report ~500 s, one pytest process beside the report 423 s.
     beside = None
+    if _install_only(session):
+        return
     if backend == "mlx":
         beside = _Beside(session, report, "mlx-report-kernels")
     elif backend == "torch":

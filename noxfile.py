@@ -120,12 +120,9 @@ def _install_lock(location: Optional[str]):
     if not location or fcntl is None:
         yield
         return
-    with open(f"{location}.install-lock", "w") as lock:
+    with open(f"{location}.install-lock", "w") as lock:  # closing it releases the lock
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
 
 
 def _install_only(session: nox.Session) -> bool:
@@ -149,6 +146,8 @@ def _bytecode_on_import(session: nox.Session) -> None:
 
 def _tests(session: nox.Session, backend: str) -> None:
     _install(session, backend, extra=(XDIST, TRITON) if backend == "torch" else (XDIST,))
+    if _install_only(session):  # nothing below but `session.run`s, which nox skips, and `_Beside`
+        return
     # The conformance suite against this backend (the same checks `nox -s conformance` reports).
     dtypes = ("--dtype", "float64") if backend == "numpy" else ()  # the reference is float64-only
     # JAX compiles every case: its cases are split over one process per core (--shards).
@@ -174,8 +173,6 @@ def _tests(session: nox.Session, backend: str) -> None:
     # then the report took 604 s, pytest on 2 workers then the report 528 s, pytest on 2 workers
     # beside the report ~500 s, one pytest process beside the report 423 s.
     beside = None
-    if _install_only(session):
-        return
     if backend == "mlx":
         beside = _Beside(session, report, "mlx-report-kernels")
     elif backend == "torch":

@@ -439,9 +439,9 @@ def _merge_backward(o1, l1, x, q, g, consts, d_out, d_lse):
 
 # eps, scale and the output norm's eps reach the compiled functions as 0-d inputs, not as
 # constants: MLX's CPU backend compiles each fused kernel with a C++ compiler on first use, keyed by
-# its constants' values, so constant eps/scale compiled every kernel again for each value (30 % of
-# the kernels of the conformance report on MLX were such repeats).  Same bits: MLX rounds a Python
-# scalar to the array's dtype, as `_constants` does.
+# its constants' values, so constant eps/scale compiled every kernel again for each value (the
+# conformance report on MLX compiled 345 kernels with them, 284 without).  Same bits: MLX rounds a
+# Python scalar to the array's dtype, as `_constants` does.
 
 
 @functools.lru_cache(maxsize=None)

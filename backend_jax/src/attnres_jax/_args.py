@@ -79,7 +79,9 @@ def restack(grads: list, like):
 def sum_to(x, shape):
     """Sum a broadcast result x back to `shape` (`attnres_core.numerics.sum_to_axes`)."""
     lead, keep = sum_to_axes(x.shape, shape)
-    return jnp.sum(jnp.sum(x, axis=lead), axis=keep, keepdims=True)
+    if lead:  # no reduce over no axes: one op less to trace and compile per call
+        x = jnp.sum(x, axis=lead)
+    return jnp.sum(x, axis=keep, keepdims=True) if keep else x
 
 
 class Options(NamedTuple):

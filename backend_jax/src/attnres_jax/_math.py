@@ -54,6 +54,8 @@ def trail(a):
 def block_diag(qg, num_heads: int):
     """qg `[S, D]` -> `Qm [D, S*H]` with Qm[h*Dh + j, s*H + h] = qg[s, h*Dh + j], zero elsewhere."""
     s, d = qg.shape
+    if num_heads == 1:  # the same matrix, without the eye product's ops
+        return qg.T
     m = qg.reshape(s, num_heads, d // num_heads)[..., None] * jnp.eye(num_heads, dtype=qg.dtype)[:, None]
     return m.transpose(1, 2, 0, 3).reshape(d, s * num_heads)  # [H, Dh, S, H'] -> [D, K]
 
@@ -75,6 +77,8 @@ def join_columns(v):
 
 def tile_sets(r, sets: int):
     """r `[N, ..., H]` -> `[N, ..., K]` (the same head statistic for every query set)."""
+    if sets == 1:
+        return r
     return jnp.tile(r, (1,) * (r.ndim - 1) + (sets,))
 
 
@@ -86,13 +90,9 @@ class Query(NamedTuple):
 
     q: jax.Array  # [S, D] (pseudo) or [..., D] (per token)
     g: jax.Array  # [S or 1, D] (pseudo) or [1.., D] (per token); ones when norm_weight is None
+    qg: jax.Array  # query * norm_weight: [S, D] or [..., D] (q itself when norm_weight is None)
     qm: Optional[jax.Array]  # [D, K] block-diagonal (pseudo-queries only)
     num_sets: int  # S
-
-    @property
-    def qg(self):
-        """query * norm_weight: `[S, D]` or `[..., D]`."""
-        return self.q * self.g
 
 
 def query_side(query, norm_weight, opts: Options, dim: int, ct) -> Query:
@@ -102,23 +102,26 @@ def query_side(query, norm_weight, opts: Options, dim: int, ct) -> Query:
     rows = query.shape[0] if opts.multi else 1
     gshape = (1,) * (q.ndim - 1) + (dim,) if per_token else (rows, dim)
     g = jnp.ones(gshape, ct) if norm_weight is None else norm_weight.astype(ct).reshape(gshape)
-    qm = None if per_token else block_diag(q * g, opts.num_heads)
-    return Query(q, g, qm, rows)
+    qg = q if norm_weight is None else q * g  # computed once: every source's logits use it
+    qm = None if per_token else block_diag(qg, opts.num_heads)
+    return Query(q, g, qg, qm, rows)
 
 
 # -- numerics both implementations use -------------------------------------------------------------
 
 
-def inv_rms(x, reduce, count: int, eps: float):
+def inv_rms(x, reduce, count: int, eps: float, ms=None):
     """r = 1 / sqrt(reduce(x^2) / count + eps) in x's dtype (spec 2.1), overflow-safe (C10.6).
 
     `reduce` sums the squares over each key's channels (`count` of them).  Where that sum
     overflows (fp32: |x| >= ~1.8e19), r comes from the squares of x * 2^-k instead (k = 80 for
     fp32, 528 for float64: finite for every finite x; eps is far below the mean there).  The key
-    norm is scale-invariant, so huge sources keep their weights instead of going uniform."""
+    norm is scale-invariant, so huge sources keep their weights instead of going uniform.
+    ms: `reduce(x * x) / count` when the caller has it already."""
     k = jnp.finfo(x.dtype).maxexp // 2 + 16
     lo = jnp.asarray(2.0 ** -k, x.dtype)
-    ms = reduce(x * x) / count
+    if ms is None:
+        ms = reduce(x * x) / count
     y = x * lo
     big = jnp.isinf(ms)
     ms_lo = jnp.where(big, reduce(y * y) / count, 1.0)

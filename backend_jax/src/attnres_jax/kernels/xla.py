@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Optional
 
 import jax
@@ -44,19 +45,36 @@ from .._math import trail as _trail
 
 def block_diag_rows(m, s: int, num_heads: int):
     """Inverse of `block_diag` on a `[K, D]` matrix: the head-h block of row (s, h) -> `[S, D]`."""
+    if num_heads == 1:  # K = S: the rows themselves
+        return m
     d = m.shape[1]
     m = m.reshape(s, num_heads, num_heads, d // num_heads)  # [S, H', H, Dh]
     return jnp.einsum("shhj->shj", m).reshape(s, d)
 
 
-def _expand(v, s: int, num_heads: int, dim: int):
-    """Per-column values `[..., K]` -> each head's value over its Dh channels, broadcastable to
-    `[S, ..., D]` (`[S, ..., 1]` for one head)."""
-    v = split_columns(v, s)
+def _per_head(v, num_heads: int, dim: int):
+    """Per-head values `[..., H]` -> each head's value over its Dh channels, broadcastable to
+    `[..., D]` (v itself, `[..., 1]`, for one head)."""
     if num_heads == 1:
         return v
     v = _trail(v)
     return jnp.broadcast_to(v, v.shape[:-1] + (dim // num_heads,)).reshape(v.shape[:-2] + (dim,))
+
+
+def _expand(v, s: int, num_heads: int, dim: int):
+    """Per-column values `[..., K]` -> each head's value over its Dh channels, broadcastable to
+    `[S, ..., D]` (`[S, ..., 1]` for one head)."""
+    return _per_head(split_columns(v, s), num_heads, dim)
+
+
+def _scaled(v, scale: float):
+    """scale * v; v itself for scale 1 (bitwise the same, and no op to trace or compile)."""
+    return v if scale == 1.0 else scale * v
+
+
+def _sum(terms):
+    """The sum of a sequence of arrays in its order (C10.5), without `sum`'s leading `0 +`."""
+    return functools.reduce(operator.add, terms)
 
 
 #: Up to this many channels the pairwise sum is one reduce.
@@ -110,11 +128,6 @@ def _sum_sets(w):
     return _at(w, 0) if w.shape[0] == 1 else jnp.sum(w, axis=0)
 
 
-def _times_columns(v, qm):
-    """`v [..., K] @ Qm^T [K, D]` (a broadcast product when K = 1)."""
-    return v * qm[:, 0] if qm.shape[1] == 1 else jnp.matmul(v, qm.T, precision=HIGHEST)
-
-
 def inv_rms_cond(x, reduce, count: int, eps: float, raw=None):
     """`inv_rms` with its overflow branch behind one `lax.cond`: the rescaled second sum of
     squares runs only when some mean overflowed (C10.6), not on every call (as a `jnp.where`
@@ -127,9 +140,16 @@ def inv_rms_cond(x, reduce, count: int, eps: float, raw=None):
     The branch takes raw and casts it itself: a branch operand is materialized, and the upcast
     of a 16-bit source as the operand would be a second, float32 copy of it."""
     ms = reduce(x * x) / count
-    operand = x if raw is None else raw
-    overflow, plain = _rms_branches(reduce, count, float(eps), x.dtype)
-    return jax.lax.cond(jnp.any(jnp.isinf(ms)), overflow, plain, operand, ms)
+    return rms_from(ms, x if raw is None else raw, reduce, count, eps, x.dtype)
+
+
+def rms_from(ms, operand, reduce, count: int, eps: float, dtype):
+    """`inv_rms_cond` from the mean squares ms it has computed: `rsqrt(ms + eps)`, or where some
+    ms overflowed, `inv_rms` of the operand (cast to dtype).  operand: one array (ms of its
+    shape but the reduced axis), or a tuple of the N sources with ms `[N, ..., H]` stacked: one
+    cond for all of a call's sources, not one per source (fewer ops to trace and compile)."""
+    overflow, plain = _rms_branches(reduce, count, float(eps), dtype)
+    return jax.lax.cond(jnp.any(ms == jnp.inf), overflow, plain, operand, ms)  # ms >= 0: isinf
 
 
 @functools.lru_cache(maxsize=256)
@@ -140,7 +160,9 @@ def _rms_branches(reduce, count: int, eps: float, dtype):
     once per call (a Full-AttnRes step calls it once per source)."""
 
     def overflow(a, ms):
-        return inv_rms(a.astype(dtype), reduce, count, eps)
+        # the N sources of `rms_from` (ms [N, ..., H]) stacked: a copy, on this rare path only
+        a = jnp.stack(a) if isinstance(a, tuple) else a
+        return inv_rms(a.astype(dtype), reduce, count, eps, ms)
 
     def plain(a, ms):
         return jax.lax.rsqrt(ms + eps)
@@ -172,6 +194,16 @@ def _head_rms(x, opts: Options, raw=None):
     pairwise = raw is not None and low_precision(raw)
     return inv_rms_cond(x, HeadSums(opts.num_heads, pairwise), x.shape[-1] // opts.num_heads,
                         opts.eps, raw)
+
+
+def _sources_rms(ms, xs: list, stacked, opts: Options, ct):
+    """r `[N, ..., H]` of the N sources from their mean squares ms `[N, ..., H]` (`rms_from`,
+    one cond for them all; ones without key norm, ms None).  stacked: `_stacked(xs)`."""
+    if not opts.key_norm:
+        return jnp.ones((len(xs),) + xs[0].shape[:-1] + (opts.num_heads,), ct)
+    operand = tuple(xs) if stacked is None else stacked
+    return rms_from(ms, operand, HeadSums(opts.num_heads, low_precision(xs[0])), xs[0].shape[-1] // opts.num_heads,
+                    opts.eps, ct)
 
 
 # -- depth attention: forward and VJP rule ---------------------------------------------------------
@@ -207,17 +239,22 @@ def forward(xs: list, qs: Query, opts: Options, ct, num_valid=None):
     p_i = 0 exactly and `backward` gives them (and takes from them) exact zeros."""
     h, sets, dim = opts.num_heads, qs.num_sets, xs[0].shape[-1]
     stacked = _stacked(xs)
+    pairwise = low_precision(xs[0])
+    if qs.qm is None or sets == 1:  # one query row against x, broadcast once (not per source)
+        qrow = jnp.broadcast_to(qs.qg if qs.qm is None else _at(qs.qg, 0), xs[0].shape)
+    else:  # [S, 1.., D] query sets against x: per-column sums (C10)
+        qsets = qs.qg.reshape((sets,) + (1,) * (xs[0].ndim - 1) + (dim,))
 
     def stats(raw):
         x = raw.astype(ct)
-        if qs.qm is not None:  # [S, 1.., D] query sets against x: per-column sums (C10)
-            s = _columns(_lead(x) * qs.qg.reshape((sets,) + (1,) * (x.ndim - 1) + (dim,)), h, low_precision(raw))
-        else:
-            s = _columns(_lead(x * qs.qg), h, low_precision(raw))
-        return _head_rms(x, opts, raw), s
+        s = _head_sums(x * qrow, h, pairwise) if sets == 1 else _columns(_lead(x) * qsets, h, pairwise)
+        if not opts.key_norm:
+            return (s,)
+        return _head_sums(x * x, h, pairwise) / (dim // h), s  # the mean squares, `_sources_rms`
 
-    r, s = _per_source(stats, xs, stacked)
-    z = opts.scale * tile_sets(r, sets) * s
+    *ms, s = _per_source(stats, xs, stacked)
+    r = _sources_rms(ms[0] if ms else None, xs, stacked, opts, ct)
+    z = _scaled(tile_sets(r, sets), opts.scale) * s
     if num_valid is not None:
         z = jnp.where(jax.lax.broadcasted_iota(jnp.int32, z.shape, 0) < num_valid, z, -jnp.inf)
     if opts.activation == "softmax":
@@ -231,7 +268,10 @@ def forward(xs: list, qs: Query, opts: Options, ct, num_valid=None):
         lse = None
     # One elementwise sum over the sources in a fixed order (C10.5), also when stacked: XLA:CPU
     # reduces the leading axis of `[N, ..., D]` much slower than this fused chain of adds.
-    out = sum(_expand(_at(p, i), sets, h, dim) * _lead(x.astype(ct)) for i, x in enumerate(xs))
+    if sets == 1:
+        out = _lead(_sum(_per_head(_at(p, i), h, dim) * x.astype(ct) for i, x in enumerate(xs)))
+    else:
+        out = _sum(_expand(_at(p, i), sets, h, dim) * _lead(x.astype(ct)) for i, x in enumerate(xs))
     return out, lse, p, r, s
 
 
@@ -258,33 +298,42 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
     # token's smallest r), and r_i / f scales back.
     inv_a, ark = (None, rk) if not opts.key_norm else _dot_scale(r, rk)
 
+    g1 = _at(g, 0) if sets == 1 else None  # one query set: d_out `[..., D]` (no set axis)
+
     def dot(x):
         x = x.astype(ct)
-        return (_columns(g * _lead(x if inv_a is None else x * inv_a), h, pairwise),)
+        x = x if inv_a is None else x * inv_a
+        return (_head_sums(g1 * x, h, pairwise) if sets == 1 else _columns(g * _lead(x), h, pairwise),)
 
     (dp,) = _per_source(dot, xs, stacked)  # [N, ..., K], <d_out, x_i> f
     if opts.activation == "softmax":
-        cr = opts.scale * (p * (dp - _lead(jnp.sum(p * dp, axis=0)))) * ark  # dL/d(s_i) = dz_i scale r_i
+        cr = _scaled(p * (dp - _lead(jnp.sum(p * dp, axis=0))), opts.scale) * ark  # dL/d(s_i) = dz_i scale r_i
         if d_lse is not None:
-            cr = cr + opts.scale * (p * _lead(d_lse)) * rk
+            cr = cr + _scaled(p * _lead(d_lse), opts.scale) * rk
     else:
-        cr = opts.scale * (dp * p * (1.0 - p)) * ark
+        cr = _scaled(dp * p * (1.0 - p), opts.scale) * ark
     tok = tuple(range(xs[0].ndim - 1))
+    if qs.qm is not None:  # cr [..., K] @ Qm^T [K, D]: a broadcast product when K = 1
+        qcol, qmt = (jax.lax.index_in_dim(qs.qm, 0, 1, keepdims=False), None) if qs.qm.shape[1] == 1 else (None, qs.qm.T)
+    else:  # a per-token query, broadcast once (not per source)
+        qg = jnp.broadcast_to(qs.qg, xs[0].shape)
 
     def grads(x, p_i, cr, rk_i, r_i, s_i):
         # d z_i / d x_i = scale * (r_i qg - s_i r_i^3 x_i / Dh)  (key_norm)  or  scale * qg
         x = x.astype(ct)
-        dx = _sum_sets(_expand(p_i, sets, h, dim) * g)
+        dx = _per_head(p_i, h, dim) * g1 if sets == 1 else _sum_sets(_expand(p_i, sets, h, dim) * g)
         if qs.qm is not None:
-            dx = dx + _times_columns(cr, qs.qm)
+            dx = dx + (cr * qcol if qmt is None else jnp.matmul(cr, qmt, precision=HIGHEST))
             term = jnp.tensordot(cr, x, axes=(tok, tok), precision=HIGHEST)  # [K, D]
         else:
-            dx = dx + _at(_expand(cr, 1, h, dim), 0) * qs.qg
-            term = _at(_expand(cr, 1, h, dim), 0) * x  # [..., D]
+            c = _per_head(cr, h, dim)
+            dx = dx + c * qg
+            term = c * x  # [..., D]
         if opts.key_norm:  # c s r^3 x as ((c r)(s r) / Dh)(r x): the normalized key r x times
             # factors of order 1, so nothing under- or overflows for huge x (no r^3)
-            crsr = _sum_sets(split_columns(cr * (s_i * rk_i), sets))  # [..., H]
-            dx = dx - _at(_expand(crsr / head_dim, 1, h, dim), 0) * (_at(_expand(r_i, 1, h, dim), 0) * x)
+            crsr = cr * (s_i * rk_i)  # [..., K] -> [..., H]
+            crsr = crsr if sets == 1 else _sum_sets(split_columns(crsr, sets))
+            dx = dx - _per_head(crsr / head_dim, h, dim) * (_per_head(r_i, h, dim) * x)
         return dx, term
 
     if stacked is None:
@@ -295,7 +344,7 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
             dqg = term if dqg is None else dqg + term
     else:  # the terms of dqg summed over N in the same order
         d_stacked, terms = jax.vmap(grads)(stacked, p, cr, rk, r, s)
-        d_sources, dqg = [_at(d_stacked, i) for i in range(len(xs))], sum(_at(terms, i) for i in range(len(xs)))
+        d_sources, dqg = [_at(d_stacked, i) for i in range(len(xs))], _sum(_at(terms, i) for i in range(len(xs)))
     return d_sources, (dqg if qs.qm is None else block_diag_rows(dqg, sets, h))
 
 

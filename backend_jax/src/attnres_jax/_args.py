@@ -66,7 +66,8 @@ def unstack(sources) -> list:
     """The N sources as a list of `[..., D]` arrays (slices of a stacked array, never a copy)."""
     if isinstance(sources, (list, tuple)):
         return list(sources)
-    return [sources[i] for i in range(sources.shape[0])]
+    # lax, not `sources[i]`: the same slice, without jnp's indexing machinery at trace time
+    return [jax.lax.index_in_dim(sources, i, 0, keepdims=False) for i in range(sources.shape[0])]
 
 
 def restack(grads: list, like):

@@ -216,6 +216,9 @@ class Report:
     shards: int = 1
     #: (i, k): this report holds part i of k (`run_conformance(shard=...)`); None when whole.
     shard: Optional[Tuple[int, int]] = None
+    #: A part's cases' places in the whole run's selection (`shard_positions`), so that
+    #: `merge_shards` restores the whole run's order; None when whole.
+    positions: Optional[List[int]] = None
     #: A run of selected cases only (--case / --select): coverage is not required of it.
     subset: bool = False
     #: The environment the adapter declared (`Backend.environment()`), for reproducers.
@@ -400,7 +403,8 @@ class Report:
         return {"schema_version": SCHEMA_VERSION, "suite_version": __version__, "spec_version": SPEC_VERSION,
                 "backend": self.backend, "spec": self.spec, "date": self.date, "commit": self.commit,
                 "wall_time_s": self.wall_time, "shards": self.shards,
-                "shard": None if self.shard is None else list(self.shard), "versions": self.versions, "capabilities": self.capabilities,
+                "shard": None if self.shard is None else list(self.shard), "positions": self.positions,
+                "versions": self.versions, "capabilities": self.capabilities,
                 "implementations_used": self.implementations, "devices": self.devices,
                 "dtypes": self.dtypes, "quick": self.quick, "subset": self.subset,
                 "environment": self.environment, "verdict": self.verdict(), "incomplete": self.incomplete,
@@ -426,7 +430,7 @@ class Report:
                    data["dtypes"], data["quick"], results, list(data["warnings"]), data.get("date", ""),
                    data.get("wall_time_s"), data.get("commit", UNKNOWN), data.get("implementations_used"),
                    int(data.get("shards", 1)), None if data.get("shard") is None else tuple(data["shard"]),
-                   bool(data.get("subset", False)), dict(data.get("environment", {})))
+                   data.get("positions"), bool(data.get("subset", False)), dict(data.get("environment", {})))
 
 
 def _caps_dict(caps) -> dict:
@@ -521,8 +525,9 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
     parsed rules.  case_ids: run only these cases; select: only cases whose id starts with one
     of these prefixes.  spec: how reproducers name the backend
     (default: its registry name).  progress: called as `progress(done, total, case_id)` after
-    every case (the CLI prints from it).  shard: (i, k) runs every k-th selected case from the
-    i-th (0-based), one part of a run split over k processes (`merge_shards` joins them)."""
+    every case (the CLI prints from it).  shard: (i, k) runs part i of k (0-based) of the
+    selected cases (`shard_positions`), one part of a run split over k processes (`merge_shards`
+    joins them)."""
     if not backend.is_available():
         raise BackendUnavailable(f"backend {backend.name!r}: is_available() is False here")
     start, date = time.monotonic(), utc_now()
@@ -544,9 +549,11 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
         index, count = shard
         if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count):
             raise ValueError(f"shard: expected (i, k) with 0 <= i < k, got {shard!r}")
-        selected = selected[index::count]
+        positions = shard_positions([c.dtype for c in selected], count)[index]
+        selected = [selected[i] for i in positions]
     report = Report(backend.name, spec, dict(backend.versions()), _caps_dict(caps), devices, dtypes, quick,
                     date=date, commit=git_commit(source_file(backend)), shard=shard,
+                    positions=None if shard is None else positions,
                     subset=bool(case_ids or select), environment=environment_of(backend))
     before = _implementations(backend, report.warnings)
     used = set()
@@ -582,21 +589,39 @@ def _implementations(backend, warnings: List[str]) -> Optional[Dict[str, int]]:
         return None
 
 
+def shard_positions(dtypes: Sequence[str], count: int) -> List[List[int]]:
+    """How `count` processes split the cases of the given dtypes (in run order): each part's
+    places, in order.  With at least `count` dtypes, every case of one dtype goes to one part,
+    the dtypes largest first each to the part with the fewest cases so far, so that a backend
+    that compiles per dtype (MLX's CPU kernels, shared by the cases of one dtype) compiles each
+    kernel in one process, not in every one; with fewer dtypes, every count-th case."""
+    groups: Dict[str, List[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        groups.setdefault(dtype, []).append(i)
+    if len(groups) < count:
+        return [list(range(i, len(dtypes), count)) for i in range(count)]
+    parts: List[List[int]] = [[] for _ in range(count)]
+    for dtype in sorted(groups, key=lambda d: (-len(groups[d]), d)):
+        min(parts, key=len).extend(groups[dtype])
+    return [sorted(p) for p in parts]
+
+
 def merge_shards(parts: Sequence[Report]) -> Report:
     """One report from the shards of one backend's run (`run_conformance(shard=(i, k))` for
-    i = 0..k-1, in that order): the results in the order of the unsharded run, the implementation
-    counts added, the wall time of the longest shard (they run at once).  A skips-file warning
-    ("matches no case") is kept only if no shard used the rule."""
+    i = 0..k-1): the results in the order of the unsharded run (by each part's `positions`), the
+    implementation counts added, the wall time of the longest shard (they run at once).  A
+    skips-file warning ("matches no case") is kept only if no shard used the rule."""
     if not parts:
         raise ValueError("merge_shards: no reports")
     first = parts[0]
     if any((p.backend, p.spec) != (first.backend, first.spec) for p in parts):
         raise ValueError(f"merge_shards: reports of different backends {sorted({p.spec for p in parts})}")
+    if any(p.positions is None for p in parts):
+        raise ValueError("merge_shards: a report without the places of its cases (not a shard's report)")
     results = []
     for device in first.devices:
-        lanes = [[r for r in p.results if r.device == device] for p in parts]
-        for j in range(max(len(lane) for lane in lanes)):
-            results += [lane[j] for lane in lanes if j < len(lane)]
+        placed = [(pos, r) for p in parts for pos, r in zip(p.positions, (r for r in p.results if r.device == device))]
+        results += [r for _, r in sorted(placed, key=lambda item: item[0])]
     warnings = []
     for w in (w for p in parts for w in p.warnings):
         unused_rule = w.startswith("skips line") and w.endswith("matches no case")
@@ -611,5 +636,5 @@ def merge_shards(parts: Sequence[Report]) -> Report:
                 implementations[k] = implementations.get(k, 0) + n
     walls = [p.wall_time for p in parts if p.wall_time is not None]
     return dataclasses.replace(first, results=results, warnings=warnings, implementations=implementations,
-                               wall_time=max(walls) if walls else None, shards=len(parts), shard=None,
+                               wall_time=max(walls) if walls else None, shards=len(parts), shard=None, positions=None,
                                date=min(p.date for p in parts))

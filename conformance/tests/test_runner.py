@@ -123,27 +123,29 @@ def test_xfailed_core_rows_leave_the_run_incomplete(tmp_path):
     assert "every-port rows 2/2 (2 xfail)" in report.to_text()
 
 
-def test_shards_keep_each_dtype_in_one_process_and_merge_in_run_order():
-    """`--shards`: the cases of one dtype run in one process (MLX compiles its kernels per dtype:
-    split by case, every process compiled most of them), dtypes dealt largest first to the part
-    with the fewest cases; with fewer dtypes than parts, every k-th case.  `merge_shards` puts
-    the results back in the order of the whole run, whatever the order of the parts."""
+def test_shards_keep_each_group_in_one_process_and_merge_in_run_order():
+    """`--shards`: every k-th case, or with the backend's `shard_group` (MLX: its kernels are
+    shared by the cases of one compute dtype; split by case, both processes compiled most of
+    them) each group in one process, groups dealt largest first to the part with the fewest
+    cases, every k-th case again with fewer groups than parts.  `merge_shards` puts the results
+    back in the order of the whole run, whatever the order of the parts."""
     from attnres_conformance.runner import CaseResult, Cell, Report, merge_shards, shard_positions
 
     dtypes = ["float64", "float32", "float64", "bfloat16", "float32", "float64"]
-    assert shard_positions(dtypes, 2) == [[0, 2, 5], [1, 3, 4]]
-    assert shard_positions(dtypes, 4) == [[0, 4], [1, 5], [2], [3]]  # 3 dtypes for 4 parts
-    assert shard_positions(["float64"] * 5, 2) == [[0, 2, 4], [1, 3]]
-    for count in (1, 2, 3, 5):
-        parts = shard_positions(dtypes * 7, count)
-        assert sorted(i for p in parts for i in p) == list(range(42)) and all(p == sorted(p) for p in parts)
+    assert shard_positions(None, 6, 2) == [[0, 2, 4], [1, 3, 5]]
+    assert shard_positions(dtypes, 6, 2) == [[0, 2, 5], [1, 3, 4]]
+    assert shard_positions(dtypes, 6, 4) == [[0, 4], [1, 5], [2], [3]]  # 3 groups for 4 parts
+    for keys in (None, dtypes * 7):
+        for count in (1, 2, 3, 5):
+            parts = shard_positions(keys, 42, count)
+            assert sorted(i for p in parts for i in p) == list(range(42)) and all(p == sorted(p) for p in parts)
 
     def report(ids, shard=None, positions=None):
         results = [CaseResult(f"op/{i}/{dtypes[i]}", "op", "op", dtypes[i], "cpu", Cell("pass", 0.0), None) for i in ids]
         return Report("fake", "fake", {}, {"dtypes": sorted(set(dtypes)), "devices": ["cpu"]}, ["cpu"], sorted(set(dtypes)),
                       True, results, date="2026-12-07T00:00:00Z", shard=shard, positions=positions)
 
-    parts = [report(p, (i, 2), p) for i, p in enumerate(shard_positions(dtypes, 2))]
+    parts = [report(p, (i, 2), p) for i, p in enumerate(shard_positions(dtypes, 6, 2))]
     parts = [Report.from_dict(json.loads(p.to_json())) for p in parts]  # positions survive the JSON
     merged = merge_shards(parts[::-1])
     assert [r.id for r in merged.results] == [r.id for r in report(range(6)).results]

@@ -549,7 +549,9 @@ def run_conformance(backend, *, dtypes: Optional[Iterable[str]] = None,
         index, count = shard
         if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count):
             raise ValueError(f"shard: expected (i, k) with 0 <= i < k, got {shard!r}")
-        positions = shard_positions([c.dtype for c in selected], count)[index]
+        group = getattr(backend, "shard_group", None)  # optional (`adapters.mlx.MLXAdapter`)
+        positions = shard_positions(None if group is None else [group(c.dtype) for c in selected], len(selected),
+                                    count)[index]
         selected = [selected[i] for i in positions]
     report = Report(backend.name, spec, dict(backend.versions()), _caps_dict(caps), devices, dtypes, quick,
                     date=date, commit=git_commit(source_file(backend)), shard=shard,
@@ -589,17 +591,17 @@ def _implementations(backend, warnings: List[str]) -> Optional[Dict[str, int]]:
         return None
 
 
-def shard_positions(dtypes: Sequence[str], count: int) -> List[List[int]]:
-    """How `count` processes split the cases of the given dtypes (in run order): each part's
-    places, in order.  With at least `count` dtypes, every case of one dtype goes to one part,
-    the dtypes largest first each to the part with the fewest cases so far, so that a backend
-    that compiles per dtype (MLX's CPU kernels, shared by the cases of one dtype) compiles each
-    kernel in one process, not in every one; with fewer dtypes, every count-th case."""
+def shard_positions(keys: Optional[Sequence[str]], total: int, count: int) -> List[List[int]]:
+    """How `count` processes split `total` cases: each part's places in the run's order.
+    Every count-th case, or with keys (the backend's optional `shard_group(dtype)` of each case:
+    cases of one group share compiled kernels, e.g. MLX's per compute dtype) and at least `count`
+    groups, every case of a group in one part, the groups largest first each to the part with the
+    fewest cases so far: each kernel then compiles in one process, not in every one."""
     groups: Dict[str, List[int]] = {}
-    for i, dtype in enumerate(dtypes):
-        groups.setdefault(dtype, []).append(i)
+    for i, key in enumerate(keys or ()):
+        groups.setdefault(key, []).append(i)
     if len(groups) < count:
-        return [list(range(i, len(dtypes), count)) for i in range(count)]
+        return [list(range(i, total, count)) for i in range(count)]
     parts: List[List[int]] = [[] for _ in range(count)]
     for dtype in sorted(groups, key=lambda d: (-len(groups[d]), d)):
         min(parts, key=len).extend(groups[dtype])

@@ -13,7 +13,8 @@ the adapter itself, each called with the spec's arguments (positional `sources, 
 norm_weight`, keyword `eps`, `scale`, `num_heads`, ... as declared; see `backend.OpCall`).
 Optional: `arg_names` (the port's own names of the spec's arguments, for error messages),
 `environment()` (variables its reproducers need), `probe`, `shares_memory`, `context`,
-`implementations_used`.
+`implementations_used`, `shard_group(dtype)` (cases that `--shards` keeps in one process,
+`runner.shard_positions`).
 """
 
 from __future__ import annotations

@@ -150,5 +150,5 @@ def test_shards_keep_each_group_in_one_process_and_merge_in_run_order():
     merged = merge_shards(parts[::-1])
     assert [r.id for r in merged.results] == [r.id for r in report(range(6)).results]
     assert (merged.shards, merged.shard, merged.positions) == (2, None, None)
-    with pytest.raises(ValueError, match="places of its cases"):
+    with pytest.raises(ValueError, match="places of their cases"):
         merge_shards([report([0, 2, 5], (0, 2)), parts[1]])

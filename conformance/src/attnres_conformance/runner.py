@@ -619,7 +619,9 @@ def merge_shards(parts: Sequence[Report]) -> Report:
     if any((p.backend, p.spec) != (first.backend, first.spec) for p in parts):
         raise ValueError(f"merge_shards: reports of different backends {sorted({p.spec for p in parts})}")
     if any(p.positions is None for p in parts):
-        raise ValueError("merge_shards: a report without the places of its cases (not a shard's report)")
+        missing = [p.shard for p in parts if p.positions is None]
+        raise ValueError(f"merge_shards: the reports of shards {missing} lack the places of their cases "
+                         "('positions', written by every --shard run of this suite version): rerun those shards")
     results = []
     for device in first.devices:
         placed = [(pos, r) for p in parts for pos, r in zip(p.positions, (r for r in p.results if r.device == device))]

@@ -314,11 +314,14 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
         cr = _scaled(dp * p * (1.0 - p), opts.scale) * ark
     tok = tuple(range(xs[0].ndim - 1))
     if qs.qm is not None:  # cr [..., K] @ Qm^T [K, D]: a broadcast product when K = 1
-        qcol, qmt = (jax.lax.index_in_dim(qs.qm, 0, 1, keepdims=False), None) if qs.qm.shape[1] == 1 else (None, qs.qm.T)
+        if qs.qm.shape[1] == 1:  # Qm's one column, broadcast once (not per source)
+            qcol, qmt = jnp.broadcast_to(jax.lax.index_in_dim(qs.qm, 0, 1, keepdims=False), xs[0].shape), None
+        else:
+            qcol, qmt = None, qs.qm.T
     else:  # a per-token query, broadcast once (not per source)
         qg = jnp.broadcast_to(qs.qg, xs[0].shape)
 
-    def grads(x, p_i, cr, rk_i, r_i, s_i):
+    def grads(x, p_i, cr, rk_i, r_i, s_i):  # rk_i is r_i for one query set
         # d z_i / d x_i = scale * (r_i qg - s_i r_i^3 x_i / Dh)  (key_norm)  or  scale * qg
         x = x.astype(ct)
         dx = _per_head(p_i, h, dim) * g1 if sets == 1 else _sum_sets(_expand(p_i, sets, h, dim) * g)
@@ -339,7 +342,8 @@ def backward(xs: list, qs: Query, opts: Options, ct, d_out, d_lse, p, r, s):
     if stacked is None:
         d_sources, dqg = [], None
         for i, x in enumerate(xs):
-            dx, term = grads(x, _at(p, i), _at(cr, i), _at(rk, i), _at(r, i), _at(s, i))
+            r_i = _at(r, i)
+            dx, term = grads(x, _at(p, i), _at(cr, i), r_i if sets == 1 else _at(rk, i), r_i, _at(s, i))
             d_sources.append(dx)
             dqg = term if dqg is None else dqg + term
     else:  # the terms of dqg summed over N in the same order

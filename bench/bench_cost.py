@@ -231,6 +231,10 @@ class TorchDecode:
         g = torch.Generator().manual_seed(0)
         self.prompt = torch.randint(0, 256, (1, a.prefill), generator=g)
         self.torch, self.dispatch = torch, dispatch
+        # "compiled": transformers' StaticCache and one torch.compile'd decode step (inductor,
+        # static shapes: the cache position is a tensor input), compiled at the warm-up token
+        self.compiled, self.context, self.static = a.form == "compiled", ns.context, None
+        self.forward = torch.compile(self.model, dynamic=False) if self.compiled else self.model
         before = dispatch.impl_counts()
         self.prefill()  # warm-up
         self.step()
@@ -239,7 +243,10 @@ class TorchDecode:
         last = dispatch.last_choice()
         self.info = {"model": "transformers LlamaForCausalLM" + ("" if a.variant == "prenorm" else
                                                                   ", converted by attnres_torch.hf"),
-                     "path": "eager, DynamicCache", "kv_cache": True, "impl_counts_warmup": dict(counts),
+                     "path": ("torch.compile'd step (its T = 1 reads traced as the composition: "
+                              "dispatch.COMPILED_ROWS_MAX), StaticCache, eager prefill (counted)"
+                              if self.compiled else "eager, DynamicCache"),
+                     "kv_cache": True, "impl_counts_warmup": dict(counts),
                      "params": sum(p.numel() for p in self.model.parameters()),
                      "last_choice": None if last is None or a.variant == "prenorm" else last._asdict(),
                      "threads": torch.get_num_threads(), "version": torch.__version__}
@@ -247,15 +254,28 @@ class TorchDecode:
     def prefill(self):
         with self.torch.no_grad():
             t0 = time.perf_counter()
-            out = self.model(input_ids=self.prompt, use_cache=True)
-            self.cache, self.tok = out.cache, out.logits[:, -1:].argmax(-1)
+            cache = None
+            if self.compiled:  # the eager prefill refills one static cache (a new object: a recompile)
+                if self.static is None:
+                    from transformers import StaticCache
+
+                    self.static = StaticCache(config=self.model.config, max_cache_len=self.context)
+                self.static.reset()
+                cache = self.static
+            out = self.model(input_ids=self.prompt, cache=cache, use_cache=True)
+            self.cache, self.tok, self.pos = out.cache, out.logits[:, -1:].argmax(-1), self.prompt.shape[1]
             return time.perf_counter() - t0
 
     def step(self):
         with self.torch.no_grad():
             t0 = time.perf_counter()
-            out = self.model(input_ids=self.tok, cache=self.cache, use_cache=True)
-            self.cache, self.tok = out.cache, out.logits[:, -1:].argmax(-1)
+            if self.compiled:
+                pos = self.torch.tensor([self.pos])
+                out = self.forward(input_ids=self.tok, cache=self.cache, use_cache=True, position_ids=pos[None],
+                                   cache_position=pos)
+            else:
+                out = self.model(input_ids=self.tok, cache=self.cache, use_cache=True)
+            self.cache, self.tok, self.pos = out.cache, out.logits[:, -1:].argmax(-1), self.pos + 1
             return time.perf_counter() - t0
 
     def memory(self):
@@ -931,6 +951,8 @@ def main(argv=None) -> int:
                     help="train PreNorm + Full, then PreNorm + Block (two models alive, not three)")
     ap.add_argument("--jax-forms", nargs="+", default=None, choices=("scanned", "unrolled", "scanned-carry"),
                     help="default: scanned and unrolled (--quick: scanned; the unrolled Full compiles for minutes)")
+    ap.add_argument("--torch-decode", nargs="+", default=["eager"], choices=("eager", "compiled"),
+                    help="torch decode forms: eager (DynamicCache), compiled (StaticCache, torch.compile)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     ap.add_argument("--gap", type=float, default=0.1, help="seconds of sleep before each step / prefill")
     ap.add_argument("--token-gap", type=float, default=0.02, help="seconds of sleep before each token")
@@ -978,8 +1000,10 @@ def main(argv=None) -> int:
         for L in args.layers:
             s = settings(args, fw, L)
             doc["settings"][f"{fw}/L{L}"] = s
-            forms = args.jax_forms if fw == "jax" else ["-"]
             for task in args.tasks:
+                forms = (args.jax_forms if fw == "jax" else
+                         ["-" if f == "eager" else f for f in args.torch_decode] if fw == "torch" and task == "decode"
+                         else ["-"])
                 for form in forms:
                     before = _loadavg()
                     _log(f"{fw} {task} {form} L={L}: load {before}")

@@ -409,6 +409,11 @@ def impl_counts() -> Counter:
 
 #: The CPU kernel modules by name (imported with this module: they are cheap to import).
 _CPU = {"cpu_c": cpu_c, "chunked": chunked}
+#: Under torch.compile, CPU calls without gradient of at most this many token rows (batch-1
+#: decode) take the composition, which inductor fuses into the graph: a CPU kernel's custom op
+#: there runs its Python per call (docs/benchmarks.md, "A compiled decode step").  Within the
+#: tolerances of eager's kernel, not its bits; calls with gradient keep the kernel.
+COMPILED_ROWS_MAX = 4
 
 
 def _merge_fallback(name: str, call: Call) -> Optional[str]:
@@ -427,7 +432,9 @@ def _refusal(name: str, call: Call, forced_call: bool) -> Tuple[Optional[str], o
         return None, composite
     if call.op == MERGE:
         reason = _merge_fallback(name, call)
-        if reason is None and any(is_traceable_wrapper_subclass(t) for t in call.tensors):
+        if reason is None and torch.compiler.is_compiling():  # before the view bits: no graph break
+            reason = "its merge is a ctypes call that torch.compile cannot trace"
+        elif reason is None and any(is_traceable_wrapper_subclass(t) for t in call.tensors):
             reason = ("its merge takes plain tensors only (a DTensor or other subclass takes the "
                       "composition)")  # the merge is no custom op: it reads raw storage
         elif reason is None and any(t.is_neg() or t.is_conj() for t in call.tensors):
@@ -445,6 +452,12 @@ def _refusal(name: str, call: Call, forced_call: bool) -> Tuple[Optional[str], o
         module = _CPU[name]
         if not forced_call and not call.on(module.DEVICE_TYPE):
             return f"not every tensor is on the {module.DEVICE_TYPE}", None
+        rows = call.sources[-1].numel() // max(1, call.sources[-1].shape[-1])
+        if (not forced_call and torch.compiler.is_compiling() and type(rows) is int and rows <= COMPILED_ROWS_MAX
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors))):
+            return (f"torch.compile traces a call of {rows} token rows without gradient (at most "
+                    f"COMPILED_ROWS_MAX = {COMPILED_ROWS_MAX}): the composition, fused into the graph, "
+                    "costs less"), None
     reason = module.refusal(call)
     return (reason, None) if reason is not None else (None, module)
 

@@ -419,9 +419,7 @@ def refusal(call) -> Optional[str]:
         return ("the C kernel covers only softmax, key_norm, num_heads=1 and "
                 "float16/bfloat16/float32 sources")
     sources = call.sources
-    if call.op == "merge_partial":
-        if torch.compiler.is_compiling():  # a ctypes call: torch.compile traces the composition
-            return "its merge_partial is a ctypes call that torch.compile cannot trace"
+    if call.op == "merge_partial":  # (under torch.compile: the composition, `dispatch._refusal`)
         if call.device_types != {"cpu"} or sources[0].dtype != sources[1].dtype:
             sources = []  # reported by the message below
     if not sources or not supports(sources):

@@ -233,8 +233,13 @@ class TorchDecode:
         self.torch, self.dispatch = torch, dispatch
         # "compiled": transformers' StaticCache and one torch.compile'd decode step (inductor,
         # static shapes: the cache position is a tensor input), compiled at the warm-up token
-        self.compiled, self.context, self.static = a.form == "compiled", ns.context, None
+        self.compiled = a.form == "compiled"
         self.forward = torch.compile(self.model, dynamic=False) if self.compiled else self.model
+        self.static = None  # one cache object for every prefill (a new object would recompile)
+        if self.compiled:
+            from transformers import StaticCache
+
+            self.static = StaticCache(config=self.model.config, max_cache_len=ns.context)
         before = dispatch.impl_counts()
         self.prefill()  # warm-up
         self.step()
@@ -254,15 +259,9 @@ class TorchDecode:
     def prefill(self):
         with self.torch.no_grad():
             t0 = time.perf_counter()
-            cache = None
-            if self.compiled:  # the eager prefill refills one static cache (a new object: a recompile)
-                if self.static is None:
-                    from transformers import StaticCache
-
-                    self.static = StaticCache(config=self.model.config, max_cache_len=self.context)
+            if self.static is not None:  # the eager prefill refills the static cache
                 self.static.reset()
-                cache = self.static
-            out = self.model(input_ids=self.prompt, cache=cache, use_cache=True)
+            out = self.model(input_ids=self.prompt, cache=self.static, use_cache=True)
             self.cache, self.tok, self.pos = out.cache, out.logits[:, -1:].argmax(-1), self.prompt.shape[1]
             return time.perf_counter() - t0
 
@@ -925,6 +924,16 @@ def settings(args, framework: str, layers: int) -> dict:
     return s
 
 
+def _forms(args, fw: str, task: str) -> list:
+    """The forms a framework's task runs in: JAX's `--jax-forms`, torch decode's `--torch-decode`
+    ("-" for eager, the form every earlier table has), else one ("-")."""
+    if fw == "jax":
+        return args.jax_forms
+    if fw == "torch" and task == "decode":
+        return ["-" if f == "eager" else f for f in args.torch_decode]
+    return ["-"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1001,10 +1010,7 @@ def main(argv=None) -> int:
             s = settings(args, fw, L)
             doc["settings"][f"{fw}/L{L}"] = s
             for task in args.tasks:
-                forms = (args.jax_forms if fw == "jax" else
-                         ["-" if f == "eager" else f for f in args.torch_decode] if fw == "torch" and task == "decode"
-                         else ["-"])
-                for form in forms:
+                for form in _forms(args, fw, task):
                     before = _loadavg()
                     _log(f"{fw} {task} {form} L={L}: load {before}")
                     fn = measure_train if task == "train" else measure_decode

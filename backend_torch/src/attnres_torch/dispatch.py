@@ -416,6 +416,20 @@ _CPU = {"cpu_c": cpu_c, "chunked": chunked}
 COMPILED_ROWS_MAX = 4
 
 
+def _compiled_small(call: Call) -> Optional[str]:
+    """Why a CPU kernel leaves a call traced by torch.compile to the composition
+    (`COMPILED_ROWS_MAX`), or None (not compiling: nothing is read)."""
+    if not torch.compiler.is_compiling():
+        return None
+    rows = call.sources[-1].numel() // max(1, call.sources[-1].shape[-1])
+    if type(rows) is not int or rows > COMPILED_ROWS_MAX:  # a symbolic count: no guard on it
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors):
+        return None
+    return (f"torch.compile traces a call of {rows} token rows without gradient (at most "
+            f"COMPILED_ROWS_MAX = {COMPILED_ROWS_MAX}): the composition, fused into the graph, costs less")
+
+
 def _merge_fallback(name: str, call: Call) -> Optional[str]:
     """Why no kernel of implementation `name` merges `call` (None: one may): no merge kernel, or
     gradients / float64.  A forced implementation falls back to the composition for these."""
@@ -452,12 +466,9 @@ def _refusal(name: str, call: Call, forced_call: bool) -> Tuple[Optional[str], o
         module = _CPU[name]
         if not forced_call and not call.on(module.DEVICE_TYPE):
             return f"not every tensor is on the {module.DEVICE_TYPE}", None
-        rows = call.sources[-1].numel() // max(1, call.sources[-1].shape[-1])
-        if (not forced_call and torch.compiler.is_compiling() and type(rows) is int and rows <= COMPILED_ROWS_MAX
-                and not (torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors))):
-            return (f"torch.compile traces a call of {rows} token rows without gradient (at most "
-                    f"COMPILED_ROWS_MAX = {COMPILED_ROWS_MAX}): the composition, fused into the graph, "
-                    "costs less"), None
+        reason = None if forced_call else _compiled_small(call)
+        if reason is not None:
+            return reason, None
     reason = module.refusal(call)
     return (reason, None) if reason is not None else (None, module)
 
